@@ -1,0 +1,229 @@
+"""Harness overhead benchmark: plain ``transformers.Trainer`` vs the same Trainer with ``harness.attach``.
+
+The result is a ratio (harness median step time / plain median step time),
+never an absolute time, so it means the same thing on any machine. Runs
+alternate plain, harness, plain, harness ... in one process with the same
+seed, model init, data and TrainingArguments, so drift (thermal, other load)
+hits both sides alike.
+
+    python benchmarks/overhead.py [--steps N] [--rounds R] [--warmup W] [--quick] [--plugins a,b]
+
+The last printed line is always
+``overhead ratio (harness/plain median step time): X.XXXx``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+# Offline before anything from the HF stack is imported; the harness must come
+# up with its defaults only, so no config or plugin list leaks in from the shell.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+for _var in ("HARNESS_CONFIG", "HARNESS_PLUGINS"):
+    os.environ.pop(_var, None)
+
+import torch  # noqa: E402
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+import harness  # noqa: E402
+from harness.tiny import build_tiny_llama, corpus_lines, lm_dataset, train_tokenizer  # noqa: E402
+
+VOCAB_SIZE = 512
+HIDDEN_SIZE = 256
+NUM_LAYERS = 2
+NUM_HEADS = 4
+INTERMEDIATE_SIZE = 1024
+SEQ_LEN = 64
+BATCH_SIZE = 4
+SEED = 0
+LOGGING_STEPS = 10  # same in both runs; keeps on_log in the measured path
+
+BENCHMARK_MODEL = (
+    f"tiny Llama: {NUM_LAYERS} layers, hidden {HIDDEN_SIZE}, {NUM_HEADS} heads, "
+    f"intermediate {INTERMEDIATE_SIZE}, vocab {VOCAB_SIZE}, seq len {SEQ_LEN}, batch {BATCH_SIZE}"
+)
+
+RATIO_LINE = "overhead ratio (harness/plain median step time): {ratio:.3f}x"
+
+
+class StepTimer(TrainerCallback):
+    """Timestamps every optimizer step, so both trainers are timed by the same code.
+
+    Step time is the interval between consecutive ``on_step_end`` calls: one
+    full loop iteration (batch fetch, forward/backward, optimizer step and
+    every callback, including the harness's, whatever their order). The
+    ``on_step_begin`` -> ``on_step_end`` span is kept too, for information.
+    """
+
+    def __init__(self) -> None:
+        self.begins: list[float] = []
+        self.ends: list[float] = []
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.begins.append(time.perf_counter())
+        return control
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.ends.append(time.perf_counter())
+        return control
+
+    def step_times(self, warmup: int) -> list[float]:
+        """Full-iteration times of the steps after ``warmup`` (step k: end[k] - end[k-1])."""
+        start = max(warmup, 1)
+        return [self.ends[i] - self.ends[i - 1] for i in range(start, len(self.ends))]
+
+    def span_times(self, warmup: int) -> list[float]:
+        """``on_step_begin`` -> ``on_step_end`` spans of the steps after ``warmup``."""
+        return [e - b for b, e in list(zip(self.begins, self.ends, strict=True))[warmup:]]
+
+
+@dataclass
+class Side:
+    """All kept step times of one side (plain or harness), plus per-round medians for the table."""
+
+    steps: list[float] = field(default_factory=list)
+    spans: list[float] = field(default_factory=list)
+    round_medians: list[float] = field(default_factory=list)
+    round_span_medians: list[float] = field(default_factory=list)
+
+    def add(self, steps: list[float], spans: list[float]) -> None:
+        self.steps.extend(steps)
+        self.spans.extend(spans)
+        self.round_medians.append(statistics.median(steps))
+        self.round_span_medians.append(statistics.median(spans))
+
+
+def training_args(output_dir: str, steps: int) -> TrainingArguments:
+    """Identical arguments for both sides; nothing saved, reported or shown."""
+    return TrainingArguments(
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=BATCH_SIZE,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-3,
+        logging_steps=LOGGING_STEPS,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=SEED,
+        data_seed=SEED,
+    )
+
+
+def run_once(tokenizer: Any, dataset: Any, steps: int, warmup: int, with_harness: bool, plugins: list[str]) -> StepTimer:
+    """Train a fresh, identically seeded model for ``steps`` steps; harness attached or not."""
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory(prefix="harness-bench-") as out:
+        model = build_tiny_llama(
+            tokenizer,
+            seed=SEED,
+            hidden_size=HIDDEN_SIZE,
+            num_layers=NUM_LAYERS,
+            num_heads=NUM_HEADS,
+            intermediate_size=INTERMEDIATE_SIZE,
+        )
+        trainer = Trainer(model=model, args=training_args(out, steps), train_dataset=dataset, callbacks=[timer])
+        trainer.remove_callback(PrinterCallback)  # its log dicts would bury the table; removed on both sides
+        if with_harness:
+            harness.attach(trainer, config=None, plugins=plugins or None)
+        trainer.train()
+    if len(timer.ends) != steps:
+        raise RuntimeError(f"expected {steps} optimizer steps, timed {len(timer.ends)}")
+    return timer
+
+
+def prime(tokenizer: Any, dataset: Any, warmup: int) -> None:
+    """One short untimed plain run: the process's first Trainer pays for lazy imports,
+    allocator growth and kernel selection, which would otherwise land on round 1's plain side."""
+    run_once(tokenizer, dataset, warmup + 3, warmup, False, [])
+
+
+def ms(seconds: float) -> str:
+    """Milliseconds, aligned for the table."""
+    return f"{seconds * 1e3:8.2f}"
+
+
+def print_table(plain: Side, harnessed: Side) -> None:
+    """Per-round medians: full step time, the begin->end span, and the ratio of full step times."""
+    print(f"{'round':>5} | {'plain ms':>8} | {'harness ms':>10} | {'ratio':>6} | {'plain span':>10} | {'harness span':>12}")
+    print("-" * 70)
+    rows = zip(plain.round_medians, harnessed.round_medians, plain.round_span_medians, harnessed.round_span_medians, strict=True)
+    for i, (p, h, ps, hs) in enumerate(rows, start=1):
+        print(f"{i:>5} | {ms(p)} | {ms(h):>10} | {h / p:6.3f} | {ms(ps):>10} | {ms(hs):>12}")
+    print("-" * 70)
+    p, h = statistics.median(plain.steps), statistics.median(harnessed.steps)
+    ps, hs = statistics.median(plain.spans), statistics.median(harnessed.spans)
+    print(f"{'all':>5} | {ms(p)} | {ms(h):>10} | {h / p:6.3f} | {ms(ps):>10} | {ms(hs):>12}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """CLI; ``--quick`` is a smoke test that finishes well under a minute."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 40, quick 15)")
+    parser.add_argument("--rounds", type=int, default=None, help="plain+harness pairs (default 3, quick 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="leading steps dropped per run (default 5, quick 3)")
+    parser.add_argument("--quick", action="store_true", help="few steps and two rounds: a smoke test")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads (default: cpu count)")
+    parser.add_argument("--plugins", default="", help="comma-separated extra plugins passed to harness.attach(plugins=...)")
+    args = parser.parse_args(argv)
+    quick = (15, 2, 3)
+    full = (40, 3, 5)
+    steps, rounds, warmup = quick if args.quick else full
+    args.steps = args.steps if args.steps is not None else steps
+    args.rounds = args.rounds if args.rounds is not None else rounds
+    args.warmup = args.warmup if args.warmup is not None else warmup
+    if args.steps - max(args.warmup, 1) < 1:
+        parser.error("--steps must exceed --warmup so that at least one step is timed")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def quiet() -> None:
+    """Trainer chatter would bury the table; the benchmark prints only what it measured."""
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Alternate plain and harness runs, then print per-round medians and the overall ratio last."""
+    args = parse_args(argv)
+    quiet()
+    torch.set_num_threads(args.threads)
+    plugins = [p.strip() for p in args.plugins.split(",") if p.strip()]
+    tokenizer = train_tokenizer(corpus_lines(), vocab_size=VOCAB_SIZE)
+    dataset = lm_dataset(tokenizer, seq_len=SEQ_LEN, n_rows=args.steps * BATCH_SIZE)
+    print(f"benchmark model: {BENCHMARK_MODEL}")
+    print(
+        f"steps {args.steps} (warmup {args.warmup} dropped), rounds {args.rounds}, threads {args.threads}, "
+        f"torch {torch.__version__}, plugins extra: {plugins or 'none'}"
+    )
+    prime(tokenizer, dataset, args.warmup)
+    plain, harnessed = Side(), Side()
+    started = time.perf_counter()
+    for _ in range(args.rounds):
+        for side, with_harness in ((plain, False), (harnessed, True)):
+            timer = run_once(tokenizer, dataset, args.steps, args.warmup, with_harness, plugins)
+            side.add(timer.step_times(args.warmup), timer.span_times(args.warmup))
+    print(f"timed in {time.perf_counter() - started:.1f} s; step = on_step_end to on_step_end, span = begin to end")
+    print_table(plain, harnessed)
+    ratio = statistics.median(harnessed.steps) / statistics.median(plain.steps)
+    print(RATIO_LINE.format(ratio=ratio))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

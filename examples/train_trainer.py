@@ -1,0 +1,67 @@
+"""A plain Hugging Face Trainer script, written the way users already have them.
+
+It deliberately knows nothing about any monitoring wrapper: wrappers are
+expected to run it unmodified (python, torchrun, DeepSpeed). The only
+non-standard import is harness.tiny, which stands in for a hub model because
+these machines are offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from transformers import Trainer, TrainingArguments
+
+from harness.tiny import build_tiny_llama, corpus_lines, lm_dataset, train_tokenizer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--max_steps", type=int, default=8)
+    p.add_argument("--per_device_train_batch_size", type=int, default=4)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--learning_rate", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save_steps", type=int, default=0, help="0 disables checkpointing")
+    p.add_argument("--deepspeed", default=None, help="path to a DeepSpeed config json")
+    p.add_argument("--exit_code", type=int, default=0, help="exit status after training")
+    # torchrun passes --local-rank only with --use-env off; accept it anyway.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tokenizer = train_tokenizer(corpus_lines())
+    model = build_tiny_llama(tokenizer, seed=args.seed)
+    train_dataset = lm_dataset(tokenizer, seq_len=64)
+
+    training_args = TrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
+        save_strategy="steps" if args.save_steps > 0 else "no",
+        save_steps=args.save_steps if args.save_steps > 0 else 500,
+        deepspeed=args.deepspeed,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    return args.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""train-harness: monitoring and diagnostics around the Hugging Face Trainer.
+
+``harness.attach(trainer, config=...)`` before ``trainer.train()`` is the one-line way in.
+"""
+from __future__ import annotations
+
+from harness.actions import Action, HarnessStop
+from harness.findings import Finding, FindingCode, Severity
+from harness.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+__all__ = ["Action", "Finding", "FindingCode", "HarnessStop", "Severity", "attach", "hookimpl", "__version__"]
+
+
+def attach(trainer, config=None, plugins=None):  # type: ignore[no-untyped-def]
+    """Attach the harness to a Trainer; see :func:`harness.bridge.attach`."""
+    from harness.bridge import attach as _attach
+
+    return _attach(trainer, config=config, plugins=plugins)

@@ -1,0 +1,448 @@
+"""The Trainer bridge: translates a ``transformers.Trainer`` run into harness hooks and carries out actions.
+
+HF callbacks never see the batch or the per-micro-batch loss, and
+``TrainerControl`` cannot skip an optimizer step. So ``attach()`` adds one
+``TrainerCallback`` AND wraps, on the trainer instance only:
+
+- ``train``: run start/end bookkeeping; ``on_run_end`` fires even after a crash;
+- ``training_step``: ``inspect_batch`` before every micro-batch;
+- ``compute_loss``: ``on_loss`` with the micro-batch loss, before backward
+  (under DeepSpeed the engine steps inside backward, so after is too late);
+- the optimizer step: a guard that fires ``on_before_optimizer_step``,
+  agrees the action across ranks and skips the update when asked. Plain
+  runs guard ``AcceleratedOptimizer.step``; DeepSpeed runs guard the engine's
+  own optimizer, which steps inside ``engine.step()``.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from transformers import TrainerCallback
+
+from harness.actions import Action
+from harness.config import Catalog, ResolvedConfig, load_config
+from harness.context import RunContext
+from harness.core_codes import ACTION_TAKEN, INTERNAL_PLUGIN_ERROR, PLUGIN_DISABLED
+from harness.distributed import DistInfo
+from harness.manager import HarnessPluginManager
+
+log = logging.getLogger("harness")
+STATE_DIR = "harness_state"
+
+
+def attach(trainer: Any, config: Any = None, plugins: list[Any] | None = None) -> RunContext:
+    """Attach the harness to ``trainer`` (a ``transformers.Trainer`` or TRL subclass); call before ``train()``.
+
+    ``config`` is a YAML path, a dict, or None (then ``HARNESS_CONFIG`` /
+    ``HARNESS_PLUGINS`` from the environment, else the defaults). ``plugins``
+    adds plugins by name, ``module:Class`` path or object. Attaching twice
+    returns the first context.
+    """
+    existing: Bridge | None = getattr(trainer, "_harness_bridge", None)
+    if existing is not None:
+        return existing.ctx
+    names = [p for p in plugins or [] if isinstance(p, str)]
+    objects = [p for p in plugins or [] if not isinstance(p, str)]
+    catalog = Catalog.build(extra=objects)
+    resolved = load_config(config, catalog, extra_plugins=names + [catalog.add(o) for o in objects])
+    bridge = Bridge(trainer, resolved, catalog)
+    trainer._harness_bridge = bridge
+    return bridge.ctx
+
+
+class Bridge:
+    """Owns the run context of one trainer and the patches that feed it."""
+
+    def __init__(self, trainer: Any, resolved: ResolvedConfig, catalog: Catalog) -> None:
+        self.trainer = trainer
+        args = trainer.args
+        dist = DistInfo(rank=args.process_index, world_size=args.world_size, local_rank=args.local_process_index)
+        output_dir = Path(resolved.model.output_dir or args.output_dir or "trainer_output")
+        run_dir = output_dir / "harness"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        manager = HarnessPluginManager(resolved.model.max_plugin_errors)
+        for name in resolved.enabled:
+            manager.register(catalog.entries[name])
+        self.ctx = RunContext(resolved, catalog.codes, manager, run_dir, dist)
+        self.ctx.trainer = trainer
+        manager.on_error = self._plugin_failed
+        if dist.is_main:
+            (run_dir / "config.yaml").write_text(resolved.to_yaml(), encoding="utf-8")
+        for name in manager.names:
+            manager.call_plugin(name, "configure", ctx=self.ctx, options=resolved.options_for(name))
+        self._loss_sum: Any = None
+        self._micro_batches = 0
+        self._grad_norm: Any = None
+        self._agreed = Action.CONTINUE
+        self._in_training_step = False
+        self._in_train = False
+        self._stopped = False
+        self.is_deepspeed = False
+        self._install(trainer)
+
+    # -- installation -----------------------------------------------------------------------
+
+    def _install(self, trainer: Any) -> None:
+        trainer.add_callback(HarnessCallback(self))
+        trainer.training_step = self._wrap_training_step(trainer.training_step)
+        trainer.compute_loss = self._wrap_compute_loss(trainer.compute_loss)
+        trainer.train = self._wrap_train(trainer.train)
+        if hasattr(trainer, "_get_grad_norm"):
+            trainer._get_grad_norm = self._wrap_grad_norm(trainer._get_grad_norm)
+
+    def _wrap_train(self, train: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(train)
+        def harness_train(*args: Any, **kwargs: Any) -> Any:
+            if self._in_train:
+                return train(*args, **kwargs)
+            self._in_train = True
+            self.ctx.resumed_from = self._resume_dir(args, kwargs)
+            status, error = "completed", None
+            try:
+                return train(*args, **kwargs)
+            except BaseException as exc:
+                status, error = "crashed", exc
+                raise
+            finally:
+                self._in_train = False
+                if status == "completed" and self._stopped:
+                    status = "stopped"
+                self.ctx.status = status
+                self.ctx.manager.call("on_run_end", ctx=self.ctx, status=status, error=error)
+                if status == "crashed":
+                    log.error("harness: training crashed; findings are in %s", self.ctx.run_dir / "findings.jsonl")
+
+        return harness_train
+
+    def _resume_dir(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Path | None:
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if resume is None or resume is False:
+            return None
+        if resume is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            last = get_last_checkpoint(self.trainer.args.output_dir)
+            return Path(last) if last else None
+        return Path(resume)
+
+    def _wrap_training_step(self, training_step: Callable[..., Any]) -> Callable[..., Any]:
+        ctx, call = self.ctx, self.ctx.manager.call
+
+        @functools.wraps(training_step)
+        def harness_training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            ctx.step = self.trainer.state.global_step + 1
+            if ctx.recent_batches.maxlen:
+                ctx.recent_batches.append((ctx.step, ctx.micro_step, inputs))
+            call("inspect_batch", ctx=ctx, batch=inputs, step=ctx.step, micro_step=ctx.micro_step)
+            self._in_training_step = True
+            try:
+                loss = training_step(model, inputs, *args, **kwargs)
+                self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+                self._micro_batches += 1
+                return loss
+            finally:
+                self._in_training_step = False
+                ctx.micro_step += 1
+
+        return harness_training_step
+
+    def _wrap_compute_loss(self, compute_loss: Callable[..., Any]) -> Callable[..., Any]:
+        ctx, call = self.ctx, self.ctx.manager.call
+
+        @functools.wraps(compute_loss)
+        def harness_compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            result = compute_loss(model, inputs, *args, **kwargs)
+            if self._in_training_step:
+                loss = result[0] if isinstance(result, tuple) else result
+                call("on_loss", ctx=ctx, loss=loss.detach(), batch=inputs, step=ctx.step, micro_step=ctx.micro_step)
+            return result
+
+        return harness_compute_loss
+
+    def _wrap_grad_norm(self, get_grad_norm: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(get_grad_norm)
+        def harness_get_grad_norm(*args: Any, **kwargs: Any) -> Any:
+            self._grad_norm = get_grad_norm(*args, **kwargs)
+            return self._grad_norm
+
+        return harness_get_grad_norm
+
+    def install_step_guard(self) -> None:
+        """Called at train begin, once the optimizer exists and is prepared."""
+        trainer = self.trainer
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            self.is_deepspeed = True
+            engine = trainer.model_wrapped
+            _guard_deepspeed_optimizer(engine.optimizer, self.guard, engine)
+        else:
+            _guard_accelerated_optimizer(trainer.optimizer, self.guard, trainer.model_wrapped)
+
+    # -- the step guard -------------------------------------------------------------------------
+
+    def guard(self, model: Any, optimizer: Any) -> Action:
+        """Fire the pre-step hook, agree the action with every rank, remember it for step end."""
+        ctx = self.ctx
+        ctx.manager.call(
+            "on_before_optimizer_step", ctx=ctx, step=ctx.step, model=model, optimizer=optimizer, grad_norm=self._grad_norm
+        )
+        action = ctx.agree()
+        if action is Action.ROLLBACK and getattr(self.trainer, "_harness_rollback", None) is None:
+            action = Action.SAVE_AND_STOP
+        self._agreed = action
+        return action
+
+    # -- callback events --------------------------------------------------------------------------
+
+    def train_begin(self) -> None:
+        ctx, trainer = self.ctx, self.trainer
+        self.install_step_guard()
+        ctx.step = trainer.state.global_step
+        ctx.micro_step = 0  # ctx.step is the last completed step until the first micro-batch arrives
+        ctx.manager.call("on_run_start", ctx=ctx, trainer=trainer)
+        if trainer.train_dataset is not None:
+            ctx.manager.call("inspect_dataset", ctx=ctx, dataset=trainer.train_dataset, split="train")
+        if getattr(trainer, "eval_dataset", None) is not None:
+            ctx.manager.call("inspect_dataset", ctx=ctx, dataset=trainer.eval_dataset, split="eval")
+        if ctx.resumed_from is not None:
+            states = _read_state(ctx.resumed_from, ctx.rank)
+            for name in ctx.manager.names:
+                ctx.manager.call_plugin(name, "on_resume", ctx=ctx, checkpoint_dir=ctx.resumed_from, state=states.get(name))
+
+    def step_begin(self) -> None:
+        self.ctx.micro_step = 0
+        self._loss_sum = None
+        self._micro_batches = 0
+        self._grad_norm = None
+        self._agreed = Action.CONTINUE
+
+    def step_end(self, state: Any, control: Any) -> Any:
+        ctx = self.ctx
+        agreed, self._agreed = self._agreed, Action.CONTINUE
+        step = state.global_step
+        metrics = {
+            "loss": self._loss_sum,
+            "grad_norm": self._grad_norm,
+            "lr": _current_lr(self.trainer),
+            "skipped": agreed is not Action.CONTINUE,
+            "action": agreed.value,
+            "micro_batches": self._micro_batches,
+        }
+        if agreed is not Action.CONTINUE and ctx.is_main:
+            self._record_action(agreed, step)
+        ctx.step = step
+        ctx.manager.call("on_step_end", ctx=ctx, step=step, metrics=metrics)
+        if ctx.pending_action is Action.SKIP_STEP:
+            ctx.pending_action = Action.CONTINUE  # this step's update is done: too late to skip it
+        if ctx.world_size == 1 and ctx.pending_action.stops_training:
+            agreed, ctx.pending_action = ctx.pending_action, Action.CONTINUE
+            self._record_action(agreed, step)
+        self._apply(agreed, control)
+        return control
+
+    def _apply(self, action: Action, control: Any) -> None:
+        if action in (Action.SAVE_AND_STOP, Action.ROLLBACK):
+            control.should_save = True
+            control.should_training_stop = True
+            self._stopped = True
+        elif action is Action.STOP:
+            control.should_training_stop = True
+            self._stopped = True
+
+    def _record_action(self, action: Action, step: int) -> None:
+        ctx = self.ctx
+        causes = [f for f in ctx.findings if f.action not in (None, "continue") and f.code not in ("ACTION_TAKEN",)]
+        recent = [f for f in causes if f.step is not None and f.step >= step - 1]
+        cause = recent[-1] if recent else (causes[-1] if causes else None)
+        because = f" after {cause.code} from plugin '{cause.plugin}' on rank {cause.rank}" if cause else ""
+        what = {
+            Action.SKIP_STEP: "skipped the optimizer update",
+            Action.SAVE_AND_STOP: "skipped the optimizer update, saved a checkpoint and stopped",
+            Action.STOP: "stopped training",
+            Action.ROLLBACK: "skipped the update and stopped (rollback needs a stage runner; saved a checkpoint)",
+        }[action]
+        ctx.report(
+            ACTION_TAKEN.code,
+            f"harness {what} at step {step}{because}.",
+            step=step,
+            evidence={"action": action.value, "cause": cause.id if cause else None},
+            plugin="harness",
+        )
+
+    def log(self, state: Any, logs: dict[str, float]) -> None:
+        self.ctx.manager.call("on_log", ctx=self.ctx, step=state.global_step, logs=logs)
+
+    def evaluate(self, state: Any, metrics: dict[str, float]) -> None:
+        self.ctx.manager.call("on_evaluate", ctx=self.ctx, step=state.global_step, metrics=metrics)
+
+    def save(self, state: Any) -> None:
+        ctx = self.ctx
+        checkpoint_dir = Path(self.trainer.args.output_dir) / f"checkpoint-{state.global_step}"
+        states = {
+            name: value
+            for name in ctx.manager.names
+            if (value := ctx.manager.call_plugin(name, "checkpoint_state", ctx=ctx, step=state.global_step)) is not None
+        }
+        if states:
+            target = checkpoint_dir / STATE_DIR / f"rank-{ctx.rank}.json"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(".tmp")
+            tmp.write_text(json.dumps(states, default=str), encoding="utf-8")
+            os.replace(tmp, target)
+        ctx.manager.call("on_checkpoint_save", ctx=ctx, step=state.global_step, checkpoint_dir=checkpoint_dir)
+
+    def train_end(self) -> None:
+        self.ctx.flush_findings()
+
+    # -- isolation ----------------------------------------------------------------------------------
+
+    def _plugin_failed(self, plugin: str, hook: str, exc: BaseException, tb: str) -> None:
+        ctx, manager = self.ctx, self.ctx.manager
+        count = manager.error_count(plugin)
+        if count <= 3:
+            ctx.report(
+                INTERNAL_PLUGIN_ERROR.code,
+                f"plugin '{plugin}' raised {type(exc).__name__} in {hook}() at step {ctx.step}: {exc}. "
+                "Training went on without this call.",
+                evidence={"hook": hook, "exception": repr(exc), "traceback": tb, "occurrence": count},
+                plugin=plugin,
+            )
+        if manager.is_disabled(plugin):
+            ctx.report(
+                PLUGIN_DISABLED.code,
+                f"plugin '{plugin}' raised {count} exceptions (last in {hook}()) and is switched off for the rest of the run.",
+                evidence={"hook": hook, "errors": count},
+                plugin=plugin,
+            )
+
+
+class HarnessCallback(TrainerCallback):
+    """The one callback the harness adds; forwards Trainer events to the bridge."""
+
+    def __init__(self, bridge: Bridge) -> None:
+        self.bridge = bridge
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.bridge.train_begin()
+        return control
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.bridge.step_begin()
+        return control
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        return self.bridge.step_end(state, control)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any) -> Any:
+        self.bridge.log(state, logs or {})
+        return control
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, float] | None = None, **kwargs: Any) -> Any:
+        self.bridge.evaluate(state, metrics or {})
+        return control
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.bridge.save(state)
+        return control
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.bridge.train_end()
+        return control
+
+
+# -- optimizer guards --------------------------------------------------------------------------------
+
+Guard = Callable[[Any, Any], Action]
+
+
+def _guard_accelerated_optimizer(optimizer: Any, guard: Guard, model: Any) -> None:
+    """Plain runs: the Trainer calls ``AcceleratedOptimizer.step`` once per optimizer step.
+
+    A skip leaves parameters and optimizer state untouched and marks the step
+    as skipped (the same flag an fp16 overflow sets), so the Trainer also
+    holds the LR scheduler back.
+    """
+    original = optimizer.step
+
+    @functools.wraps(original)
+    def harness_step(*args: Any, **kwargs: Any) -> Any:
+        if guard(model, optimizer) is Action.CONTINUE:
+            if getattr(optimizer, "scaler", None) is None:
+                optimizer._is_overflow = False
+            return original(*args, **kwargs)
+        optimizer._is_overflow = True
+        return None
+
+    optimizer.step = harness_step
+
+
+def _guard_deepspeed_optimizer(optimizer: Any, guard: Guard, engine: Any) -> None:
+    """DeepSpeed: ``engine.step()`` (inside backward) calls its optimizer's ``step``; guard that.
+
+    A skip drives the optimizer down its own overflow path (the one fp16
+    overflow takes: gradients dropped, no update, ``overflow`` set so the
+    engine skips the LR scheduler and counts a skipped step) without touching
+    the loss scale.
+    """
+    original = optimizer.step
+
+    @functools.wraps(original)
+    def harness_step(*args: Any, **kwargs: Any) -> Any:
+        if guard(engine, optimizer) is Action.CONTINUE:
+            return original(*args, **kwargs)
+        return _skip_deepspeed_step(optimizer, original, args, kwargs)
+
+    optimizer.step = harness_step
+
+
+def _skip_deepspeed_step(optimizer: Any, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if hasattr(optimizer, "check_overflow") and hasattr(optimizer, "_update_scale"):
+        had_flag = "check_grad_overflow" in vars(optimizer)
+        previous_flag = getattr(optimizer, "check_grad_overflow", None)
+
+        def forced_overflow(*_: Any, **__: Any) -> bool:
+            optimizer.overflow = True
+            return True
+
+        optimizer.check_overflow = forced_overflow
+        optimizer._update_scale = lambda *_, **__: None
+        if had_flag:
+            optimizer.check_grad_overflow = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            del optimizer.check_overflow
+            del optimizer._update_scale
+            if had_flag:
+                optimizer.check_grad_overflow = previous_flag
+    # An optimizer without an overflow path (ZeRO stage 0 with a torch optimizer): drop the gradients.
+    optimizer.zero_grad(set_to_none=True)
+    if hasattr(optimizer, "overflow"):
+        optimizer.overflow = True
+    return None
+
+
+def _current_lr(trainer: Any) -> float | None:
+    scheduler = getattr(trainer, "lr_scheduler", None)
+    try:
+        if scheduler is not None:
+            return float(scheduler.get_last_lr()[0])
+        return float(trainer.optimizer.param_groups[0]["lr"])
+    except Exception:  # noqa: BLE001 - a missing LR must not break a step
+        return None
+
+
+def _read_state(checkpoint_dir: Path, rank: int) -> dict[str, Any]:
+    path = Path(checkpoint_dir) / STATE_DIR / f"rank-{rank}.json"
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        log.warning("harness: unreadable plugin state %s; plugins resume without it", path)
+        return {}

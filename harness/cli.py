@@ -1,0 +1,75 @@
+"""The ``harness`` command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from harness.errors import HarnessError
+
+
+def _cmd_wrap(args: argparse.Namespace) -> int:
+    from harness.wrap import run_wrapped
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    plugins = [p.strip() for p in (args.plugins or "").split(",") if p.strip()]
+    return run_wrapped(command, config=args.config, plugins=plugins)
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from harness.config import Catalog, config_reference
+
+    catalog = Catalog.build()
+    if args.config_reference:
+        sys.stdout.write(config_reference(catalog))
+        return 0
+    if args.codes:
+        for code in sorted(catalog.codes.values(), key=lambda c: c.code):
+            owner = catalog.code_owner[code.code]
+            print(f"{code.code:<32} {code.severity.value:<8} {owner:<16} {code.summary}")
+        return 0
+    width = max((len(n) for n in catalog.entries), default=8)
+    for name, entry in catalog.entries.items():
+        flag = "on " if entry.default_enabled else "off"
+        print(f"{name:<{width}}  {flag}  {entry.source:<10}  {entry.description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="harness", description="Monitoring and diagnostics harness around the Hugging Face Trainer."
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    wrap = sub.add_parser(
+        "wrap",
+        help="run an unmodified training command with the harness attached to every Trainer",
+        description="Run COMMAND (python, torchrun, deepspeed, accelerate launch ...) with the harness attached "
+        "to every transformers.Trainer it trains. The exit status of COMMAND is returned.",
+    )
+    wrap.add_argument("--config", help="harness YAML config (default: built-in defaults)")
+    wrap.add_argument("--plugins", help="comma-separated plugins to enable in addition to the config's")
+    wrap.add_argument("command", nargs=argparse.REMAINDER, help="-- followed by the training command")
+    wrap.set_defaults(func=_cmd_wrap)
+
+    plugins = sub.add_parser("plugins", help="list available plugins, their options or their finding codes")
+    plugins.add_argument("--config-reference", action="store_true", help="print every config option with type, default and description")
+    plugins.add_argument("--codes", action="store_true", help="print every finding code with severity and owner")
+    plugins.set_defaults(func=_cmd_plugins)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except HarnessError as exc:
+        sys.stderr.write(f"harness: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

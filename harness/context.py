@@ -1,0 +1,170 @@
+"""The run context handed to every hook, and the findings hub behind ``ctx.report``."""
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from harness.actions import Action, strongest
+from harness.config import ResolvedConfig
+from harness.distributed import DistInfo, all_reduce_max, gather_to_main
+from harness.findings import Finding, FindingCode, FindingsFile, Severity
+from harness.manager import HarnessPluginManager
+
+UNDECIDED_CODES = frozenset({"ACTION_TAKEN", "INTERNAL_PLUGIN_ERROR", "PLUGIN_DISABLED"})
+
+
+class FindingsHub:
+    """Writes findings where they are made and brings other ranks' findings to rank 0 once.
+
+    Rank 0 appends to ``findings.jsonl``. Other ranks append to
+    ``ranks/findings.rank-<r>.jsonl`` at once (so a kill loses nothing) and
+    queue the finding; the queue is gathered to rank 0 at the next point
+    where all ranks meet, and rank 0's file drops ids it already holds.
+    """
+
+    def __init__(self, run_dir: Path, dist: DistInfo) -> None:
+        self.dist = dist
+        if dist.is_main:
+            self.file = FindingsFile(run_dir / "findings.jsonl")
+        else:
+            self.file = FindingsFile(run_dir / "ranks" / f"findings.rank-{dist.rank}.jsonl")
+        self.outbox: list[str] = []
+
+    def record(self, finding: Finding) -> None:
+        self.file.append(finding)
+        if not self.dist.is_main:
+            self.outbox.append(finding.to_json())
+
+    def exchange(self) -> list[Finding]:
+        """Collective: every rank sends its queue; rank 0 writes what is new and returns it."""
+        import json
+
+        sent, self.outbox = self.outbox, []
+        gathered = gather_to_main(sent)
+        if gathered is None:
+            return []
+        received = [Finding.from_dict(json.loads(line)) for per_rank in gathered[1:] for line in per_rank or []]
+        return [f for f in received if self.file.append(f)]
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class RunContext:
+    """What every hook gets first: where the run is, its config, and how to report a finding."""
+
+    def __init__(
+        self,
+        config: ResolvedConfig,
+        codes: dict[str, FindingCode],
+        manager: HarnessPluginManager,
+        run_dir: Path,
+        dist: DistInfo,
+    ) -> None:
+        self.config = config
+        self.options = config.model
+        self.codes = codes
+        self.manager = manager
+        self.run_dir = Path(run_dir)
+        self.dist = dist
+        self.rank = dist.rank
+        self.world_size = dist.world_size
+        self.is_main = dist.is_main
+        self.trainer: Any = None
+        self.step = 0
+        self.micro_step = 0
+        self.resumed_from: Path | None = None
+        self.recent_batches: deque[tuple[int, int, dict[str, Any]]] = deque(maxlen=config.model.recent_batches)
+        self.findings: list[Finding] = []
+        self.pending_action = Action.CONTINUE
+        self.status = "running"
+        self._hub = FindingsHub(self.run_dir, dist)
+        self._in_on_finding = False
+
+    # -- paths ------------------------------------------------------------------------------
+
+    def path(self, *parts: str) -> Path:
+        """A path under the run directory, its parent created."""
+        target = self.run_dir.joinpath(*parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return target
+
+    # -- findings -----------------------------------------------------------------------------
+
+    def report(
+        self,
+        code: str,
+        message: str,
+        *,
+        step: int | None = None,
+        evidence: dict[str, Any] | None = None,
+        severity: Severity | str | None = None,
+        plugin: str | None = None,
+    ) -> Finding:
+        """Make a finding: written to disk at once, its action decided, ``on_finding`` fired."""
+        declared = self.codes.get(code)
+        if declared is None:
+            raise ValueError(f"finding code '{code}' was not declared by any plugin (declare it in declare_codes()).")
+        override = self.options.severity.get(code)
+        finding = Finding(
+            code=code,
+            severity=Severity(override or severity or declared.severity),
+            plugin=plugin or self.manager.current_plugin or "harness",
+            message=message,
+            step=self.step if step is None else step,
+            rank=self.rank,
+            evidence=dict(evidence or {}),
+            playbook=declared.playbook,
+        )
+        action = self._decide(finding)
+        finding.action = action.value
+        self._hub.record(finding)
+        self.findings.append(finding)
+        self.pending_action = strongest(self.pending_action, action)
+        self._announce(finding)
+        return finding
+
+    def _decide(self, finding: Finding) -> Action:
+        if finding.code in UNDECIDED_CODES:
+            return Action.CONTINUE
+        chosen = self.options.policy.get(finding.code)
+        if chosen is None:
+            answer = self.manager.call_first("decide_action", ctx=self, finding=finding)
+            try:
+                chosen = Action(answer) if answer is not None else Action.CONTINUE
+            except ValueError:
+                chosen = Action.CONTINUE
+        return Action(chosen)
+
+    def _announce(self, finding: Finding) -> None:
+        if self._in_on_finding:
+            return
+        self._in_on_finding = True
+        try:
+            self.manager.call("on_finding", ctx=self, finding=finding)
+        finally:
+            self._in_on_finding = False
+
+    def agree(self) -> Action:
+        """Collective at the step guard: the strongest pending action of all ranks, findings moved to rank 0."""
+        level, outgoing = all_reduce_max([self.pending_action.level, len(self._hub.outbox)])
+        if outgoing:
+            self.collect_findings()
+        self.pending_action = Action.CONTINUE
+        return Action.from_level(level)
+
+    def collect_findings(self) -> None:
+        """Collective: bring queued findings of other ranks to rank 0 (which announces them)."""
+        for finding in self._hub.exchange():
+            self.findings.append(finding)
+            self._announce(finding)
+
+    def flush_findings(self) -> None:
+        """Collective at a point every rank reaches: deliver whatever is still queued."""
+        (_, outgoing) = all_reduce_max([0, len(self._hub.outbox)])
+        if outgoing:
+            self.collect_findings()
+
+    def close(self) -> None:
+        self._hub.close()

@@ -1,0 +1,24 @@
+"""Finding codes that the harness core itself emits."""
+from __future__ import annotations
+
+from harness.findings import FindingCode, Severity
+
+INTERNAL_PLUGIN_ERROR = FindingCode(
+    "INTERNAL_PLUGIN_ERROR",
+    Severity.ERROR,
+    "A plugin raised an exception; training went on without that call.",
+    "harness-core#internal_plugin_error",
+)
+PLUGIN_DISABLED = FindingCode(
+    "PLUGIN_DISABLED",
+    Severity.ERROR,
+    "A plugin raised too many exceptions and was switched off for the rest of the run.",
+    "harness-core#plugin_disabled",
+)
+ACTION_TAKEN = FindingCode(
+    "ACTION_TAKEN",
+    Severity.INFO,
+    "The harness changed training (skipped a step, saved and stopped, stopped) after a finding.",
+    "harness-core#action_taken",
+)
+CORE_CODES: tuple[FindingCode, ...] = (INTERNAL_PLUGIN_ERROR, PLUGIN_DISABLED, ACTION_TAKEN)

@@ -1,0 +1,1 @@
+"""Package data (the tiny offline corpus) so it ships inside the wheel."""

@@ -1,0 +1,62 @@
+"""Rank/world discovery and the few collectives the harness needs.
+
+Collectives run only when more than one process trains, and only at points
+every rank reaches together (the optimizer-step guard, the end of training).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def dist_info() -> DistInfo:
+    """Rank and world size from torch.distributed when initialised, else the launcher's env."""
+    if dist_ready():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return DistInfo(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _collective_device() -> torch.device:
+    backend = torch.distributed.get_backend()
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_max(values: list[int]) -> list[int]:
+    """Element-wise maximum of small integer vectors over all ranks (identity when alone)."""
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.int64, device=_collective_device())
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
+
+
+def gather_to_main(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (in rank order); None on the other ranks."""
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return [obj]
+    rank = torch.distributed.get_rank()
+    out: list[Any] | None = [None] * torch.distributed.get_world_size() if rank == 0 else None
+    torch.distributed.gather_object(obj, out, dst=0)
+    return out

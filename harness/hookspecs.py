@@ -1,0 +1,243 @@
+"""Hook specifications: the contract between the harness and its plugins.
+
+Every hook is called with keyword arguments; ``ctx`` (a :class:`harness.context.RunContext`)
+comes first in every event hook. A plugin implements any subset, taking only the
+arguments it needs (pluggy passes arguments by name).
+
+Hooks fire on **every rank** unless a hook says otherwise; ``ctx.rank`` and
+``ctx.is_main`` tell a plugin where it runs. An exception raised inside an
+observer hook never reaches training: it becomes an ``INTERNAL_PLUGIN_ERROR``
+finding (traceback in its evidence) and the run goes on. Only
+:class:`harness.actions.HarnessStop` propagates.
+
+Tensors passed to per-micro-batch hooks live on the training device; reading
+them (``.item()``, ``.tolist()``) forces a device sync, so a plugin that only
+needs a number once per optimizer step should keep a device-side flag and read
+it in ``on_before_optimizer_step``.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+    from pydantic import BaseModel
+
+    from harness.actions import Action
+    from harness.context import RunContext
+    from harness.findings import Finding, FindingCode
+
+PROJECT = "harness"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# --- declaration: called once per process, before any run ---------------------------------
+
+
+@hookspec
+def add_config() -> "type[BaseModel] | None":
+    """Return the pydantic model of this plugin's options, or None if it has none.
+
+    Fires: once when the plugin manager is built, on every rank, before the
+    config file is validated. The model's fields become the options under the
+    plugin's name in the harness YAML; give every field a ``description`` (it
+    is printed by ``harness plugins --config-reference``) and set
+    ``extra="forbid"`` so that typos are errors.
+    """
+
+
+@hookspec
+def declare_codes() -> "list[FindingCode]":
+    """Return every finding code this plugin may emit, with default severity and playbook.
+
+    Fires: once when the plugin manager is built. A plugin may only report
+    codes it declared; config can override their severities by code.
+    """
+
+
+# --- run lifecycle ----------------------------------------------------------------------------
+
+
+@hookspec
+def configure(ctx: "RunContext", options: "BaseModel | None") -> None:
+    """Receive the validated options of this plugin for this run.
+
+    Fires: once per run at ``attach()``, on every rank, before ``on_run_start``.
+    ``options`` is an instance of the model returned by ``add_config`` (None if
+    the plugin has none). Store what you need on ``self``.
+    """
+
+
+@hookspec
+def on_run_start(ctx: "RunContext", trainer: Any) -> None:
+    """Training is about to start: the optimizer, scheduler and data loader exist.
+
+    Fires: once per ``trainer.train()`` call, on every rank, from the Trainer's
+    ``on_train_begin`` event. ``trainer`` is the ``transformers.Trainer`` (or
+    TRL subclass); do not call ``train()`` on it.
+    """
+
+
+@hookspec
+def inspect_dataset(ctx: "RunContext", dataset: Any, split: str) -> None:
+    """Look at a dataset once, before training consumes it.
+
+    Fires: once per run for ``split="train"`` (and ``"eval"`` when the Trainer
+    has an eval dataset), on every rank, right after ``on_run_start``.
+    ``dataset`` is whatever the Trainer holds (a ``datasets.Dataset``, a torch
+    dataset or an iterable); do not iterate an iterable dataset to the end.
+    """
+
+
+@hookspec
+def on_resume(ctx: "RunContext", checkpoint_dir: "Path", state: "dict[str, Any] | None") -> None:
+    """Training resumes from ``checkpoint_dir``; ``state`` is what this plugin stored there.
+
+    Fires: once per run when ``train(resume_from_checkpoint=...)`` resumes,
+    on every rank, after ``on_run_start``. ``state`` is the dict this plugin
+    returned from ``checkpoint_state`` at save time on the same rank (None if
+    the checkpoint has none, e.g. it was written without the harness).
+    """
+
+
+@hookspec
+def on_run_end(ctx: "RunContext", status: str, error: "BaseException | None") -> None:
+    """The run is over: ``status`` is ``"completed"``, ``"stopped"`` or ``"crashed"``.
+
+    Fires: exactly once per ``train()`` call, on every rank, also after an
+    exception in training (then ``error`` is the exception, which is re-raised
+    after this hook). Flush and close files here. No collectives: other ranks
+    may be gone.
+    """
+
+
+# --- every micro-batch --------------------------------------------------------------------------
+
+
+@hookspec
+def inspect_batch(ctx: "RunContext", batch: "dict[str, Any]", step: int, micro_step: int) -> None:
+    """A micro-batch is about to go through forward and backward.
+
+    Fires: for every micro-batch on every rank, before the forward pass.
+    ``step`` is the 1-based number of the optimizer step this micro-batch
+    contributes to (the ``global_step`` the Trainer will have once the step
+    ends, the same number ``on_step_end`` gets); ``micro_step`` counts
+    micro-batches within that step from 0. ``batch`` is the collated dict the
+    Trainer feeds the model; do not modify it.
+    """
+
+
+@hookspec
+def on_loss(
+    ctx: "RunContext", loss: "torch.Tensor", batch: "dict[str, Any]", step: int, micro_step: int
+) -> None:
+    """The loss of one micro-batch, before backward.
+
+    Fires: for every micro-batch on every rank, as soon as ``compute_loss``
+    returned and before backward (under DeepSpeed the optimizer steps inside
+    backward, so a finding made here can still skip that step). ``loss`` is
+    the detached scalar tensor, on the training device, as ``compute_loss``
+    returned it: when the Trainer normalises by the token count of the whole
+    optimizer step (``num_items_in_batch``, the default for causal LMs with
+    gradient accumulation), the micro-batch losses of a step sum to the step
+    loss. Reading its value syncs the device; prefer device-side flags.
+    """
+
+
+# --- every optimizer step --------------------------------------------------------------------------
+
+
+@hookspec
+def on_before_optimizer_step(
+    ctx: "RunContext", step: int, model: Any, optimizer: Any, grad_norm: "torch.Tensor | float | None"
+) -> None:
+    """Gradients are reduced (and clipped) and the optimizer is about to update.
+
+    Fires: once per optimizer step on every rank, inside the step guard, just
+    before the harness agrees with the other ranks whether the step happens.
+    A finding reported here can still skip this very step. ``grad_norm`` is
+    the Trainer's pre-clip norm when known (None under DeepSpeed, which
+    computes it inside its own step). Under DeepSpeed ZeRO-1/2 gradients live
+    in the engine's partitions, not in ``param.grad``.
+    """
+
+
+@hookspec
+def on_step_end(ctx: "RunContext", step: int, metrics: "dict[str, Any]") -> None:
+    """An optimizer step finished (or was skipped: ``metrics["skipped"]``).
+
+    Fires: once per optimizer step on every rank, after the update and the LR
+    scheduler. ``step`` is the step that just ended (1-based, the Trainer's
+    new ``global_step``). ``metrics`` holds ``loss`` (device tensor: the step
+    loss as the Trainer accumulates it for logging), ``grad_norm`` (tensor/float/None), ``lr``
+    (float), ``skipped`` (bool), ``action`` (the agreed action name) and
+    ``micro_batches`` (int).
+    """
+
+
+@hookspec
+def on_log(ctx: "RunContext", step: int, logs: "dict[str, float]") -> None:
+    """The Trainer logged metrics (already host floats: reading them is free).
+
+    Fires: whenever the Trainer logs (every ``logging_steps``, at evaluation
+    and at the end), on every rank; only rank 0's ``logs`` are complete.
+    """
+
+
+@hookspec
+def on_evaluate(ctx: "RunContext", step: int, metrics: "dict[str, float]") -> None:
+    """An evaluation finished with ``metrics``.
+
+    Fires: after each evaluation, on every rank.
+    """
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+
+@hookspec
+def checkpoint_state(ctx: "RunContext", step: int) -> "dict[str, Any] | None":
+    """Return this plugin's state to store beside the checkpoint (JSON-serialisable), or None.
+
+    Fires: at every checkpoint save, on every rank, before ``on_checkpoint_save``.
+    The harness writes it to ``<checkpoint>/harness_state/rank-<r>.json``
+    keyed by plugin name and hands it back through ``on_resume``.
+    """
+
+
+@hookspec
+def on_checkpoint_save(ctx: "RunContext", step: int, checkpoint_dir: "Path") -> None:
+    """A checkpoint was written to ``checkpoint_dir``.
+
+    Fires: after the Trainer saved a checkpoint, on every rank.
+    """
+
+
+# --- findings and actions ---------------------------------------------------------------------
+
+
+@hookspec
+def on_finding(ctx: "RunContext", finding: "Finding") -> None:
+    """A finding was made (after its severity override and decided action were applied).
+
+    Fires: on the rank that made the finding, and again on rank 0 when a
+    finding made on another rank arrives there (``finding.rank`` tells which).
+    Must not report findings itself.
+    """
+
+
+@hookspec(firstresult=True)
+def decide_action(ctx: "RunContext", finding: "Finding") -> "Action | str | None":
+    """Decide what training should do about ``finding``; the first non-None answer wins.
+
+    Fires: on the rank that made the finding, right after it is made, unless
+    the config's ``policy`` names its code (the user's word wins). Return None
+    to leave the decision to others; with no answer the action is
+    ``continue``. Actions that change training are agreed across ranks at the
+    next optimizer-step guard (the strongest wins).
+    """

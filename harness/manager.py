@@ -1,0 +1,284 @@
+"""Plugin discovery and a typed facade over pluggy that isolates plugin failures.
+
+Plugins come from three places: the built-in registry (``harness.plugins``),
+the ``harness`` entry-point group (skipped when
+``HARNESS_DISABLE_PLUGIN_AUTOLOAD=1``) and objects or ``"module:Class"``
+paths handed to ``attach()``/the config. A plugin is any object (usually a
+class instance) whose methods are marked with ``harness.hookimpl``.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import traceback
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Callable, Iterable
+
+import pluggy
+from pydantic import BaseModel
+
+from harness import hookspecs
+from harness.actions import HarnessStop
+from harness.errors import PluginError, did_you_mean
+from harness.findings import FindingCode
+
+AUTOLOAD_ENV = "HARNESS_DISABLE_PLUGIN_AUTOLOAD"
+ENTRY_POINT_GROUP = "harness"
+HOOK_NAMES: tuple[str, ...] = tuple(
+    name for name, fn in vars(hookspecs).items() if callable(fn) and hasattr(fn, "harness_spec")
+)
+
+
+@dataclass
+class PluginEntry:
+    """One available plugin: where it comes from and how to make it."""
+
+    name: str
+    source: str  # "builtin", "entry point <dist>", "config", "object"
+    factory: Callable[[], Any]
+    default_enabled: bool = False
+    _instance: Any = field(default=None, repr=False)
+
+    def instance(self) -> Any:
+        if self._instance is None:
+            self._instance = self.factory()
+        return self._instance
+
+    @property
+    def description(self) -> str:
+        doc = inspect.getdoc(self.instance()) or ""
+        return doc.strip().splitlines()[0] if doc.strip() else "(no description)"
+
+
+def import_target(target: str) -> Any:
+    """Import ``"pkg.module:Attr"`` (or a bare module path) and return the object."""
+    module_name, _, attr = target.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PluginError(
+            f"cannot import plugin module '{module_name}' (from '{target}'): {exc}. "
+            "Fix: install the package that provides it, or correct the 'module:Class' path."
+        ) from exc
+    for part in filter(None, attr.split(".")):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise PluginError(
+                f"plugin module '{module_name}' has no attribute '{part}' (from '{target}')."
+                f"{did_you_mean(part, dir(obj))} Fix: correct the 'module:Class' path."
+            ) from exc
+    return obj
+
+
+def _instantiate(obj: Any) -> Any:
+    return obj() if inspect.isclass(obj) else obj
+
+
+def discover(autoload: bool | None = None) -> dict[str, PluginEntry]:
+    """Built-in plugins plus, unless disabled by environment, entry-point plugins."""
+    from harness.plugins import BUILTIN_PLUGINS  # the registry list is the only way in
+
+    catalog: dict[str, PluginEntry] = {}
+    for name, spec in BUILTIN_PLUGINS.items():
+        catalog[name] = PluginEntry(
+            name, "builtin", lambda t=spec.target: _instantiate(import_target(t)), spec.default_enabled
+        )
+    if autoload is None:
+        autoload = os.environ.get(AUTOLOAD_ENV, "") not in ("1", "true", "yes")
+    if autoload:
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in catalog:
+                continue
+            dist = getattr(ep.dist, "name", "?")
+            catalog[ep.name] = PluginEntry(
+                ep.name, f"entry point of '{dist}'", lambda e=ep: _instantiate(e.load()), False
+            )
+    return catalog
+
+
+def entry_for(spec: str | object, catalog: dict[str, PluginEntry]) -> PluginEntry:
+    """The catalog entry for a plugin name, a ``module:Class`` path or a plugin object."""
+    if not isinstance(spec, str):
+        name = getattr(spec, "name", None) or type(spec).__name__
+        return PluginEntry(str(name), "object", lambda s=spec: _instantiate(s))
+    if spec in catalog:
+        return catalog[spec]
+    if ":" in spec:
+        obj = _instantiate(import_target(spec))
+        name = getattr(obj, "name", None) or spec
+        return PluginEntry(str(name), "config", lambda o=obj: o)
+    raise KeyError(spec)
+
+
+class HookCallError(Exception):
+    """Carries an exception raised inside one plugin's hook implementation."""
+
+
+ErrorSink = Callable[[str, str, BaseException, str], None]
+
+
+class HarnessPluginManager:
+    """Registers plugins, validates them, and calls hooks with per-plugin isolation.
+
+    pluggy stops a hook call at the first exception; we call each
+    implementation ourselves so one broken plugin cannot silence the others or
+    reach the training loop.
+    """
+
+    def __init__(self, max_errors_per_plugin: int = 10) -> None:
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self._pm.add_hookspecs(hookspecs)
+        self._entries: dict[str, PluginEntry] = {}
+        self._impls: dict[str, list[tuple[str, Callable[..., Any], tuple[str, ...]]]] = {}
+        self._error_counts: dict[str, int] = {}
+        self._disabled: set[str] = set()
+        self.max_errors_per_plugin = max_errors_per_plugin
+        self.on_error: ErrorSink | None = None
+        self.current_plugin: str | None = None
+
+    # -- registration -------------------------------------------------------------------
+
+    def register(self, entry: PluginEntry) -> Any:
+        plugin = entry.instance()
+        if entry.name in self._entries:
+            raise PluginError(f"two plugins are named '{entry.name}' ({self._entries[entry.name].source} and {entry.source}).")
+        try:
+            self._pm.register(plugin, name=entry.name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(
+                f"plugin '{entry.name}' ({entry.source}) has a hook implementation that does not match its "
+                f"specification: {exc}. Fix: use only argument names listed in harness.hookspecs."
+            ) from exc
+        self._entries[entry.name] = entry
+        self._check_unknown_hooks(entry)
+        self._impls.clear()
+        return plugin
+
+    def _check_unknown_hooks(self, entry: PluginEntry) -> None:
+        """pluggy's check_pending(), turned into a message naming the plugin and the hook."""
+        try:
+            self._pm.check_pending()
+        except pluggy.PluginValidationError:
+            unknown = [
+                name
+                for name, caller in vars(self._pm.hook).items()
+                if isinstance(caller, pluggy.HookCaller)
+                and not caller.has_spec()
+                and any(impl.plugin_name == entry.name for impl in caller.get_hookimpls())
+            ]
+            self._pm.unregister(name=entry.name)
+            hook = unknown[0] if unknown else "?"
+            raise PluginError(
+                f"plugin '{entry.name}' ({entry.source}) implements unknown hook '{hook}'."
+                f"{did_you_mean(hook, HOOK_NAMES)} Fix: rename the method to one of: {', '.join(HOOK_NAMES)} "
+                "(see harness/hookspecs.py), or drop its @hookimpl marker."
+            ) from None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def plugin(self, name: str) -> Any:
+        return self._pm.get_plugin(name)
+
+    # -- calling --------------------------------------------------------------------------
+
+    def _implementations(self, hook: str) -> list[tuple[str, Callable[..., Any], tuple[str, ...]]]:
+        impls = self._impls.get(hook)
+        if impls is None:
+            caller = getattr(self._pm.hook, hook)
+            impls = [
+                (impl.plugin_name, impl.function, tuple(impl.argnames))
+                for impl in reversed(caller.get_hookimpls())
+                if impl.plugin_name not in self._disabled
+            ]
+            self._impls[hook] = impls
+        return impls
+
+    def has_impl(self, hook: str) -> bool:
+        return bool(self._implementations(hook))
+
+    def call(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call every implementation of ``hook``; return ``(plugin, result)`` for non-None results."""
+        results: list[tuple[str, Any]] = []
+        for plugin_name, function, argnames in self._implementations(hook):
+            value = self._call_one(hook, plugin_name, function, argnames, kwargs)
+            if value is not None:
+                results.append((plugin_name, value))
+        return results
+
+    def call_first(self, hook: str, **kwargs: Any) -> Any:
+        """firstresult semantics: the first non-None result, with the same isolation."""
+        for plugin_name, function, argnames in self._implementations(hook):
+            value = self._call_one(hook, plugin_name, function, argnames, kwargs)
+            if value is not None:
+                return value
+        return None
+
+    def call_plugin(self, name: str, hook: str, **kwargs: Any) -> Any:
+        """Call one plugin's implementation of ``hook`` (None when it has none)."""
+        for plugin_name, function, argnames in self._implementations(hook):
+            if plugin_name == name:
+                return self._call_one(hook, plugin_name, function, argnames, kwargs)
+        return None
+
+    def _call_one(
+        self, hook: str, plugin_name: str, function: Callable[..., Any], argnames: tuple[str, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        self.current_plugin = plugin_name
+        try:
+            return function(*[kwargs[a] for a in argnames])
+        except HarnessStop:
+            raise
+        except Exception as exc:  # noqa: BLE001 - isolation is the point
+            self._record_error(plugin_name, hook, exc)
+            return None
+        finally:
+            self.current_plugin = None
+
+    def _record_error(self, plugin_name: str, hook: str, exc: BaseException) -> None:
+        count = self._error_counts.get(plugin_name, 0) + 1
+        self._error_counts[plugin_name] = count
+        if count >= self.max_errors_per_plugin:
+            self._disabled.add(plugin_name)
+            self._impls.clear()
+        if self.on_error is not None:
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            self.on_error(plugin_name, hook, exc, tb)
+
+    def error_count(self, plugin_name: str) -> int:
+        return self._error_counts.get(plugin_name, 0)
+
+    def is_disabled(self, plugin_name: str) -> bool:
+        return plugin_name in self._disabled
+
+    # -- declarations ------------------------------------------------------------------------
+
+    def _declaration(self, name: str, hook: str) -> Any:
+        """Declaration hooks run at set-up, where an exception is a plugin bug to show, not isolate."""
+        for plugin_name, function, _ in self._implementations(hook):
+            if plugin_name == name:
+                try:
+                    return function()
+                except Exception as exc:
+                    raise PluginError(f"plugin '{name}' failed in {hook}(): {exc!r}.") from exc
+        return None
+
+    def option_model(self, name: str) -> type[BaseModel] | None:
+        model = self._declaration(name, "add_config")
+        if model is not None and not (inspect.isclass(model) and issubclass(model, BaseModel)):
+            raise PluginError(f"plugin '{name}': add_config() must return a pydantic BaseModel class, got {model!r}.")
+        return model
+
+    def declared_codes(self, name: str) -> list[FindingCode]:
+        return list(self._declaration(name, "declare_codes") or [])
+
+
+def build_manager(entries: Iterable[PluginEntry], max_errors_per_plugin: int = 10) -> HarnessPluginManager:
+    manager = HarnessPluginManager(max_errors_per_plugin)
+    for entry in entries:
+        manager.register(entry)
+    return manager

@@ -1,0 +1,149 @@
+"""Fault injection for testing the harness and plugins against real training runs.
+
+``FaultInjector`` is an ordinary plugin (enable it with
+``plugins: ["harness.testing:FaultInjector"]``) that raises, reports findings
+and records exact parameter/optimizer snapshots at chosen steps and ranks, so
+that tests can run unmodified scripts under ``harness wrap``, torchrun or
+DeepSpeed and then read what happened from the run directory.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness.findings import FindingCode, Severity
+from harness.hookspecs import hookimpl
+
+TEST_FAULT = FindingCode("TEST_FAULT", Severity.WARNING, "A fault injected on purpose by harness.testing.", "harness-core#test_fault")
+
+
+class FaultOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    report_at_step: int | None = Field(None, description="Report a TEST_FAULT finding in inspect_batch of this step.")
+    report_on_rank: int | None = Field(None, description="Only on this rank (default: every rank).")
+    action: str = Field("continue", description="Action the plugin decides for TEST_FAULT.")
+    raise_in: str | None = Field(None, description="Hook in which to raise RuntimeError (e.g. inspect_batch, on_loss).")
+    raise_at_step: int | None = Field(None, description="Raise only at this step (default: every call).")
+    hang_at_step: int | None = Field(None, description="Sleep (for kill -9 tests) in inspect_batch of this step.")
+    snapshot_steps: list[int] = Field(
+        default_factory=list, description="Record whether params and optimizer state changed across these steps."
+    )
+
+
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    seen = 0
+    while hasattr(optimizer, "optimizer") and seen < 4:
+        optimizer = optimizer.optimizer
+        seen += 1
+    return optimizer
+
+
+def optimizer_tensors(optimizer: Any) -> dict[str, torch.Tensor]:
+    """Every tensor of the optimizer's state (and ZeRO's fp32 master partitions), cloned."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()  # wrappers share their inner optimizer's state dict
+    node, depth = optimizer, 0
+    while node is not None and depth < 5:
+        for i, part in enumerate(getattr(node, "single_partition_of_fp32_groups", []) or []):
+            out[f"d{depth}.fp32_partition.{i}"] = part.detach().clone()
+        state = getattr(node, "state", None)
+        if isinstance(state, dict) and id(state) not in seen:
+            seen.add(id(state))
+            for j, per_param in enumerate(state.values()):
+                if isinstance(per_param, dict):
+                    for key, value in per_param.items():
+                        if torch.is_tensor(value):
+                            out[f"d{depth}.state.{j}.{key}"] = value.detach().clone()
+        node, depth = getattr(node, "optimizer", None), depth + 1
+    return out
+
+
+def param_tensors(model: Any) -> dict[str, torch.Tensor]:
+    module = getattr(model, "module", model)
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def _diff(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> list[str]:
+    changed = [k for k in before if k not in after or not torch.equal(before[k], after[k])]
+    return changed + [k for k in after if k not in before]
+
+
+class FaultInjector:
+    """Injects faults and records snapshots for tests (not for production runs)."""
+
+    name = "fault_injector"
+
+    def __init__(self) -> None:
+        self.options = FaultOptions()
+        self._model: Any = None
+        self._optimizer: Any = None
+        self._before: dict[str, dict[str, torch.Tensor]] = {}
+        self.snapshots: list[dict[str, Any]] = []
+
+    @hookimpl
+    def add_config(self) -> type[BaseModel]:
+        return FaultOptions
+
+    @hookimpl
+    def declare_codes(self) -> list[FindingCode]:
+        return [TEST_FAULT]
+
+    @hookimpl
+    def configure(self, ctx: Any, options: FaultOptions) -> None:
+        self.options = options
+
+    def _maybe_raise(self, hook: str, step: int) -> None:
+        o = self.options
+        if o.raise_in == hook and (o.raise_at_step is None or o.raise_at_step == step):
+            raise RuntimeError(f"injected fault in {hook} at step {step}")
+
+    @hookimpl
+    def inspect_batch(self, ctx: Any, step: int, micro_step: int) -> None:
+        self._maybe_raise("inspect_batch", step)
+        o = self.options
+        if o.report_at_step == step and micro_step == 0 and o.report_on_rank in (None, ctx.rank):
+            ctx.report(TEST_FAULT.code, f"injected fault at step {step} on rank {ctx.rank}", evidence={"injected": True})
+        if self.options.hang_at_step == step:
+            import time
+
+            (ctx.run_dir / f"hanging.rank-{ctx.rank}").touch()
+            time.sleep(600)
+
+    @hookimpl
+    def on_loss(self, ctx: Any, step: int) -> None:
+        self._maybe_raise("on_loss", step)
+
+    @hookimpl
+    def decide_action(self, ctx: Any, finding: Any) -> str | None:
+        return self.options.action if finding.code == TEST_FAULT.code else None
+
+    @hookimpl
+    def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, optimizer: Any) -> None:
+        self._maybe_raise("on_before_optimizer_step", step)
+        self._model, self._optimizer = model, optimizer
+        if step in self.options.snapshot_steps:
+            self._before = {"params": param_tensors(model), "optimizer": optimizer_tensors(optimizer)}
+
+    @hookimpl
+    def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        self._maybe_raise("on_step_end", step)
+        if step not in self.options.snapshot_steps or not self._before:
+            return
+        after = {"params": param_tensors(self._model), "optimizer": optimizer_tensors(self._optimizer)}
+        record = {
+            "step": step,
+            "rank": ctx.rank,
+            "skipped": bool(metrics.get("skipped")),
+            "params_changed": _diff(self._before["params"], after["params"]),
+            "optimizer_changed": _diff(self._before["optimizer"], after["optimizer"]),
+            "optimizer_tensors": len(after["optimizer"]),
+            "lr": metrics.get("lr"),
+        }
+        self.snapshots.append(record)
+        self._before = {}
+        with open(ctx.path(f"fault_injector.rank-{ctx.rank}.jsonl"), "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")

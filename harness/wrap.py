@@ -1,0 +1,59 @@
+"""``harness wrap -- COMMAND``: run an unmodified training command with the harness attached.
+
+The config travels by environment (``HARNESS_CONFIG``, ``HARNESS_PLUGINS``,
+``HARNESS_WRAP=1``, ``PYTHONPATH``) to every process the command starts,
+including those spawned by torchrun, deepspeed and accelerate launch. The
+command's exit status is returned unchanged; signals are passed on to it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Sequence
+
+from harness.autoattach import SITE_DIR, WRAP_ENV
+from harness.config import CONFIG_ENV, PLUGINS_ENV, Catalog, load_config
+from harness.errors import HarnessError
+
+
+def wrap_environment(config: str | None, plugins: Sequence[str], base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment that makes every Python process of the job attach the harness."""
+    env = dict(os.environ if base is None else base)
+    env[WRAP_ENV] = "1"
+    paths = [str(SITE_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    if config:
+        env[CONFIG_ENV] = str(Path(config).resolve())
+    if plugins:
+        env[PLUGINS_ENV] = ",".join(plugins)
+    return env
+
+
+def validate(config: str | None, plugins: Sequence[str]) -> None:
+    """Fail before the job starts (and before it allocates anything) if the config is wrong."""
+    load_config(config if config else {}, Catalog.build(), extra_plugins=list(plugins))
+
+
+def run_wrapped(command: Sequence[str], config: str | None = None, plugins: Sequence[str] = ()) -> int:
+    """Validate, then run ``command``; return its exit status (128+N when killed by signal N)."""
+    if not command:
+        raise HarnessError("harness wrap needs a command after '--', e.g. `harness wrap -- python train.py`.")
+    validate(config, plugins)
+    env = wrap_environment(config, plugins)
+    try:
+        child = subprocess.Popen(list(command), env=env)
+    except FileNotFoundError:
+        raise HarnessError(f"harness wrap: command not found: '{command[0]}'. Fix: check the command after '--' and your PATH.") from None
+
+    def forward(signum: int, _frame: object) -> None:
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code

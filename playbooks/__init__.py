@@ -1,0 +1,1 @@
+"""Troubleshooting playbooks, one markdown file per finding-code family, shipped as data."""

@@ -1,0 +1,18 @@
+"""Built-in plugins, as an explicit list: the harness core imports them only through this registry.
+
+Each entry maps the plugin's public name to ``"module:Class"`` and says whether
+the plugin is on when the config does not list ``plugins``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class BuiltinPlugin(NamedTuple):
+    target: str
+    default_enabled: bool
+
+
+BUILTIN_PLUGINS: dict[str, BuiltinPlugin] = {
+    "metrics_log": BuiltinPlugin("harness.plugins.metrics_log:MetricsLog", True),
+}

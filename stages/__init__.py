@@ -1,0 +1,1 @@
+"""Stage runners (pretrain, continue, sft, dpo): see the stage-runner issue."""

@@ -1,0 +1,106 @@
+"""Shared fixtures: a tiny real Llama, a local tokenizer and data, and real Trainers (no hub, no mocks)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "DS_ACCELERATOR": "cpu",
+}.items():
+    os.environ.setdefault(_key, _value)
+for _key in ("HARNESS_CONFIG", "HARNESS_PLUGINS", "HARNESS_WRAP"):
+    os.environ.pop(_key, None)
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "train_trainer.py"
+FAULTS = "harness.testing:FaultInjector"
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    from harness.tiny import corpus_lines, train_tokenizer
+
+    return train_tokenizer(corpus_lines(), vocab_size=256)
+
+
+@pytest.fixture(scope="session")
+def lm_rows(tokenizer: Any) -> Any:
+    from harness.tiny import lm_dataset
+
+    return lm_dataset(tokenizer, seq_len=32, n_rows=96)
+
+
+@pytest.fixture
+def make_trainer(tmp_path: Path, tokenizer: Any, lm_rows: Any) -> Callable[..., Any]:
+    """A real ``transformers.Trainer`` on a 2-layer Llama; keyword arguments go to TrainingArguments."""
+    from transformers import Trainer, TrainingArguments
+
+    from harness.tiny import build_tiny_llama
+
+    def factory(output_dir: Path | None = None, callbacks: list[Any] | None = None, **overrides: Any) -> Any:
+        settings: dict[str, Any] = dict(
+            output_dir=str(output_dir or tmp_path / "out"),
+            max_steps=6,
+            per_device_train_batch_size=4,
+            learning_rate=1e-3,
+            report_to="none",
+            logging_steps=1,
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=0,
+        )
+        settings.update(overrides)
+        model = build_tiny_llama(tokenizer, seed=0)
+        return Trainer(model=model, args=TrainingArguments(**settings), train_dataset=lm_rows, callbacks=callbacks)
+
+    return factory
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def findings_of(output_dir: Path, code: str | None = None) -> list[dict[str, Any]]:
+    rows = read_jsonl(Path(output_dir) / "harness" / "findings.jsonl")
+    return [r for r in rows if code is None or r["code"] == code]
+
+
+def harness_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """Run the installed ``harness`` command line as a user would."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd
+    )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def torchrun(nproc: int = 2) -> list[str]:
+    """A torchrun command line on a free local port (port 0 makes the ranks disagree)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+
+
+def write_yaml(path: Path, data: dict[str, Any]) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
