@@ -368,6 +368,8 @@ def _guard_accelerated_optimizer(optimizer: Any, guard: Guard, model: Any) -> No
     holds the LR scheduler back.
     """
     original = optimizer.step
+    if getattr(original, "_harness_guard", False):
+        return  # a second train() call on the same optimizer: one guard per step, not two
 
     @functools.wraps(original)
     def harness_step(*args: Any, **kwargs: Any) -> Any:
@@ -378,6 +380,7 @@ def _guard_accelerated_optimizer(optimizer: Any, guard: Guard, model: Any) -> No
         optimizer._is_overflow = True
         return None
 
+    harness_step._harness_guard = True  # type: ignore[attr-defined]
     optimizer.step = harness_step
 
 
@@ -390,6 +393,8 @@ def _guard_deepspeed_optimizer(optimizer: Any, guard: Guard, engine: Any) -> Non
     the loss scale.
     """
     original = optimizer.step
+    if getattr(original, "_harness_guard", False):
+        return
 
     @functools.wraps(original)
     def harness_step(*args: Any, **kwargs: Any) -> Any:
@@ -397,6 +402,7 @@ def _guard_deepspeed_optimizer(optimizer: Any, guard: Guard, engine: Any) -> Non
             return original(*args, **kwargs)
         return _skip_deepspeed_step(optimizer, original, args, kwargs)
 
+    harness_step._harness_guard = True  # type: ignore[attr-defined]
     optimizer.step = harness_step
 
 

@@ -212,3 +212,13 @@ def test_a_plugin_object_works_without_any_config(make_trainer: Any) -> None:
     harness.attach(trainer, plugins=[injector])
     trainer.train()
     assert injector.snapshots == []
+
+
+def test_a_second_train_call_guards_each_step_once(make_trainer: Any) -> None:
+    recorder = Recorder()
+    trainer = make_trainer(max_steps=2)
+    harness.attach(trainer, plugins=[recorder])
+    trainer.train()
+    trainer.train()
+    assert [c[0] for c in recorder.calls["on_before_optimizer_step"]] == [1, 2, 1, 2]
+    assert recorder.calls["on_run_end"] == [("completed", None), ("completed", None)]

@@ -1,22 +1,41 @@
 """Two processes on CPU (gloo): findings reach rank 0 exactly once; skip_step is agreed and bit-identical.
 
-Runs the unmodified example script under `harness wrap -- torchrun --nproc_per_node 2`,
-with plain DDP and with DeepSpeed ZeRO-2 (``DS_ACCELERATOR=cpu``).
+Runs the unmodified example script under `harness wrap`, through each launcher users
+have (torchrun, accelerate launch, the deepspeed launcher), with plain DDP and with
+DeepSpeed ZeRO-2 (``DS_ACCELERATOR=cpu``).
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLE, FAULTS, REPO, findings_of, harness_cli, read_jsonl, torchrun, write_yaml
+from conftest import EXAMPLE, FAULTS, REPO, findings_of, free_port, harness_cli, read_jsonl, torchrun, write_yaml
 
 pytestmark = pytest.mark.slow
+ZERO2 = ["--deepspeed", str(REPO / "examples" / "ds_zero2.json")]
+BIN = Path(sys.executable).parent
 
 
-@pytest.mark.parametrize("engine", ["ddp", "deepspeed_zero2"])
-def test_rank1_finding_lands_once_and_all_ranks_skip_together(tmp_path: Path, engine: str) -> None:
-    out = tmp_path / engine
+def _launch(launcher: str) -> tuple[list[str], list[str]]:
+    """(launcher command, extra script arguments)."""
+    if launcher == "torchrun-ddp":
+        return torchrun(), []
+    if launcher == "torchrun-zero2":
+        return torchrun(), ZERO2
+    if launcher == "accelerate-ddp":
+        return [
+            str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+        ], []
+    assert launcher == "deepspeed-zero2"
+    return [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())], ZERO2
+
+
+@pytest.mark.parametrize("launcher", ["torchrun-ddp", "torchrun-zero2", "accelerate-ddp", "deepspeed-zero2"])
+def test_rank1_finding_lands_once_and_all_ranks_skip_together(tmp_path: Path, launcher: str) -> None:
+    out = tmp_path / launcher
     config = write_yaml(
         tmp_path / "h.yaml",
         {
@@ -24,11 +43,9 @@ def test_rank1_finding_lands_once_and_all_ranks_skip_together(tmp_path: Path, en
             "fault_injector": {"report_at_step": 3, "report_on_rank": 1, "action": "skip_step", "snapshot_steps": [2, 3, 4]},
         },
     )
-    script = [str(EXAMPLE), "--output_dir", str(out), "--max_steps", "5"]
-    if engine == "deepspeed_zero2":
-        script += ["--deepspeed", str(REPO / "examples" / "ds_zero2.json")]
-    result = harness_cli(
-        "wrap", "--config", str(config), "--", *torchrun(), *script, env={"DS_ACCELERATOR": "cpu"})
+    command, extra = _launch(launcher)
+    script = [str(EXAMPLE), "--output_dir", str(out), "--max_steps", "5", *extra]
+    result = harness_cli("wrap", "--config", str(config), "--", *command, *script, env={"DS_ACCELERATOR": "cpu"})
     assert result.returncode == 0, result.stderr[-4000:]
 
     faults = findings_of(out, "TEST_FAULT")
