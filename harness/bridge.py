@@ -25,10 +25,10 @@ from typing import Any, Callable
 
 from transformers import TrainerCallback
 
-from harness.actions import Action
+from harness.actions import Action, strongest
 from harness.config import Catalog, ResolvedConfig, load_config
 from harness.context import RunContext
-from harness.core_codes import ACTION_TAKEN, INTERNAL_PLUGIN_ERROR, PLUGIN_DISABLED
+from harness.core_codes import ACTION_TAKEN, INTERNAL_PLUGIN_ERROR, PLUGIN_DISABLED, PLUGIN_STOP, SKIP_NOT_APPLIED
 from harness.distributed import DistInfo
 from harness.manager import HarnessPluginManager
 
@@ -72,6 +72,7 @@ class Bridge:
         self.ctx = RunContext(resolved, catalog.codes, manager, run_dir, dist)
         self.ctx.trainer = trainer
         manager.on_error = self._plugin_failed
+        manager.on_stop = self._plugin_stopped
         if dist.is_main:
             (run_dir / "config.yaml").write_text(resolved.to_yaml(), encoding="utf-8")
         for name in manager.names:
@@ -79,6 +80,7 @@ class Bridge:
         self._loss_sum: Any = None
         self._micro_batches = 0
         self._grad_norm: Any = None
+        self._lr: float | None = None
         self._agreed = Action.CONTINUE
         self._in_training_step = False
         self._in_train = False
@@ -99,26 +101,32 @@ class Bridge:
     def _wrap_train(self, train: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(train)
         def harness_train(*args: Any, **kwargs: Any) -> Any:
-            if self._in_train:
-                return train(*args, **kwargs)
-            self._in_train = True
-            self.ctx.resumed_from = self._resume_dir(args, kwargs)
-            status, error = "completed", None
-            try:
-                return train(*args, **kwargs)
-            except BaseException as exc:
-                status, error = "crashed", exc
-                raise
-            finally:
-                self._in_train = False
-                if status == "completed" and self._stopped:
-                    status = "stopped"
-                self.ctx.status = status
-                self.ctx.manager.call("on_run_end", ctx=self.ctx, status=status, error=error)
-                if status == "crashed":
-                    log.error("harness: training crashed; findings are in %s", self.ctx.run_dir / "findings.jsonl")
+            return self.run_train(train, args, kwargs)
 
         return harness_train
+
+    def run_train(self, train: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one ``train()`` call: ``on_run_end`` always fires, with how the run ended."""
+        if self._in_train:
+            return train(*args, **kwargs)
+        self._in_train = True
+        self._stopped = False
+        self.ctx.pending_action = Action.CONTINUE
+        self.ctx.resumed_from = self._resume_dir(args, kwargs)
+        status, error = "completed", None
+        try:
+            return train(*args, **kwargs)
+        except BaseException as exc:
+            status, error = "crashed", exc
+            raise
+        finally:
+            self._in_train = False
+            if status == "completed" and self._stopped:
+                status = "stopped"
+            self.ctx.status = status
+            self.ctx.manager.call("on_run_end", ctx=self.ctx, status=status, error=error)
+            if status == "crashed":
+                log.error("harness: training crashed; findings are in %s", self.ctx.run_dir / "findings.jsonl")
 
     def _resume_dir(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Path | None:
         resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
@@ -179,7 +187,7 @@ class Bridge:
         if getattr(trainer, "is_deepspeed_enabled", False):
             self.is_deepspeed = True
             engine = trainer.model_wrapped
-            _guard_deepspeed_optimizer(engine.optimizer, self.guard, engine)
+            _guard_deepspeed_optimizer(engine.optimizer, self, engine)
         else:
             _guard_accelerated_optimizer(trainer.optimizer, self.guard, trainer.model_wrapped)
 
@@ -191,6 +199,7 @@ class Bridge:
         ctx.manager.call(
             "on_before_optimizer_step", ctx=ctx, step=ctx.step, model=model, optimizer=optimizer, grad_norm=self._grad_norm
         )
+        self._lr = _current_lr(self.trainer)  # the LR this update uses, before the scheduler moves
         action = ctx.agree()
         if action is Action.ROLLBACK and getattr(self.trainer, "_harness_rollback", None) is None:
             action = Action.SAVE_AND_STOP
@@ -215,10 +224,13 @@ class Bridge:
                 ctx.manager.call_plugin(name, "on_resume", ctx=ctx, checkpoint_dir=ctx.resumed_from, state=states.get(name))
 
     def step_begin(self) -> None:
+        if self.ctx.pending_action is Action.SKIP_STEP:
+            self.ctx.pending_action = Action.CONTINUE  # asked after the last guard: that update is done
         self.ctx.micro_step = 0
         self._loss_sum = None
         self._micro_batches = 0
         self._grad_norm = None
+        self._lr = None
         self._agreed = Action.CONTINUE
 
     def step_end(self, state: Any, control: Any) -> Any:
@@ -228,7 +240,7 @@ class Bridge:
         metrics = {
             "loss": self._loss_sum,
             "grad_norm": self._grad_norm,
-            "lr": _current_lr(self.trainer),
+            "lr": self._lr,
             "skipped": agreed is not Action.CONTINUE,
             "action": agreed.value,
             "micro_batches": self._micro_batches,
@@ -237,8 +249,6 @@ class Bridge:
             self._record_action(agreed, step)
         ctx.step = step
         ctx.manager.call("on_step_end", ctx=ctx, step=step, metrics=metrics)
-        if ctx.pending_action is Action.SKIP_STEP:
-            ctx.pending_action = Action.CONTINUE  # this step's update is done: too late to skip it
         if ctx.world_size == 1 and ctx.pending_action.stops_training:
             agreed, ctx.pending_action = ctx.pending_action, Action.CONTINUE
             self._record_action(agreed, step)
@@ -283,17 +293,24 @@ class Bridge:
     def save(self, state: Any) -> None:
         ctx = self.ctx
         checkpoint_dir = Path(self.trainer.args.output_dir) / f"checkpoint-{state.global_step}"
-        states = {
-            name: value
-            for name in ctx.manager.names
-            if (value := ctx.manager.call_plugin(name, "checkpoint_state", ctx=ctx, step=state.global_step)) is not None
-        }
+        states: dict[str, str] = {}
+        for name in ctx.manager.names:
+            value = ctx.manager.call_plugin(name, "checkpoint_state", ctx=ctx, step=state.global_step)
+            if value is None:
+                continue
+            try:
+                states[name] = json.dumps(value)
+            except (TypeError, ValueError) as exc:  # the plugin's state, not the checkpoint, is lost
+                ctx.manager.record_error(name, "checkpoint_state", exc)
         if states:
             target = checkpoint_dir / STATE_DIR / f"rank-{ctx.rank}.json"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_suffix(".tmp")
-            tmp.write_text(json.dumps(states, default=str), encoding="utf-8")
-            os.replace(tmp, target)
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_suffix(".tmp")
+                tmp.write_text("{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in states.items()) + "}", encoding="utf-8")
+                os.replace(tmp, target)
+            except OSError as exc:
+                log.error("harness: could not write plugin state to %s: %s", target, exc)
         ctx.manager.call("on_checkpoint_save", ctx=ctx, step=state.global_step, checkpoint_dir=checkpoint_dir)
 
     def train_end(self) -> None:
@@ -319,6 +336,25 @@ class Bridge:
                 evidence={"hook": hook, "errors": count},
                 plugin=plugin,
             )
+
+
+    def _plugin_stopped(self, plugin: str, hook: str, stop: BaseException, _tb: str) -> None:
+        self.ctx.report(
+            PLUGIN_STOP.code,
+            f"plugin '{plugin}' asked to stop training in {hook}() at step {self.ctx.step}: {stop}",
+            evidence={"hook": hook, "reason": str(stop)},
+            plugin=plugin,
+        )
+        self.ctx.pending_action = strongest(self.ctx.pending_action, Action.STOP)
+
+    def skip_not_applied(self, detail: str) -> None:
+        self.ctx.report(
+            SKIP_NOT_APPLIED.code,
+            f"the harness could not skip the optimizer update at step {self.ctx.step}: {detail}. "
+            "The update was applied; parameters moved.",
+            evidence={"optimizer": detail},
+            plugin="harness",
+        )
 
 
 class HarnessCallback(TrainerCallback):
@@ -365,7 +401,8 @@ def _guard_accelerated_optimizer(optimizer: Any, guard: Guard, model: Any) -> No
 
     A skip leaves parameters and optimizer state untouched and marks the step
     as skipped (the same flag an fp16 overflow sets), so the Trainer also
-    holds the LR scheduler back.
+    holds the LR scheduler back. With an fp16 GradScaler the scaler is reset
+    at the same scale, as after an overflow, so the next step can unscale.
     """
     original = optimizer.step
     if getattr(original, "_harness_guard", False):
@@ -373,64 +410,91 @@ def _guard_accelerated_optimizer(optimizer: Any, guard: Guard, model: Any) -> No
 
     @functools.wraps(original)
     def harness_step(*args: Any, **kwargs: Any) -> Any:
+        scaler = getattr(optimizer, "scaler", None)
         if guard(model, optimizer) is Action.CONTINUE:
-            if getattr(optimizer, "scaler", None) is None:
+            if scaler is None:
                 optimizer._is_overflow = False
             return original(*args, **kwargs)
         optimizer._is_overflow = True
+        if scaler is not None and scaler.is_enabled():
+            scaler.update(scaler.get_scale())  # forget this step's unscale_; keep the scale as it was
         return None
 
     harness_step._harness_guard = True  # type: ignore[attr-defined]
     optimizer.step = harness_step
 
 
-def _guard_deepspeed_optimizer(optimizer: Any, guard: Guard, engine: Any) -> None:
+def _guard_deepspeed_optimizer(optimizer: Any, bridge: "Bridge", engine: Any) -> None:
     """DeepSpeed: ``engine.step()`` (inside backward) calls its optimizer's ``step``; guard that.
 
-    A skip drives the optimizer down its own overflow path (the one fp16
-    overflow takes: gradients dropped, no update, ``overflow`` set so the
-    engine skips the LR scheduler and counts a skipped step) without touching
-    the loss scale.
+    A skip drives the optimizer down its own overflow path (the one an fp16
+    overflow takes: gradients dropped, no update, ``overflow`` set so that the
+    engine holds the LR scheduler and counts a skipped step) without touching
+    the loss scale. If the optimizer still reports no overflow afterwards the
+    update happened, and a critical ``SKIP_NOT_APPLIED`` finding says so.
     """
     original = optimizer.step
     if getattr(original, "_harness_guard", False):
         return
+    owns_overflow = hasattr(optimizer, "overflow")
 
     @functools.wraps(original)
     def harness_step(*args: Any, **kwargs: Any) -> Any:
-        if guard(engine, optimizer) is Action.CONTINUE:
+        if bridge.guard(engine, optimizer) is Action.CONTINUE:
+            if not owns_overflow and hasattr(optimizer, "overflow"):
+                optimizer.overflow = False
             return original(*args, **kwargs)
-        return _skip_deepspeed_step(optimizer, original, args, kwargs)
+        if not _has_overflow_path(optimizer):
+            # ZeRO stage 0 with a plain torch optimizer: drop the gradients, flag the skip for the engine
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.overflow = True
+            return None
+        result = _step_with_forced_overflow(optimizer, original, args, kwargs)
+        if not getattr(optimizer, "overflow", False):
+            bridge.skip_not_applied(type(optimizer).__name__)
+        return result
 
     harness_step._harness_guard = True  # type: ignore[attr-defined]
     optimizer.step = harness_step
 
 
-def _skip_deepspeed_step(optimizer: Any, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if hasattr(optimizer, "check_overflow") and hasattr(optimizer, "_update_scale"):
-        had_flag = "check_grad_overflow" in vars(optimizer)
-        previous_flag = getattr(optimizer, "check_grad_overflow", None)
+def _has_overflow_path(optimizer: Any) -> bool:
+    return hasattr(optimizer, "_update_scale") and (
+        hasattr(optimizer, "check_overflow") or hasattr(optimizer, "_overflow_check_and_loss_scale_update")
+    )
 
-        def forced_overflow(*_: Any, **__: Any) -> bool:
-            optimizer.overflow = True
-            return True
 
-        optimizer.check_overflow = forced_overflow
-        optimizer._update_scale = lambda *_, **__: None
-        if had_flag:
-            optimizer.check_grad_overflow = True
-        try:
-            return original(*args, **kwargs)
-        finally:
-            del optimizer.check_overflow
-            del optimizer._update_scale
-            if had_flag:
-                optimizer.check_grad_overflow = previous_flag
-    # An optimizer without an overflow path (ZeRO stage 0 with a torch optimizer): drop the gradients.
-    optimizer.zero_grad(set_to_none=True)
-    if hasattr(optimizer, "overflow"):
+def _step_with_forced_overflow(optimizer: Any, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run the optimizer's own step with its overflow check answering "overflow" and the loss scale frozen."""
+
+    def forced_overflow(*_: Any, **__: Any) -> bool:
         optimizer.overflow = True
-    return None
+        return True
+
+    patches: dict[str, Any] = {"_update_scale": lambda *_, **__: None}
+    if hasattr(optimizer, "check_overflow"):
+        patches["check_overflow"] = forced_overflow  # ZeRO-1/2, fp16 optimizers
+    if hasattr(optimizer, "_overflow_check_and_loss_scale_update"):  # ZeRO-3 checks only under fp16
+
+        def stage3_overflow(update_scale: bool = True) -> bool:
+            optimizer.overflow = True
+            return optimizer._loss_scale_update_and_overflow_cleanup() if update_scale else True
+
+        patches["_overflow_check_and_loss_scale_update"] = stage3_overflow
+    saved_flag = vars(optimizer).get("check_grad_overflow")
+    if saved_flag is not None:
+        optimizer.check_grad_overflow = True  # ZeRO-1/2 may skip its check under bf16/fp32
+    for name, patch in patches.items():
+        setattr(optimizer, name, patch)
+    try:
+        return original(*args, **kwargs)
+    finally:
+        for name in patches:
+            vars(optimizer).pop(name, None)
+        if saved_flag is not None:
+            optimizer.check_grad_overflow = saved_flag
+        if hasattr(optimizer, "_global_grad_norm"):
+            optimizer._global_grad_norm = None  # not inf: the harness skipped, the gradients were not infinite
 
 
 def _current_lr(trainer: Any) -> float | None:

@@ -8,7 +8,7 @@ waits for the day the plugin is switched on.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ class Catalog:
     option_models: dict[str, type[BaseModel] | None]
     codes: dict[str, FindingCode]
     code_owner: dict[str, str]
+    broken: dict[str, str] = field(default_factory=dict)  # installed plugins that failed to load
 
     @classmethod
     def build(cls, extra: list[Any] | None = None, autoload: bool | None = None) -> "Catalog":
@@ -80,18 +81,27 @@ class Catalog:
         option_models: dict[str, type[BaseModel] | None] = {}
         codes: dict[str, FindingCode] = {c.code: c for c in CORE_CODES}
         owner = {c.code: "harness" for c in CORE_CODES}
-        for name, entry in entries.items():
+        broken: dict[str, str] = {}
+        for name, entry in list(entries.items()):
             if name in CORE_KEYS:
                 raise PluginError(f"plugin '{name}' ({entry.source}) has the name of a core option; rename the plugin.")
-            manager.register(entry)
-            option_models[name] = manager.option_model(name)
-            for code in manager.declared_codes(name):
+            try:
+                manager.register(entry)
+                option_models[name] = manager.option_model(name)
+                declared = manager.declared_codes(name)
+            except Exception as exc:  # noqa: BLE001 - a broken third-party plugin must not break every run
+                if entry.source == "builtin":
+                    raise
+                broken[name] = f"plugin '{name}' ({entry.source}) cannot be loaded: {exc!r}"
+                del entries[name]
+                continue
+            for code in declared:
                 if code.code in owner and owner[code.code] != name:
                     raise PluginError(
                         f"finding code '{code.code}' is declared by both '{owner[code.code]}' and '{name}'."
                     )
                 codes[code.code], owner[code.code] = code, name
-        return cls(entries, manager, option_models, codes, owner)
+        return cls(entries, manager, option_models, codes, owner, broken)
 
     def add(self, spec: Any) -> str:
         """Make a plugin given as a path or object available; return its name."""
@@ -184,6 +194,11 @@ def _explain(error: dict[str, Any], source: str, model: type[BaseModel], catalog
     key = ".".join(str(p) for p in loc) or "(top level)"
     owner = _owner(loc, catalog)
     if error.get("type") == "extra_forbidden":
+        if len(loc) == 1 and loc[0] in catalog.entries:
+            return (
+                f"harness config error in {source}, key '{key}' (plugin '{loc[0]}'): this plugin has no options. "
+                f"Fix: remove the '{loc[0]}' section (enable the plugin under 'plugins' instead)."
+            )
         allowed = _fields_at(model, loc[:-1]) or []
         kind = "option" if loc[:-1] else "top-level key (neither a core option nor a plugin name)"
         return (
@@ -218,6 +233,9 @@ def resolve_config(
     requested = list(model.plugins) if model.plugins is not None else catalog.default_enabled
     enabled: list[str] = []
     for spec in requested + list(extra_plugins or []):
+        if spec in catalog.broken:
+            problems.append(f"harness config error in {source}, key 'plugins': {catalog.broken[spec]}. Fix: reinstall or fix that package, or remove it from 'plugins'.")
+            continue
         try:
             name = catalog.add(spec)
         except KeyError:

@@ -11,7 +11,7 @@ from harness.distributed import DistInfo, all_reduce_max, gather_to_main
 from harness.findings import Finding, FindingCode, FindingsFile, Severity
 from harness.manager import HarnessPluginManager
 
-UNDECIDED_CODES = frozenset({"ACTION_TAKEN", "INTERNAL_PLUGIN_ERROR", "PLUGIN_DISABLED"})
+UNDECIDED_CODES = frozenset({"ACTION_TAKEN", "INTERNAL_PLUGIN_ERROR", "PLUGIN_DISABLED", "PLUGIN_STOP", "SKIP_NOT_APPLIED"})
 
 
 class FindingsHub:
@@ -129,13 +129,18 @@ class RunContext:
         if finding.code in UNDECIDED_CODES:
             return Action.CONTINUE
         chosen = self.options.policy.get(finding.code)
-        if chosen is None:
-            answer = self.manager.call_first("decide_action", ctx=self, finding=finding)
-            try:
-                chosen = Action(answer) if answer is not None else Action.CONTINUE
-            except ValueError:
-                chosen = Action.CONTINUE
-        return Action(chosen)
+        if chosen is not None:
+            return Action(chosen)
+        answer = self.manager.call_first("decide_action", ctx=self, finding=finding)
+        if answer is None:
+            return Action.CONTINUE
+        plugin, value = answer
+        try:
+            return Action(value)
+        except ValueError:
+            valid = ", ".join(a.value for a in Action)
+            self.manager.record_error(plugin, "decide_action", ValueError(f"decide_action returned {value!r} for {finding.code}; valid actions: {valid}"))
+            return Action.CONTINUE
 
     def _announce(self, finding: Finding) -> None:
         if self._in_on_finding:

@@ -21,4 +21,16 @@ ACTION_TAKEN = FindingCode(
     "The harness changed training (skipped a step, saved and stopped, stopped) after a finding.",
     "harness-core#action_taken",
 )
-CORE_CODES: tuple[FindingCode, ...] = (INTERNAL_PLUGIN_ERROR, PLUGIN_DISABLED, ACTION_TAKEN)
+PLUGIN_STOP = FindingCode(
+    "PLUGIN_STOP",
+    Severity.ERROR,
+    "A plugin raised HarnessStop: training stops at the next optimizer-step guard, on every rank.",
+    "harness-core#plugin_stop",
+)
+SKIP_NOT_APPLIED = FindingCode(
+    "SKIP_NOT_APPLIED",
+    Severity.CRITICAL,
+    "A skip was decided but the optimizer applied the update anyway (an optimizer the guard cannot hold).",
+    "harness-core#skip_not_applied",
+)
+CORE_CODES: tuple[FindingCode, ...] = (INTERNAL_PLUGIN_ERROR, PLUGIN_DISABLED, PLUGIN_STOP, ACTION_TAKEN, SKIP_NOT_APPLIED)

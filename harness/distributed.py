@@ -36,19 +36,30 @@ def dist_info() -> DistInfo:
     return DistInfo(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def _collective_device() -> torch.device:
-    backend = torch.distributed.get_backend()
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+_CONTROL_GROUP: dict[str, Any] = {}
+
+
+def control_group() -> Any:
+    """A CPU (gloo) process group for the harness's few control integers and findings.
+
+    Agreeing on an action over NCCL would put a device sync into every
+    optimizer step; over gloo the integers never touch the GPU. Created once,
+    lazily, at the first guard, which every rank reaches together.
+    """
+    if "group" not in _CONTROL_GROUP:
+        if torch.distributed.get_backend() == "gloo":
+            _CONTROL_GROUP["group"] = None  # the default group already runs on the CPU
+        else:
+            _CONTROL_GROUP["group"] = torch.distributed.new_group(backend="gloo")
+    return _CONTROL_GROUP["group"]
 
 
 def all_reduce_max(values: list[int]) -> list[int]:
     """Element-wise maximum of small integer vectors over all ranks (identity when alone)."""
     if not dist_ready() or torch.distributed.get_world_size() == 1:
         return list(values)
-    tensor = torch.tensor(values, dtype=torch.int64, device=_collective_device())
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    tensor = torch.tensor(values, dtype=torch.int64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=control_group())
     return [int(v) for v in tensor.tolist()]
 
 
@@ -58,5 +69,5 @@ def gather_to_main(obj: Any) -> list[Any] | None:
         return [obj]
     rank = torch.distributed.get_rank()
     out: list[Any] | None = [None] * torch.distributed.get_world_size() if rank == 0 else None
-    torch.distributed.gather_object(obj, out, dst=0)
+    torch.distributed.gather_object(obj, out, dst=0, group=control_group())
     return out

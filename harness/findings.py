@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -80,9 +80,14 @@ class Finding:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     def to_json(self) -> str:
-        data = asdict(self)
+        # shallow on purpose: asdict() deep-copies evidence, which fails on tensors and handles
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
         data["severity"] = self.severity.value
-        return json.dumps(data, default=_json_default, sort_keys=True)
+        try:
+            return json.dumps(data, default=_json_default, sort_keys=True)
+        except (TypeError, ValueError):  # mixed-type keys or a cycle in the evidence: keep the finding
+            data["evidence"] = {str(k): repr(v) for k, v in self.evidence.items()}
+            return json.dumps(data, default=_json_default, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Finding":

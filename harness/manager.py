@@ -137,6 +137,7 @@ class HarnessPluginManager:
         self._disabled: set[str] = set()
         self.max_errors_per_plugin = max_errors_per_plugin
         self.on_error: ErrorSink | None = None
+        self.on_stop: ErrorSink | None = None
         self.current_plugin: str | None = None
 
     # -- registration -------------------------------------------------------------------
@@ -210,12 +211,12 @@ class HarnessPluginManager:
                 results.append((plugin_name, value))
         return results
 
-    def call_first(self, hook: str, **kwargs: Any) -> Any:
-        """firstresult semantics: the first non-None result, with the same isolation."""
+    def call_first(self, hook: str, **kwargs: Any) -> tuple[str, Any] | None:
+        """firstresult semantics: ``(plugin, result)`` of the first non-None result, with the same isolation."""
         for plugin_name, function, argnames in self._implementations(hook):
             value = self._call_one(hook, plugin_name, function, argnames, kwargs)
             if value is not None:
-                return value
+                return plugin_name, value
         return None
 
     def call_plugin(self, name: str, hook: str, **kwargs: Any) -> Any:
@@ -231,15 +232,19 @@ class HarnessPluginManager:
         self.current_plugin = plugin_name
         try:
             return function(*[kwargs[a] for a in argnames])
-        except HarnessStop:
-            raise
+        except HarnessStop as stop:
+            if self.on_stop is None:
+                raise
+            self.on_stop(plugin_name, hook, stop, "")  # stopped at the next step guard, on every rank alike
+            return None
         except Exception as exc:  # noqa: BLE001 - isolation is the point
-            self._record_error(plugin_name, hook, exc)
+            self.record_error(plugin_name, hook, exc)
             return None
         finally:
             self.current_plugin = None
 
-    def _record_error(self, plugin_name: str, hook: str, exc: BaseException) -> None:
+    def record_error(self, plugin_name: str, hook: str, exc: BaseException) -> None:
+        """Count an exception against a plugin (switching it off past the limit) and report it."""
         count = self._error_counts.get(plugin_name, 0) + 1
         self._error_counts[plugin_name] = count
         if count >= self.max_errors_per_plugin:
@@ -274,7 +279,10 @@ class HarnessPluginManager:
         return model
 
     def declared_codes(self, name: str) -> list[FindingCode]:
-        return list(self._declaration(name, "declare_codes") or [])
+        codes = self._declaration(name, "declare_codes") or []
+        if not isinstance(codes, (list, tuple)) or not all(isinstance(c, FindingCode) for c in codes):
+            raise PluginError(f"plugin '{name}': declare_codes() must return a list of harness.FindingCode, got {codes!r}.")
+        return list(codes)
 
 
 def build_manager(entries: Iterable[PluginEntry], max_errors_per_plugin: int = 10) -> HarnessPluginManager:

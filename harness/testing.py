@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from harness.actions import HarnessStop
 from harness.findings import FindingCode, Severity
 from harness.hookspecs import hookimpl
 
@@ -25,6 +26,8 @@ class FaultOptions(BaseModel):
 
     report_at_step: int | None = Field(None, description="Report a TEST_FAULT finding in inspect_batch of this step.")
     report_on_rank: int | None = Field(None, description="Only on this rank (default: every rank).")
+    report_in: str = Field("inspect_batch", description="Hook that reports: inspect_batch, on_step_end or on_log.")
+    stop_at_step: int | None = Field(None, description="Raise harness.HarnessStop in on_loss of this step.")
     action: str = Field("continue", description="Action the plugin decides for TEST_FAULT.")
     raise_in: str | None = Field(None, description="Hook in which to raise RuntimeError (e.g. inspect_batch, on_loss).")
     raise_at_step: int | None = Field(None, description="Raise only at this step (default: every call).")
@@ -48,8 +51,9 @@ def optimizer_tensors(optimizer: Any) -> dict[str, torch.Tensor]:
     seen: set[int] = set()  # wrappers share their inner optimizer's state dict
     node, depth = optimizer, 0
     while node is not None and depth < 5:
-        for i, part in enumerate(getattr(node, "single_partition_of_fp32_groups", []) or []):
-            out[f"d{depth}.fp32_partition.{i}"] = part.detach().clone()
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # ZeRO-1/2, ZeRO-3
+            for i, part in enumerate(getattr(node, attr, None) or []):
+                out[f"d{depth}.{attr}.{i}"] = part.detach().clone()
         state = getattr(node, "state", None)
         if isinstance(state, dict) and id(state) not in seen:
             seen.add(id(state))
@@ -63,8 +67,9 @@ def optimizer_tensors(optimizer: Any) -> dict[str, torch.Tensor]:
 
 
 def param_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """Every parameter, cloned; under ZeRO-3 the rank's own partition (``ds_tensor``)."""
     module = getattr(model, "module", model)
-    return {name: p.detach().clone() for name, p in module.named_parameters()}
+    return {name: getattr(p, "ds_tensor", p).detach().clone() for name, p in module.named_parameters()}
 
 
 def _diff(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> list[str]:
@@ -101,12 +106,16 @@ class FaultInjector:
         if o.raise_in == hook and (o.raise_at_step is None or o.raise_at_step == step):
             raise RuntimeError(f"injected fault in {hook} at step {step}")
 
+    def _maybe_report(self, ctx: Any, hook: str, step: int) -> None:
+        o = self.options
+        if o.report_in == hook and o.report_at_step == step and o.report_on_rank in (None, ctx.rank):
+            ctx.report(TEST_FAULT.code, f"injected fault at step {step} on rank {ctx.rank} in {hook}", evidence={"injected": True})
+
     @hookimpl
     def inspect_batch(self, ctx: Any, step: int, micro_step: int) -> None:
         self._maybe_raise("inspect_batch", step)
-        o = self.options
-        if o.report_at_step == step and micro_step == 0 and o.report_on_rank in (None, ctx.rank):
-            ctx.report(TEST_FAULT.code, f"injected fault at step {step} on rank {ctx.rank}", evidence={"injected": True})
+        if micro_step == 0:
+            self._maybe_report(ctx, "inspect_batch", step)
         if self.options.hang_at_step == step:
             import time
 
@@ -116,6 +125,12 @@ class FaultInjector:
     @hookimpl
     def on_loss(self, ctx: Any, step: int) -> None:
         self._maybe_raise("on_loss", step)
+        if self.options.stop_at_step == step:
+            raise HarnessStop(f"injected stop at step {step}")
+
+    @hookimpl
+    def on_log(self, ctx: Any, step: int) -> None:
+        self._maybe_report(ctx, "on_log", step)
 
     @hookimpl
     def decide_action(self, ctx: Any, finding: Any) -> str | None:
@@ -131,6 +146,7 @@ class FaultInjector:
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
         self._maybe_raise("on_step_end", step)
+        self._maybe_report(ctx, "on_step_end", step)
         if step not in self.options.snapshot_steps or not self._before:
             return
         after = {"params": param_tensors(self._model), "optimizer": optimizer_tensors(self._optimizer)}

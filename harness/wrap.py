@@ -2,18 +2,21 @@
 
 The config travels by environment (``HARNESS_CONFIG``, ``HARNESS_PLUGINS``,
 ``HARNESS_WRAP=1``, ``PYTHONPATH``) to every process the command starts,
-including those spawned by torchrun, deepspeed and accelerate launch. The
-command's exit status is returned unchanged; signals are passed on to it.
+including those spawned by torchrun, deepspeed and accelerate launch (and
+once more inside ``PYTHON_HARNESS_SETTINGS``, which DeepSpeed's multi-node
+launcher forwards to remote nodes). The command's exit status is returned
+unchanged; SIGTERM is passed on, Ctrl-C reaches it through the terminal.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 from pathlib import Path
 from typing import Sequence
 
-from harness.autoattach import SITE_DIR, WRAP_ENV
+from harness.autoattach import CARRIER_ENV, SITE_DIR, WRAP_ENV
 from harness.config import CONFIG_ENV, PLUGINS_ENV, Catalog, load_config
 from harness.errors import HarnessError
 
@@ -28,6 +31,7 @@ def wrap_environment(config: str | None, plugins: Sequence[str], base: dict[str,
         env[CONFIG_ENV] = str(Path(config).resolve())
     if plugins:
         env[PLUGINS_ENV] = ",".join(plugins)
+    env[CARRIER_ENV] = json.dumps({k: env[k] for k in (WRAP_ENV, CONFIG_ENV, PLUGINS_ENV) if k in env})
     return env
 
 
@@ -50,7 +54,9 @@ def run_wrapped(command: Sequence[str], config: str | None = None, plugins: Sequ
     def forward(signum: int, _frame: object) -> None:
         child.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # Ctrl-C already reaches the child through the shared process group: forwarding it too would
+    # interrupt the child's own clean-up (on_run_end). SIGTERM, sent to us alone, is passed on.
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: None), signal.SIGTERM: signal.signal(signal.SIGTERM, forward)}
     try:
         code = child.wait()
     finally:

@@ -138,7 +138,7 @@ def test_skip_step_leaves_params_and_optimizer_state_bit_identical(make_trainer:
     assert len(snaps[4]["params_changed"]) > 10
     if optim == "adamw_torch":
         assert snaps[3]["optimizer_tensors"] > 0 and len(snaps[4]["optimizer_changed"]) > 10
-    assert snaps[3]["lr"] == snaps[2]["lr"] != snaps[4]["lr"]  # the schedule held still on the skipped step
+    assert snaps[2]["lr"] != snaps[3]["lr"] == snaps[4]["lr"]  # the schedule held still on the skipped step
     (taken,) = findings_of(trainer.args.output_dir, "ACTION_TAKEN")
     assert taken["step"] == 3 and "TEST_FAULT" in taken["message"]
     (fault,) = findings_of(trainer.args.output_dir, "TEST_FAULT")
@@ -222,3 +222,65 @@ def test_a_second_train_call_guards_each_step_once(make_trainer: Any) -> None:
     trainer.train()
     assert [c[0] for c in recorder.calls["on_before_optimizer_step"]] == [1, 2, 1, 2]
     assert recorder.calls["on_run_end"] == [("completed", None), ("completed", None)]
+
+
+def test_a_skip_asked_after_the_guard_does_not_skip_the_next_step(make_trainer: Any) -> None:
+    trainer = make_trainer(max_steps=4)
+    ctx = harness.attach(
+        trainer,
+        config={"plugins": [FAULTS], "fault_injector": {"report_at_step": 2, "report_in": "on_log", "action": "skip_step", "snapshot_steps": [3]}},
+    )
+    trainer.train()
+    (fault,) = findings_of(trainer.args.output_dir, "TEST_FAULT")
+    assert fault["step"] == 2 and fault["action"] == "skip_step"
+    assert not _snapshots(ctx)[3]["skipped"] and _snapshots(ctx)[3]["params_changed"]
+    assert findings_of(trainer.args.output_dir, "ACTION_TAKEN") == []
+
+
+def test_a_stop_asked_after_the_guard_stops_at_that_step(make_trainer: Any) -> None:
+    trainer = make_trainer(max_steps=6)
+    harness.attach(trainer, config={"plugins": [FAULTS], "policy": {"TEST_FAULT": "stop"}, "fault_injector": {"report_at_step": 2, "report_in": "on_step_end"}})
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_harness_stop_from_a_plugin_stops_cleanly(make_trainer: Any) -> None:
+    recorder = Recorder()
+    trainer = make_trainer(max_steps=6)
+    harness.attach(trainer, plugins=[recorder], config={"plugins": [FAULTS], "fault_injector": {"stop_at_step": 3}})
+    trainer.train()
+    assert trainer.state.global_step == 3
+    (stop,) = findings_of(trainer.args.output_dir, "PLUGIN_STOP")
+    assert stop["step"] == 3 and "injected stop" in stop["message"]
+    assert recorder.calls["on_run_end"] == [("stopped", None)]
+
+
+def test_an_invalid_action_from_a_plugin_is_a_plugin_error(make_trainer: Any) -> None:
+    trainer = make_trainer(max_steps=3)
+    harness.attach(trainer, config={"plugins": [FAULTS], "fault_injector": {"report_at_step": 2, "action": "halt"}})
+    trainer.train()
+    assert trainer.state.global_step == 3
+    (error,) = findings_of(trainer.args.output_dir, "INTERNAL_PLUGIN_ERROR")
+    assert error["evidence"]["hook"] == "decide_action" and "'halt'" in error["message"]
+    assert findings_of(trainer.args.output_dir, "TEST_FAULT")[0]["action"] == "continue"
+
+
+class _BadState:
+    name = "bad_state"
+
+    @hookimpl
+    def checkpoint_state(self, step: int) -> dict[str, Any]:
+        return {"handle": object()}
+
+
+def test_unserialisable_plugin_state_does_not_break_the_checkpoint(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "ckpt"
+    trainer = make_trainer(output_dir=out, max_steps=2, save_strategy="steps", save_steps=2)
+    harness.attach(trainer, plugins=[_BadState(), Recorder()])
+    trainer.train()
+    assert (out / "checkpoint-2" / "model.safetensors").exists()
+    import json
+
+    assert json.loads((out / "checkpoint-2" / "harness_state" / "rank-0.json").read_text()) == {"recorder": {"saved_at": 2}}
+    (error,) = findings_of(out, "INTERNAL_PLUGIN_ERROR")
+    assert error["plugin"] == "bad_state" and error["evidence"]["hook"] == "checkpoint_state"

@@ -96,3 +96,8 @@ def test_cli_lists_plugins_and_codes() -> None:
     assert listing.returncode == 0 and "metrics_log" in listing.stdout and " on " in listing.stdout
     codes = harness_cli("plugins", "--codes")
     assert "INTERNAL_PLUGIN_ERROR" in codes.stdout
+
+
+def test_a_section_for_a_plugin_without_options(tmp_path: Path, catalog: Catalog) -> None:
+    message = _error(tmp_path, catalog, {"metrics_log": {"every": 2}})
+    assert "plugin 'metrics_log'): this plugin has no options" in message

@@ -77,7 +77,7 @@ def test_firstresult_takes_first_non_none() -> None:
     manager = HarnessPluginManager()
     manager.register(_entry(Decides(), "decides"))
     manager.register(_entry(Abstains(), "abstains"))
-    assert manager.call_first("decide_action", ctx=None, finding=None) == "stop"
+    assert manager.call_first("decide_action", ctx=None, finding=None) == ("decides", "stop")
 
 
 @pytest.fixture
@@ -123,3 +123,19 @@ def test_bad_module_path_is_clear() -> None:
     with pytest.raises(PluginError, match="has no attribute 'FaultInjectr'.*Did you mean 'FaultInjector'"):
         import_target("harness.testing:FaultInjectr")
     assert sys.modules.get("no_such_mod") is None
+
+
+def test_a_broken_third_party_plugin_only_matters_when_enabled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.config import Catalog, load_config
+    from harness.errors import ConfigError
+
+    info = tmp_path / "broken_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n", encoding="utf-8")
+    (info / "entry_points.txt").write_text("[harness]\nbroken = not_installed_module:Plugin\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(AUTOLOAD_ENV, raising=False)
+    catalog = Catalog.build()
+    assert "broken" in catalog.broken and load_config({}, catalog).enabled == ["metrics_log"]
+    with pytest.raises(ConfigError, match="plugin 'broken'.*cannot be loaded.*not_installed_module"):
+        load_config({"plugins": ["broken"]}, catalog)

@@ -87,3 +87,48 @@ def test_trl_sft_script_through_wrap(tmp_path: Path) -> None:
     assert (out / "harness" / "findings.jsonl").exists()
     assert findings_of(out) == []
     assert len(read_jsonl(out / "harness" / "metrics.jsonl")) >= 3
+
+
+def test_settings_survive_a_launcher_that_forwards_only_python_variables(tmp_path: Path) -> None:
+    """DeepSpeed's multi-node launcher forwards PYTHON* variables only: the carrier restores the rest."""
+    from harness.wrap import wrap_environment
+
+    out = tmp_path / "run"
+    env = wrap_environment(None, [FAULTS])
+    for key in ("HARNESS_WRAP", "HARNESS_CONFIG", "HARNESS_PLUGINS"):
+        env.pop(key, None)
+    result = subprocess.run(
+        [PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "2"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fault_injector" in (out / "harness" / "config.yaml").read_text()
+
+
+SUBCLASS_SCRIPT = '''
+import sys
+from transformers import Trainer, TrainingArguments
+from harness.tiny import build_tiny_llama, corpus_lines, lm_dataset, train_tokenizer
+
+class CountingTrainer(Trainer):
+    bodies = 0
+    def train(self, *args, **kwargs):
+        type(self).bodies += 1
+        return super().train(*args, **kwargs)
+
+tok = train_tokenizer(corpus_lines(), 256)
+args = TrainingArguments(output_dir=sys.argv[1], max_steps=2, report_to="none", use_cpu=True, save_strategy="no")
+trainer = CountingTrainer(model=build_tiny_llama(tok), args=args, train_dataset=lm_dataset(tok, seq_len=32, n_rows=16))
+trainer.train()
+trainer.train()
+print("BODIES", CountingTrainer.bodies)
+'''
+
+
+def test_wrap_runs_a_subclass_train_body_once_per_call(tmp_path: Path) -> None:
+    script = tmp_path / "subclass_train.py"
+    script.write_text(SUBCLASS_SCRIPT, encoding="utf-8")
+    out = tmp_path / "run"
+    result = harness_cli("wrap", "--", PY, str(script), str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "BODIES 2" in result.stdout
+    assert (out / "harness" / "findings.jsonl").exists()

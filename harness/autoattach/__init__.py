@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 WRAP_ENV = "HARNESS_WRAP"
+# DeepSpeed's multi-node launcher forwards only a few variable families (PYTHON* among them) to
+# remote nodes; the harness settings ride along in this one and are restored by sitecustomize.
+CARRIER_ENV = "PYTHON_HARNESS_SETTINGS"
 SITE_DIR = Path(__file__).with_name("site-hook")
 TARGET = "transformers.trainer"
 
@@ -31,7 +34,8 @@ def patch_trainer_class(trainer_cls: Any) -> None:
             from harness.bridge import attach
 
             attach(self)
-            return self.train(*args, **kwargs)  # the instance-level wrapper installed by attach
+            # run Trainer.train itself under the bridge: a subclass's own train() body already runs
+            return self._harness_bridge.run_train(functools.partial(original, self), args, kwargs)
         return original(self, *args, **kwargs)
 
     train._harness_patched = True  # type: ignore[attr-defined]
@@ -56,6 +60,21 @@ class _TrainerImportHook(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
         return spec
+
+
+def restore_settings_from_carrier() -> None:
+    """Recreate HARNESS_* variables from the PYTHON_* carrier when a launcher dropped them."""
+    import json
+    import os
+
+    carried = os.environ.get(CARRIER_ENV)
+    if not carried:
+        return
+    try:
+        for key, value in json.loads(carried).items():
+            os.environ.setdefault(key, value)
+    except (ValueError, AttributeError):
+        sys.stderr.write(f"harness wrap: ignoring malformed {CARRIER_ENV}\n")
 
 
 def install() -> None:

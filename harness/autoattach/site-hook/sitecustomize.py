@@ -4,12 +4,14 @@ import sys
 
 
 def _harness_install() -> None:
-    if os.environ.get("HARNESS_WRAP") != "1":
+    if os.environ.get("HARNESS_WRAP") != "1" and "PYTHON_HARNESS_SETTINGS" not in os.environ:
         return
     try:
-        from harness.autoattach import install
+        from harness.autoattach import install, restore_settings_from_carrier
 
-        install()
+        restore_settings_from_carrier()
+        if os.environ.get("HARNESS_WRAP") == "1":
+            install()
     except Exception as exc:  # never break the user's process
         sys.stderr.write(f"harness wrap: auto-attach unavailable in this process: {exc!r}\n")
 
