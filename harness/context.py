@@ -90,6 +90,12 @@ class RunContext:
         target.parent.mkdir(parents=True, exist_ok=True)
         return target
 
+    # -- metrics -------------------------------------------------------------------------------
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Emit metrics for the trackers (the ``on_metrics`` hook), at ``step`` or the current step."""
+        self.manager.call("on_metrics", ctx=self, step=self.step if step is None else step, metrics=metrics)
+
     # -- findings -----------------------------------------------------------------------------
 
     def report(

@@ -190,6 +190,16 @@ def on_log(ctx: "RunContext", step: int, logs: "dict[str, float]") -> None:
 
 
 @hookspec
+def on_metrics(ctx: "RunContext", step: int, metrics: "dict[str, Any]") -> None:
+    """A plugin emitted metrics with ``ctx.log_metrics`` (trackers record them).
+
+    Fires: on the rank that called ``ctx.log_metrics``, synchronously, on the
+    training thread. Values may be numbers, tensors or anything else; a
+    tracker must skip what is not a number rather than fail.
+    """
+
+
+@hookspec
 def on_evaluate(ctx: "RunContext", step: int, metrics: "dict[str, float]") -> None:
     """An evaluation finished with ``metrics``.
 

@@ -15,4 +15,5 @@ class BuiltinPlugin(NamedTuple):
 
 BUILTIN_PLUGINS: dict[str, BuiltinPlugin] = {
     "metrics_log": BuiltinPlugin("harness.plugins.metrics_log:MetricsLog", True),
+    "mlflow": BuiltinPlugin("harness.plugins.mlflow_tracker:MlflowTracker", False),
 }

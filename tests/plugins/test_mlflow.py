@@ -1,0 +1,238 @@
+"""The mlflow plugin against real MLflow stores: the default SQLite store and a real `mlflow server` on 127.0.0.1."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+import harness
+from conftest import EXAMPLE, FAULTS, findings_of, free_port, harness_cli, read_jsonl, torchrun
+from harness import hookimpl
+
+PY = sys.executable
+
+
+def _client(uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _store(output_dir: Path) -> str:
+    return f"sqlite:///{(Path(output_dir) / 'harness' / 'mlflow' / 'mlflow.db').resolve()}"
+
+
+def _runs(uri: str) -> list[Any]:
+    client = _client(uri)
+    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def _history(uri: str, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in _client(uri).get_metric_history(run_id, key))
+
+
+def _logged_steps(output_dir: Path) -> list[int]:
+    return [r["step"] for r in read_jsonl(Path(output_dir) / "harness" / "metrics.jsonl") if "loss" in r]
+
+
+def test_wrap_logs_a_complete_run_to_the_default_store(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = harness_cli(
+        "wrap", "--plugins", f"mlflow,{FAULTS}", "--", PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "6",
+        env={"HARNESS_CONFIG": ""},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    uri = _store(out)
+    (run,) = _runs(uri)
+    assert run.info.status == "FINISHED"
+    steps = _logged_steps(out)
+    assert steps == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "grad_norm", "learning_rate"):
+        assert _history(uri, run.info.run_id, key) == steps, key
+    assert run.data.params["trainer.max_steps"] == "6" and "harness.plugins" in run.data.params
+    assert run.data.params["model.num_hidden_layers"] == "2"
+    paths = [a.path for a in _client(uri).list_artifacts(run.info.run_id, "harness")]
+    assert {"harness/findings.jsonl", "harness/config.yaml", "harness/metrics.jsonl"} <= set(paths)
+
+
+class _Emitter:
+    """Emits odd metrics through ctx.log_metrics, as any plugin may."""
+
+    name = "emitter"
+
+    @hookimpl
+    def on_step_end(self, ctx: Any, step: int) -> None:
+        import torch
+
+        ctx.log_metrics({"custom/good": 1.5 * step, "custom/tensor": torch.tensor(2.0), "custom/text": "abc", "custom/none": None})
+
+
+def test_long_params_non_numeric_metrics_and_findings(make_trainer: Any) -> None:
+    trainer = make_trainer(max_steps=3, run_name="r" * 10_000)
+    harness.attach(
+        trainer,
+        plugins=[_Emitter()],
+        config={"plugins": ["mlflow", FAULTS], "fault_injector": {"report_at_step": 2}, "mlflow": {"max_param_length": 6000}},
+    )
+    trainer.train()
+    uri = _store(trainer.args.output_dir)
+    (run,) = _runs(uri)
+    value = run.data.params["trainer.run_name"]
+    assert len(value) <= 6000 and value.endswith("chars]") and "truncated" in value
+    assert _history(uri, run.info.run_id, "custom/good") == [1, 2, 3]
+    assert _history(uri, run.info.run_id, "custom/tensor") == [1, 2, 3]
+    assert "custom/text" not in run.data.metrics and "custom/none" not in run.data.metrics
+    assert _history(uri, run.info.run_id, "harness/findings/TEST_FAULT") == [2]
+    assert run.data.tags["harness.finding.TEST_FAULT"].startswith("1 (warning)")
+    assert findings_of(trainer.args.output_dir, "INTERNAL_PLUGIN_ERROR") == []
+    assert findings_of(trainer.args.output_dir, "TRACKING_DEGRADED") == []
+
+
+def test_resume_continues_the_same_run_and_a_fresh_start_makes_a_new_one(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "resumable"
+    config = {"plugins": ["mlflow"]}
+    first = make_trainer(output_dir=out, max_steps=4, save_strategy="steps", save_steps=2)
+    harness.attach(first, config=config)
+    first.train()
+    uri = _store(out)
+    (run,) = _runs(uri)
+    second = make_trainer(output_dir=out, max_steps=6, save_strategy="steps", save_steps=2)
+    harness.attach(second, config=config)
+    second.train(resume_from_checkpoint=True)
+    (resumed,) = _runs(uri)
+    assert resumed.info.run_id == run.info.run_id
+    assert _history(uri, run.info.run_id, "loss") == [1, 2, 3, 4, 5, 6]
+    assert resumed.data.tags.get("harness.param_changed_on_resume.trainer.max_steps") == "6"
+    third = make_trainer(output_dir=out, max_steps=2)
+    harness.attach(third, config=config)
+    third.train()
+    assert len(_runs(uri)) == 2
+
+
+def test_unreachable_server_falls_back_to_the_local_store_with_nothing_lost(make_trainer: Any) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    trainer = make_trainer(max_steps=4)
+    harness.attach(trainer, config={"plugins": ["mlflow"], "mlflow": {"tracking_uri": dead, "final_flush_timeout_s": 1, "retry_interval_s": 0.5}})
+    trainer.train()
+    assert trainer.state.global_step == 4
+    degraded = findings_of(trainer.args.output_dir, "TRACKING_DEGRADED")
+    assert degraded and degraded[0]["step"] == 1 and dead in degraded[0]["message"]
+    fallback = degraded[-1]
+    assert fallback["severity"] == "error" and fallback["evidence"]["local_run_id"]
+    uri = _store(trainer.args.output_dir)
+    (run,) = _runs(uri)
+    assert run.info.run_id == fallback["evidence"]["local_run_id"]
+    assert _history(uri, run.info.run_id, "loss") == [1, 2, 3, 4]
+    assert run.data.tags["harness.fallback_for"].startswith(dead)
+
+
+class MlflowServer:
+    """A real `mlflow server` on 127.0.0.1 with a SQLite backend; stoppable and restartable on the same port."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 120) -> None:
+        log = open(self.root / "server.log", "ab")
+        self.proc = subprocess.Popen(
+            [str(Path(PY).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}", "--artifacts-destination", str(self.root / "artifacts")],
+            stdout=log, stderr=log, start_new_session=True, cwd=self.root,
+        )
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert self.proc.poll() is None, (self.root / "server.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError("mlflow server did not come up")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
+    root = tmp_path / "server"
+    root.mkdir()
+    server = MlflowServer(root)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class _ServerFlipper:
+    """Kills the tracking server after step `down` and brings it back after step `up`, mid-training."""
+
+    name = "server_flipper"
+
+    def __init__(self, server: MlflowServer, down: int, up: int) -> None:
+        self.server, self.down, self.up = server, down, up
+
+    @hookimpl
+    def on_step_end(self, step: int) -> None:
+        if step == self.down:
+            self.server.stop()
+        elif step == self.up:
+            time.sleep(3)  # let the writer meet the dead server a few times
+            self.server.start()
+
+
+@pytest.mark.slow
+def test_server_outage_mid_run_loses_and_duplicates_nothing(make_trainer: Any, mlflow_server: MlflowServer) -> None:
+    trainer = make_trainer(max_steps=12)
+    harness.attach(
+        trainer,
+        plugins=[_ServerFlipper(mlflow_server, down=3, up=7)],
+        config={"plugins": ["mlflow"], "mlflow": {"tracking_uri": mlflow_server.uri, "retry_interval_s": 0.5, "flush_interval_s": 0.2}},
+    )
+    trainer.train()
+    degraded = findings_of(trainer.args.output_dir, "TRACKING_DEGRADED")
+    assert degraded and 3 <= degraded[0]["step"] <= 12 and mlflow_server.uri in degraded[0]["message"]
+    assert all(f["severity"] != "error" for f in degraded)  # recovered: no fallback was needed
+    (run,) = _runs(mlflow_server.uri)
+    assert run.info.status == "FINISHED"
+    for key in ("loss", "grad_norm", "learning_rate"):
+        history = [m.step for m in _client(mlflow_server.uri).get_metric_history(run.info.run_id, key)]
+        assert sorted(history) == list(range(1, 13)), (key, history)  # complete, no duplicates
+
+
+@pytest.mark.slow
+def test_resume_against_a_server_reattaches(make_trainer: Any, mlflow_server: MlflowServer, tmp_path: Path) -> None:
+    out = tmp_path / "srv-resume"
+    config = {"plugins": ["mlflow"], "mlflow": {"tracking_uri": mlflow_server.uri}}
+    first = make_trainer(output_dir=out, max_steps=2, save_strategy="steps", save_steps=2)
+    harness.attach(first, config=config)
+    first.train()
+    second = make_trainer(output_dir=out, max_steps=4, save_strategy="steps", save_steps=2)
+    harness.attach(second, config=config)
+    second.train(resume_from_checkpoint=True)
+    (run,) = _runs(mlflow_server.uri)
+    assert sorted(m.step for m in _client(mlflow_server.uri).get_metric_history(run.info.run_id, "loss")) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_two_processes_make_exactly_one_run(tmp_path: Path) -> None:
+    out = tmp_path / "ddp"
+    result = harness_cli("wrap", "--plugins", "mlflow", "--", *torchrun(), str(EXAMPLE), "--output_dir", str(out), "--max_steps", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = _runs(_store(out))
+    assert _history(_store(out), run.info.run_id, "loss") == [1, 2, 3, 4]
+    assert run.data.tags["harness.world_size"] == "2"
