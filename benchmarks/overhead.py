@@ -54,6 +54,7 @@ BENCHMARK_MODEL = (
 )
 
 RATIO_LINE = "overhead ratio (harness/plain median step time): {ratio:.3f}x"
+BASELINE_RATIO_LINE = "overhead ratio (harness+{plugins}/harness median step time): {ratio:.3f}x"
 
 
 class StepTimer(TrainerCallback):
@@ -68,6 +69,7 @@ class StepTimer(TrainerCallback):
     def __init__(self) -> None:
         self.begins: list[float] = []
         self.ends: list[float] = []
+        self.plugin_seconds: dict[str, float] = {}
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self.begins.append(time.perf_counter())
@@ -124,7 +126,11 @@ def training_args(output_dir: str, steps: int) -> TrainingArguments:
 
 
 def run_once(tokenizer: Any, dataset: Any, steps: int, warmup: int, with_harness: bool, plugins: list[str]) -> StepTimer:
-    """Train a fresh, identically seeded model for ``steps`` steps; harness attached or not."""
+    """Train a fresh, identically seeded model for ``steps`` steps; harness attached or not.
+
+    Plugins that keep ``training_thread_seconds`` (time spent on the training
+    thread, start-up excluded) have it copied to ``timer.plugin_seconds``.
+    """
     timer = StepTimer()
     with tempfile.TemporaryDirectory(prefix="harness-bench-") as out:
         model = build_tiny_llama(
@@ -137,9 +143,13 @@ def run_once(tokenizer: Any, dataset: Any, steps: int, warmup: int, with_harness
         )
         trainer = Trainer(model=model, args=training_args(out, steps), train_dataset=dataset, callbacks=[timer])
         trainer.remove_callback(PrinterCallback)  # its log dicts would bury the table; removed on both sides
-        if with_harness:
-            harness.attach(trainer, config=None, plugins=plugins or None)
+        ctx = harness.attach(trainer, config=None, plugins=plugins or None) if with_harness else None
         trainer.train()
+        if ctx is not None:
+            for name in plugins:
+                plugin = ctx.manager.plugin(name)
+                if plugin is not None and hasattr(plugin, "training_thread_seconds"):
+                    timer.plugin_seconds[name] = plugin.training_thread_seconds
     if len(timer.ends) != steps:
         raise RuntimeError(f"expected {steps} optimizer steps, timed {len(timer.ends)}")
     return timer
@@ -173,14 +183,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """CLI; ``--quick`` is a smoke test that finishes well under a minute."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 40, quick 15)")
-    parser.add_argument("--rounds", type=int, default=None, help="plain+harness pairs (default 3, quick 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="plain+harness pairs (default 6, quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="leading steps dropped per run (default 5, quick 3)")
     parser.add_argument("--quick", action="store_true", help="few steps and two rounds: a smoke test")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads (default: cpu count)")
     parser.add_argument("--plugins", default="", help="comma-separated extra plugins passed to harness.attach(plugins=...)")
+    parser.add_argument(
+        "--baseline",
+        choices=("plain", "harness"),
+        default="plain",
+        help="what the measured side is compared with: the plain Trainer (default) or the harness with its "
+        "default plugins only (isolates the cost of --plugins)",
+    )
     args = parser.parse_args(argv)
     quick = (15, 2, 3)
-    full = (40, 3, 5)
+    full = (40, 6, 5)
     steps, rounds, warmup = quick if args.quick else full
     args.steps = args.steps if args.steps is not None else steps
     args.rounds = args.rounds if args.rounds is not None else rounds
@@ -213,15 +230,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     prime(tokenizer, dataset, args.warmup)
     plain, harnessed = Side(), Side()
+    plugin_seconds: dict[str, float] = {}
     started = time.perf_counter()
+    baseline_harness = args.baseline == "harness"
     for _ in range(args.rounds):
-        for side, with_harness in ((plain, False), (harnessed, True)):
-            timer = run_once(tokenizer, dataset, args.steps, args.warmup, with_harness, plugins)
+        for side, with_harness, extra in ((plain, baseline_harness, []), (harnessed, True, plugins)):
+            timer = run_once(tokenizer, dataset, args.steps, args.warmup, with_harness, extra)
             side.add(timer.step_times(args.warmup), timer.span_times(args.warmup))
+            for name, seconds in timer.plugin_seconds.items():
+                plugin_seconds[name] = plugin_seconds.get(name, 0.0) + seconds
     print(f"timed in {time.perf_counter() - started:.1f} s; step = on_step_end to on_step_end, span = begin to end")
+    if baseline_harness:
+        print("baseline: the harness with its default plugins; measured: the same plus " + ", ".join(plugins))
     print_table(plain, harnessed)
+    for name, seconds in plugin_seconds.items():
+        per_step = seconds / (args.rounds * args.steps)
+        print(f"training-thread time of plugin {name}: {per_step * 1e6:.1f} us per step (logging every {LOGGING_STEPS} steps)")
     ratio = statistics.median(harnessed.steps) / statistics.median(plain.steps)
-    print(RATIO_LINE.format(ratio=ratio))
+    print(RATIO_LINE.format(ratio=ratio) if not baseline_harness else BASELINE_RATIO_LINE.format(ratio=ratio, plugins="+".join(plugins)))
     return 0
 
 

@@ -83,6 +83,13 @@ class MlflowWriter(threading.Thread):
     def put(self, record: dict[str, Any]) -> None:
         self.queue.put(record)
 
+    def prepare(self) -> None:
+        """Create (or reopen) the run now, on the calling thread; on failure the writer retries later."""
+        try:
+            self._ensure_run()
+        except Exception as exc:  # noqa: BLE001 - the background delivery reports and retries
+            log.warning("harness mlflow: could not open the run at start: %s", exc)
+
     def take_events(self) -> list[tuple[str, str]]:
         with self._events_lock:
             events, self._events = self._events, []
