@@ -256,6 +256,13 @@ class Bridge:
         return control
 
     def _apply(self, action: Action, control: Any) -> None:
+        handler = getattr(self.trainer, "_harness_rollback", None)
+        if action is Action.ROLLBACK and handler is not None:
+            control.should_training_stop = True  # the runner resumes from the last good checkpoint
+            self._stopped = True
+            causes = [f for f in self.ctx.findings if f.action == Action.ROLLBACK.value]
+            handler.request(self.ctx.step, causes[-1] if causes else None)
+            return
         if action in (Action.SAVE_AND_STOP, Action.ROLLBACK):
             control.should_save = True
             control.should_training_stop = True
@@ -274,7 +281,9 @@ class Bridge:
             Action.SKIP_STEP: "skipped the optimizer update",
             Action.SAVE_AND_STOP: "skipped the optimizer update, saved a checkpoint and stopped",
             Action.STOP: "stopped training",
-            Action.ROLLBACK: "skipped the update and stopped (rollback needs a stage runner; saved a checkpoint)",
+            Action.ROLLBACK: "skipped the update and stopped to roll back to the last good checkpoint"
+            if getattr(self.trainer, "_harness_rollback", None) is not None
+            else "skipped the update and stopped (rollback needs a stage runner; saved a checkpoint)",
         }[action]
         ctx.report(
             ACTION_TAKEN.code,

@@ -37,6 +37,21 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from harness.stages.runner import run_stage
+
+    resume: str | bool | None = args.resume
+    if resume == "":
+        resume = True
+    return run_stage(args.stage, args.config, resume=resume)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from harness.stages.demo import run_demo
+
+    return run_demo(args.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harness", description="Monitoring and diagnostics harness around the Hugging Face Trainer."
@@ -53,6 +68,24 @@ def build_parser() -> argparse.ArgumentParser:
     wrap.add_argument("--plugins", help="comma-separated plugins to enable in addition to the config's")
     wrap.add_argument("command", nargs=argparse.REMAINDER, help="-- followed by the training command")
     wrap.set_defaults(func=_cmd_wrap)
+
+    run = sub.add_parser(
+        "run",
+        help="run a training stage (pretrain, continue, sft, dpo) from one YAML config, with the harness attached",
+        description="Build model, tokenizer, data and the Trainer/TRL trainer from the config and train with the harness "
+        "attached (the mlflow plugin on). Works under torchrun and with a deepspeed section.",
+    )
+    run.add_argument("stage", choices=["pretrain", "continue", "sft", "dpo"])
+    run.add_argument("--config", required=True, help="the run config YAML (see examples/*.yaml)")
+    run.add_argument("--resume", nargs="?", const="", default=None, metavar="CKPT", help="resume from CKPT, or the last checkpoint")
+    run.set_defaults(func=_cmd_run)
+
+    demo = sub.add_parser(
+        "demo",
+        help="the embedded default: train a tiny model with faults injected on purpose, show what the harness found",
+    )
+    demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    demo.set_defaults(func=_cmd_demo)
 
     plugins = sub.add_parser("plugins", help="list available plugins, their options or their finding codes")
     plugins.add_argument("--config-reference", action="store_true", help="print every config option with type, default and description")

@@ -11,7 +11,7 @@ from harness.distributed import DistInfo, all_reduce_max, gather_to_main
 from harness.findings import Finding, FindingCode, FindingsFile, Severity
 from harness.manager import HarnessPluginManager
 
-UNDECIDED_CODES = frozenset({"ACTION_TAKEN", "INTERNAL_PLUGIN_ERROR", "PLUGIN_DISABLED", "PLUGIN_STOP", "SKIP_NOT_APPLIED"})
+UNDECIDED_CODES = frozenset({"ACTION_TAKEN", "INTERNAL_PLUGIN_ERROR", "PLUGIN_DISABLED", "PLUGIN_STOP", "SKIP_NOT_APPLIED", "ROLLBACK_PERFORMED", "ROLLBACK_EXHAUSTED"})
 
 
 class FindingsHub:

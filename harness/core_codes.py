@@ -33,4 +33,24 @@ SKIP_NOT_APPLIED = FindingCode(
     "A skip was decided but the optimizer applied the update anyway (an optimizer the guard cannot hold).",
     "harness-core#skip_not_applied",
 )
-CORE_CODES: tuple[FindingCode, ...] = (INTERNAL_PLUGIN_ERROR, PLUGIN_DISABLED, PLUGIN_STOP, ACTION_TAKEN, SKIP_NOT_APPLIED)
+ROLLBACK_PERFORMED = FindingCode(
+    "ROLLBACK_PERFORMED",
+    Severity.WARNING,
+    "The stage runner rolled back to the last good checkpoint and skipped the offending training rows.",
+    "harness-core#rollback_performed",
+)
+ROLLBACK_EXHAUSTED = FindingCode(
+    "ROLLBACK_EXHAUSTED",
+    Severity.CRITICAL,
+    "A rollback was asked for but no retries or no earlier checkpoint were left; the run stopped.",
+    "harness-core#rollback_exhausted",
+)
+CORE_CODES: tuple[FindingCode, ...] = (
+    INTERNAL_PLUGIN_ERROR,
+    PLUGIN_DISABLED,
+    PLUGIN_STOP,
+    ACTION_TAKEN,
+    SKIP_NOT_APPLIED,
+    ROLLBACK_PERFORMED,
+    ROLLBACK_EXHAUSTED,
+)

@@ -1,0 +1,96 @@
+"""`harness demo`: the embedded default run, with faults injected on purpose.
+
+A tiny Llama is pretrained from scratch on the corpus shipped with the
+package. The demo-only ``demo_faults`` plugin makes one batch's loss
+non-finite, corrupts another batch, and kills the process (SIGKILL) midway;
+the demo then resumes from the last checkpoint and finishes. At the end it
+prints the findings, where the run directory and the MLflow store are, and
+the command that opens the MLflow UI. No network, no GPU, no download.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import yaml
+
+from harness.findings import read_run_findings
+
+DEMO_STEPS = 30
+DEMO_FAULTS = {"nan_step": 8, "spike_step": 14, "crash_step": 23}
+
+
+def demo_config(out: Path) -> dict:
+    from harness.tiny import CORPUS_PATH
+
+    return {
+        "stage": "pretrain",
+        "output_dir": str(out),
+        "seed": 0,
+        "model": {"preset": "tiny-llama", "overrides": {"hidden_size": 64, "num_layers": 2, "num_heads": 4}},
+        "tokenizer": {"vocab_size": 512},
+        "data": {"sources": [{"path": str(CORPUS_PATH), "max_repeats": 1}], "seq_len": 128},
+        "training": {
+            "max_steps": DEMO_STEPS,
+            "per_device_train_batch_size": 8,
+            "learning_rate": 0.003,
+            "warmup_steps": 3,
+            "save_strategy": "steps",
+            "save_steps": 10,
+            "logging_steps": 1,
+            "use_cpu": True,
+            "disable_tqdm": True,
+        },
+        "harness": {
+            "plugins": ["metrics_log", "harness.stages.demo_faults:DemoFaults"],
+            "demo_faults": DEMO_FAULTS,
+        },
+    }
+
+
+def _run(config: Path, resume: bool) -> int:
+    command = [sys.executable, "-m", "harness.cli", "run", "pretrain", "--config", str(config)] + (["--resume"] if resume else [])
+    return subprocess.run(command).returncode
+
+
+def run_demo(out: str | Path = "runs/demo") -> int:
+    out = Path(out).resolve()
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    config = out / "demo.yaml"
+    config.write_text(yaml.safe_dump(demo_config(out), sort_keys=False), encoding="utf-8")
+    began = time.time()
+    print(f"harness demo: pretraining a tiny Llama for {DEMO_STEPS} steps in {out}")
+    print(f"  faults injected on purpose: non-finite loss at step {DEMO_FAULTS['nan_step']}, corrupted batch at step "
+          f"{DEMO_FAULTS['spike_step']}, kill -9 at step {DEMO_FAULTS['crash_step']}", flush=True)
+    first = _run(config, resume=False)
+    if first == 0:
+        print("harness demo: the simulated crash did not happen; nothing to resume")
+    else:
+        print(f"\nharness demo: the training process died (exit {first}, the simulated kill -9); resuming from the last checkpoint", flush=True)
+        second = _run(config, resume=True)
+        if second != 0:
+            print(f"harness demo: the resumed run failed with exit {second}")
+            return second
+    return _summary(out, time.time() - began)
+
+
+def _summary(out: Path, seconds: float) -> int:
+    run_dir = out / "harness"
+    findings = read_run_findings(run_dir)
+    print(f"\nharness demo: finished in {seconds:.0f} s. Findings ({len(findings)}):")
+    for finding in findings:
+        print(f"  [{finding.severity.value:<8}] step {finding.step!s:>3}  {finding.code:<22} -> {finding.action or 'continue':<10} {finding.message}")
+    counts = Counter(f.code for f in findings)
+    print("  by code: " + ", ".join(f"{code} x{n}" for code, n in sorted(counts.items())))
+    store = run_dir / "mlflow" / "mlflow.db"
+    print(f"\nrun directory: {run_dir}  (findings.jsonl, metrics.jsonl, config.yaml, mlflow/)")
+    print(f"MLflow store:  sqlite:///{store}")
+    print(f"open the MLflow UI: mlflow ui --backend-store-uri sqlite:///{store} --port 5000")
+    return 0

@@ -1,0 +1,93 @@
+"""demo_faults: the faults `harness demo` injects on purpose, each announced as a DEMO_FAULT finding.
+
+Demo-only. It breaks a real training run in the ways the field notes
+describe — a batch that turns the loss non-finite, a corrupted batch that
+spikes the loss, a hard crash (``kill -9``) that forces a resume — so that
+the detectors can be seen catching them. Each injection is reported, so the
+demo's summary can name every fault next to what the harness made of it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness.findings import FindingCode, Severity
+from harness.hookspecs import hookimpl
+
+DEMO_FAULT = FindingCode("DEMO_FAULT", Severity.INFO, "A fault injected on purpose by `harness demo`.", "demo#demo_fault")
+
+
+class DemoFaultOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    nan_step: int | None = Field(None, description="Step whose first micro-batch gets NaN embeddings (non-finite loss).")
+    spike_step: int | None = Field(None, description="Step whose first micro-batch is replaced by random tokens (loss spike).")
+    crash_step: int | None = Field(None, description="Step at which the process kills itself with SIGKILL (once per output dir).")
+
+
+class DemoFaults:
+    """Injects the demo's faults (NaN batch, corrupted batch, hard crash) and reports each one."""
+
+    name = "demo_faults"
+
+    def __init__(self) -> None:
+        self.options = DemoFaultOptions()
+        self._poison = False
+
+    @hookimpl
+    def add_config(self) -> type[BaseModel]:
+        return DemoFaultOptions
+
+    @hookimpl
+    def declare_codes(self) -> list[FindingCode]:
+        return [DEMO_FAULT]
+
+    @hookimpl
+    def configure(self, ctx: Any, options: DemoFaultOptions) -> None:
+        self.options = options
+
+    @hookimpl
+    def on_run_start(self, ctx: Any, trainer: Any) -> None:
+        embeddings = trainer.model.get_input_embeddings()
+
+        def poison(module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
+            if self._poison:
+                self._poison = False
+                return output * float("nan")
+            return None
+
+        embeddings.register_forward_hook(poison)
+
+    @hookimpl
+    def inspect_batch(self, ctx: Any, batch: dict[str, Any], step: int, micro_step: int) -> None:
+        o = self.options
+        if micro_step != 0:
+            return
+        if step == o.nan_step:
+            self._poison = True
+            ctx.report(DEMO_FAULT.code, f"demo fault: the batch of step {step} makes the loss non-finite (NaN embeddings)", evidence={"fault": "nonfinite_loss"})
+        if step == o.spike_step:
+            ids = batch["input_ids"]
+            generator = torch.Generator().manual_seed(step)
+            noise = torch.randint(0, int(ids.max()) + 1, ids.shape, generator=generator).to(ids.device)
+            ids.copy_(noise)
+            if "labels" in batch:
+                labels = batch["labels"]
+                labels.copy_(torch.where(labels == -100, labels, noise))
+            ctx.report(DEMO_FAULT.code, f"demo fault: the batch of step {step} was replaced by random tokens (loss spike)", evidence={"fault": "corrupted_batch"})
+        marker = ctx.run_dir / "demo_crashed"
+        if step == o.crash_step and not marker.exists():
+            marker.touch()
+            ctx.report(DEMO_FAULT.code, f"demo fault: the process kills itself (SIGKILL) at step {step}; the demo resumes from the last checkpoint", evidence={"fault": "crash"})
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @hookimpl
+    def decide_action(self, ctx: Any, finding: Any) -> str | None:
+        # until nan_guard exists, the demo protects its own model: a NaN update is never applied
+        if finding.code == DEMO_FAULT.code and finding.evidence.get("fault") == "nonfinite_loss":
+            return "skip_step"
+        return None

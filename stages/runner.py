@@ -1,0 +1,292 @@
+"""`harness run STAGE`: build tokenizer, model, data and the (TRL) trainer from one config, attach the harness, train.
+
+The runner also carries out ``rollback``: when the agreed action of a step
+is a rollback, training stops, the runner removes the offending rows from the
+(pre-shuffled, sequentially read) training data, and resumes from the last
+checkpoint before the fault, a bounded number of times.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from harness.config import Catalog, resolve_config
+from harness.errors import HarnessError
+from harness.stages.config import LoadedRunConfig, arguments_class, load_run_config
+from harness.stages.data import DataSource, load_source, mix_sources
+
+log = logging.getLogger("harness.stages")
+TEXT_FIELDS = {"sft": (("messages",), ("prompt", "completion")), "dpo": (("prompt", "chosen", "rejected"),)}
+
+
+# -- tokenizer and model --------------------------------------------------------------------------
+
+
+def build_tokenizer(loaded: LoadedRunConfig, texts: list[str]) -> Any:
+    cfg = loaded.config
+    directory = cfg.tokenizer.path or cfg.model.path
+    if directory:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(loaded.resolve(directory))
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+    from harness.tiny import train_tokenizer
+
+    return train_tokenizer(texts, vocab_size=cfg.tokenizer.vocab_size)
+
+
+def build_model(loaded: LoadedRunConfig, tokenizer: Any) -> Any:
+    cfg = loaded.config
+    extra: dict[str, Any] = {}
+    if loaded.stage in ("pretrain", "continue"):
+        from harness.stages.packing import PACKING_ATTN_IMPLEMENTATION
+
+        extra["attn_implementation"] = PACKING_ATTN_IMPLEMENTATION  # honours the packed block-diagonal mask
+    if cfg.model.path:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(loaded.resolve(cfg.model.path), **extra)
+    from harness.tiny import build_tiny_llama
+
+    return build_tiny_llama(tokenizer, seed=cfg.seed, **{**cfg.model.overrides, **extra})
+
+
+# -- data -----------------------------------------------------------------------------------------
+
+
+def _required_fields(stage: str, source: DataSource, probe: Any) -> tuple[str, ...]:
+    if stage in ("pretrain", "continue"):
+        return (source.text_field,)
+    options = TEXT_FIELDS[stage]
+    columns = set(getattr(probe, "column_names", []) or [])
+    return next((fields for fields in options if set(fields) <= columns), options[-1])
+
+
+def _load_all(loaded: LoadedRunConfig, sources: list[DataSource], key: str) -> list[Any]:
+    """Load every source, checking the fields the stage needs; pretraining text is renamed to ``text``."""
+    out = []
+    for i, source in enumerate(sources):
+        where = f"{key}[{i}]"
+        if loaded.stage in ("pretrain", "continue"):
+            dataset = load_source(source, loaded.base_dir, required_fields=(source.text_field,), index=where)
+            if source.text_field != "text":
+                dataset = dataset.remove_columns([c for c in dataset.column_names if c == "text"])
+                dataset = dataset.rename_column(source.text_field, "text")
+            out.append(dataset.select_columns(["text"]))
+            continue
+        probe = load_source(source, loaded.base_dir, required_fields=(), index=where)  # sft/dpo accept several record shapes
+        out.append(load_source(source, loaded.base_dir, required_fields=_required_fields(loaded.stage, source, probe), index=where))
+    return out
+
+
+def load_training_data(loaded: LoadedRunConfig) -> tuple[Any, list[str]]:
+    """The mixed raw dataset (before tokenisation) and texts to train a tokenizer on if needed."""
+    cfg = loaded.config
+    sources = list(cfg.data.sources)
+    datasets = _load_all(loaded, sources, "data.sources")
+    if loaded.stage == "continue" and cfg.data.old_sources:
+        new_share, old_share = cfg.data.new_to_old
+        old = _load_all(loaded, list(cfg.data.old_sources), "data.old_sources")
+        new_total = sum(s.weight for s in sources)
+        old_total = sum(s.weight for s in cfg.data.old_sources)
+        sources = [s.model_copy(update={"weight": s.weight / new_total * new_share}) for s in sources] + [
+            s.model_copy(update={"weight": s.weight / old_total * old_share}) for s in cfg.data.old_sources
+        ]
+        datasets += old
+    mixed = mix_sources(datasets, sources, total=cfg.data.total_samples, seed=cfg.seed)
+    texts: list[str] = []
+    for column in ("text", "prompt", "completion", "chosen", "rejected"):
+        if column in mixed.column_names:
+            texts += [str(t) for t in mixed[column][:2000]]
+    if "messages" in mixed.column_names:
+        texts += [m["content"] for row in mixed["messages"][:2000] for m in row]
+    return mixed, texts
+
+
+def prepare_dataset(loaded: LoadedRunConfig, mixed: Any, tokenizer: Any) -> Any:
+    cfg = loaded.config
+    if loaded.stage in ("pretrain", "continue"):
+        from harness.stages.packing import packed_lm_dataset
+
+        return packed_lm_dataset(mixed, tokenizer, text_field="text", seq_len=cfg.data.seq_len)
+    keep = [c for fields in TEXT_FIELDS[loaded.stage] for c in fields if c in mixed.column_names]
+    return mixed.select_columns(keep)
+
+
+# -- trainer --------------------------------------------------------------------------------------------
+
+
+def training_arguments(loaded: LoadedRunConfig) -> Any:
+    cfg = loaded.config
+    values: dict[str, Any] = {
+        "output_dir": str(loaded.resolve(cfg.output_dir)),
+        "seed": cfg.seed,
+        "report_to": "none",
+        "logging_steps": 1,
+        "save_strategy": "no",
+    }
+    if loaded.stage in ("pretrain", "continue"):
+        values["train_sampling_strategy"] = "sequential"  # the mixture is pre-shuffled; positions stay stable for rollback
+    if loaded.stage == "sft":
+        values["max_length"] = 256
+    if loaded.stage == "dpo":
+        values["max_length"] = 256
+    values.update(cfg.training)
+    if cfg.deepspeed is not None:
+        values["deepspeed"] = str(loaded.resolve(cfg.deepspeed)) if isinstance(cfg.deepspeed, str) else cfg.deepspeed
+    return arguments_class(loaded.stage)(**values)
+
+
+def build_trainer(loaded: LoadedRunConfig, model: Any, tokenizer: Any, dataset: Any) -> Any:
+    args = training_arguments(loaded)
+    if loaded.stage in ("pretrain", "continue"):
+        from transformers import Trainer
+
+        from harness.stages.packing import packed_data_collator, prepare_model_for_packing
+
+        # no attention_mask and no KV cache: either would switch off the packed block-diagonal mask
+        prepare_model_for_packing(model)
+        return Trainer(model=model, args=args, train_dataset=dataset, data_collator=packed_data_collator, processing_class=tokenizer)
+    if loaded.stage == "sft":
+        from trl import SFTTrainer
+
+        if "messages" in dataset.column_names and "assistant_only_loss" not in loaded.config.training:
+            args.assistant_only_loss = bool(getattr(tokenizer, "chat_template", None) and "generation" in tokenizer.chat_template)
+        return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    from trl import DPOTrainer
+
+    reference = build_model(loaded, tokenizer)  # the same starting point, frozen
+    return DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
+# -- rollback -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollback:
+    """Set by the bridge when the agreed action of a step is ``rollback``; read by the runner."""
+
+    requested_at: int | None = None
+    cause: Any = None
+    performed: int = 0
+    lr_scale_pending: float = 1.0
+    skipped: list[tuple[int, int]] = field(default_factory=list)
+
+    def request(self, step: int, cause: Any) -> None:
+        self.requested_at, self.cause = step, cause
+
+
+class _ScaleLearningRate(TrainerCallback):
+    """After a rollback's resume has loaded the scheduler, scale the learning rate as policy asks."""
+
+    def __init__(self, rollback: Rollback) -> None:
+        self.rollback = rollback
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> Any:
+        scale = self.rollback.lr_scale_pending
+        if scale != 1.0:
+            if lr_scheduler is not None and hasattr(lr_scheduler, "base_lrs"):
+                lr_scheduler.base_lrs = [lr * scale for lr in lr_scheduler.base_lrs]
+            for group in getattr(optimizer, "param_groups", []):
+                group["lr"] *= scale
+            self.rollback.lr_scale_pending = 1.0
+        return control
+
+
+def _last_checkpoint_before(output_dir: Path, step: int) -> Path | None:
+    candidates = []
+    for path in output_dir.glob("checkpoint-*"):
+        try:
+            number = int(path.name.split("-")[-1])
+        except ValueError:
+            continue
+        if number < step and (path / "trainer_state.json").exists():
+            candidates.append((number, path))
+    return max(candidates)[1] if candidates else None
+
+
+def _rows_per_step(args: Any) -> int:
+    return int(args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size))
+
+
+def _train_with_rollback(loaded: LoadedRunConfig, trainer: Any, ctx: Any, resume: Any) -> str:
+    from harness.core_codes import ROLLBACK_EXHAUSTED, ROLLBACK_PERFORMED
+
+    rollback: Rollback = trainer._harness_rollback
+    policy = loaded.config.rollback
+    while True:
+        rollback.requested_at = None
+        trainer.train(resume_from_checkpoint=resume)
+        if rollback.requested_at is None:
+            return ctx.status
+        step = rollback.requested_at
+        output_dir = Path(trainer.args.output_dir)
+        checkpoint = _last_checkpoint_before(output_dir, step)
+        if rollback.performed >= policy.max_retries or checkpoint is None:
+            why = "no checkpoint precedes the fault (set training.save_steps)" if checkpoint is None else f"{rollback.performed} rollbacks already"
+            if ctx.is_main:
+                ctx.report(ROLLBACK_EXHAUSTED.code, f"rollback asked at step {step} but not possible: {why}; training stops.", step=step, plugin="harness", evidence={"rollbacks": rollback.performed})
+            raise HarnessError(f"harness run: rollback at step {step} not possible ({why}). Findings: {ctx.run_dir / 'findings.jsonl'}")
+        skip = (rollback.cause.evidence.get("skip_rows") if rollback.cause is not None else None) or None
+        per_step = _rows_per_step(trainer.args)
+        start, stop = (skip if skip else ((step - 1) * per_step, step * per_step))
+        dataset = trainer.train_dataset
+        keep = [i for i in range(len(dataset)) if not start <= i < stop]
+        trainer.train_dataset = dataset.select(keep)
+        rollback.performed += 1
+        rollback.skipped.append((start, stop))
+        rollback.lr_scale_pending = policy.lr_scale
+        if ctx.is_main:
+            ctx.report(
+                ROLLBACK_PERFORMED.code,
+                f"rolled back from step {step} to {checkpoint.name}; skipped training rows [{start}, {stop}) "
+                f"({stop - start} rows){f', learning rate x{policy.lr_scale}' if policy.lr_scale != 1 else ''} "
+                f"(rollback {rollback.performed} of at most {policy.max_retries}).",
+                step=step,
+                plugin="harness",
+                evidence={"checkpoint": str(checkpoint), "skipped_rows": [start, stop], "cause": getattr(rollback.cause, "id", None), "lr_scale": policy.lr_scale},
+            )
+        resume = str(checkpoint)
+
+
+# -- entry point -----------------------------------------------------------------------------------------
+
+
+def run_stage(stage: str, config_path: str | Path, resume: str | bool | None = None) -> int:
+    """Validate everything, build, attach the harness, train (with rollback); 0 on success."""
+    import harness
+
+    loaded = load_run_config(config_path, stage)
+    harness_config = dict(loaded.config.harness)
+    catalog = Catalog.build()
+    resolve_config(harness_config, catalog, source=f"{loaded.path}, section 'harness'", extra_plugins=["mlflow"])
+    mixed, texts = load_training_data(loaded)
+    from transformers import set_seed
+
+    set_seed(loaded.config.seed)
+    tokenizer = build_tokenizer(loaded, texts)
+    model = build_model(loaded, tokenizer)
+    dataset = prepare_dataset(loaded, mixed, tokenizer)
+    trainer = build_trainer(loaded, model, tokenizer, dataset)
+    rollback = Rollback()
+    trainer._harness_rollback = rollback
+    trainer.add_callback(_ScaleLearningRate(rollback))
+    ctx = harness.attach(trainer, config=harness_config, plugins=["mlflow"])
+    if resume is True:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        resume = get_last_checkpoint(trainer.args.output_dir) or None
+        if resume is None:
+            raise HarnessError(f"harness run --resume: no checkpoint in {trainer.args.output_dir}. Fix: run without --resume, or name a checkpoint.")
+    status = _train_with_rollback(loaded, trainer, ctx, resume)
+    if ctx.is_main:
+        log.info("harness run %s: %s; findings in %s", stage, status, ctx.run_dir / "findings.jsonl")
+    if status == "completed":
+        trainer.save_model()  # the final model, loadable by a later stage (continue, sft, dpo)
+    return 0

@@ -1,0 +1,160 @@
+"""`harness run` on the four example configs, rollback end to end, and config errors before training."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import REPO, findings_of, harness_cli, read_jsonl
+from harness.errors import ConfigError, HarnessError
+from harness.stages.runner import run_stage
+
+EXAMPLES = REPO / "examples"
+
+
+def example_config(name: str, tmp_path: Path, training: dict[str, Any] | None = None, **top: Any) -> Path:
+    """The example config, with its output in tmp_path and its data paths made absolute."""
+    data = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
+    data["output_dir"] = str(tmp_path / name)
+    for key in ("sources", "old_sources"):
+        for source in data["data"].get(key, []):
+            source["path"] = str((EXAMPLES / source["path"]).resolve())
+    data["training"].update(training or {})
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data.update(top)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def _losses(output_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(output_dir / "harness" / "metrics.jsonl") if "loss" in r]
+
+
+def _assert_trained(output_dir: Path, steps: int) -> None:
+    losses = _losses(output_dir)
+    assert len(losses) == steps
+    head, tail = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert tail < head * 0.95, f"loss did not go down: {losses}"
+    assert (output_dir / "harness" / "findings.jsonl").exists()
+    assert (output_dir / "harness" / "mlflow" / "mlflow.db").exists()
+    assert json.loads((output_dir / "harness" / "mlflow" / "run.json").read_text())["run_id"]
+    assert [f for f in findings_of(output_dir) if f["severity"] in ("warning", "error", "critical")] == []
+
+
+def test_pretrain_example(tmp_path: Path) -> None:
+    config = example_config("pretrain", tmp_path, training={"max_steps": 30, "save_steps": 15})
+    assert run_stage("pretrain", config) == 0
+    _assert_trained(tmp_path / "pretrain", 30)
+    assert (tmp_path / "pretrain" / "model.safetensors").exists()
+
+
+def test_continue_example_from_a_model_directory(tmp_path: Path) -> None:
+    from harness.tiny import save_tiny_model_dir
+
+    model_dir = save_tiny_model_dir(tmp_path / "base", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4)
+    config = example_config("continue", tmp_path, training={"max_steps": 20}, model={"path": str(model_dir)})
+    assert run_stage("continue", config) == 0
+    _assert_trained(tmp_path / "continue", 20)
+
+
+def test_sft_example(tmp_path: Path) -> None:
+    config = example_config("sft", tmp_path, training={"max_steps": 20})
+    assert run_stage("sft", config) == 0
+    _assert_trained(tmp_path / "sft", 20)
+
+
+def test_dpo_example(tmp_path: Path) -> None:
+    config = example_config("dpo", tmp_path, training={"max_steps": 12, "learning_rate": 0.003})
+    assert run_stage("dpo", config) == 0
+    _assert_trained(tmp_path / "dpo", 12)
+
+
+def test_rollback_resumes_from_the_last_good_checkpoint_and_skips_the_bad_rows(tmp_path: Path) -> None:
+    config = example_config(
+        "pretrain", tmp_path, training={"max_steps": 8, "save_steps": 2, "per_device_train_batch_size": 4},
+        harness={"plugins": ["metrics_log", "rollback_plugin:BadBatchOnce"]},
+    )
+    assert run_stage("pretrain", config) == 0
+    out = tmp_path / "pretrain"
+    (performed,) = findings_of(out, "ROLLBACK_PERFORMED")
+    assert performed["step"] == 5 and performed["evidence"]["checkpoint"].endswith("checkpoint-4")
+    assert performed["evidence"]["skipped_rows"] == [16, 20]
+    (taken,) = findings_of(out, "ACTION_TAKEN")
+    assert taken["step"] == 5 and "roll back" in taken["message"]
+    batches = read_jsonl(out / "harness" / "batches.rank-0.jsonl")
+    first = {b["step"]: b["sum"] for b in batches if b["pass"] == 1}
+    second = {b["step"]: b["sum"] for b in batches if b["pass"] == 2}
+    assert sorted(first) == [1, 2, 3, 4, 5] and sorted(second) == [5, 6, 7, 8]  # resumed after checkpoint-4
+    assert json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())["global_step"] == 8
+    # a clean run over the same data: the rolled-back run's step 5 is the clean run's step 6 (rows 16-19 skipped)
+    reference = example_config(
+        "pretrain", tmp_path / "clean", training={"max_steps": 8, "save_steps": 2, "per_device_train_batch_size": 4},
+        harness={"plugins": ["rollback_plugin:BatchRecorder"]},
+    )
+    assert run_stage("pretrain", reference) == 0
+    clean = {b["step"]: b["sum"] for b in read_jsonl(tmp_path / "clean" / "pretrain" / "harness" / "batches.rank-0.jsonl")}
+    assert [first[s] for s in (1, 2, 3, 4, 5)] == [clean[s] for s in (1, 2, 3, 4, 5)]
+    assert [second[s] for s in (5, 6, 7)] == [clean[s] for s in (6, 7, 8)]
+
+
+def test_rollback_without_a_checkpoint_stops_with_a_clear_message(tmp_path: Path) -> None:
+    config = example_config(
+        "pretrain", tmp_path, training={"max_steps": 8, "save_strategy": "no"},
+        harness={"plugins": ["rollback_plugin:BadBatchOnce"]},
+    )
+    with pytest.raises(HarnessError, match="rollback at step 5 not possible.*no checkpoint"):
+        run_stage("pretrain", config)
+    (exhausted,) = findings_of(tmp_path / "pretrain", "ROLLBACK_EXHAUSTED")
+    assert exhausted["severity"] == "critical"
+
+
+def test_typo_in_a_training_key(tmp_path: Path) -> None:
+    config = example_config("pretrain", tmp_path, training={"max_step": 3})
+    with pytest.raises(ConfigError) as info:
+        run_stage("pretrain", config)
+    message = str(info.value)
+    assert str(config) in message and "training.max_step" in message and "Did you mean 'max_steps'?" in message
+    assert not (tmp_path / "pretrain").exists()  # failed before anything was built
+
+
+def test_typo_in_a_section_key(tmp_path: Path) -> None:
+    config = example_config("sft", tmp_path)
+    text = config.read_text().replace("tokenizer:", "tokeniser:") if "tokenizer:" in config.read_text() else config.read_text() + "tokeniser: {}\n"
+    config.write_text(text)
+    result = harness_cli("run", "sft", "--config", str(config))
+    assert result.returncode == 2
+    assert "key 'tokeniser'" in result.stderr and "Did you mean 'tokenizer'?" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_data_file(tmp_path: Path) -> None:
+    config = example_config("sft", tmp_path)
+    data = yaml.safe_load(config.read_text())
+    data["data"]["sources"][0]["path"] = str(tmp_path / "nope.jsonl")
+    config.write_text(yaml.safe_dump(data))
+    with pytest.raises(HarnessError, match=r"nope.jsonl.*data.sources\[0\].path.*does not exist"):
+        run_stage("sft", config)
+
+
+def test_data_file_without_the_needed_fields(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": "c", "answer": "d"}\n')
+    config = example_config("dpo", tmp_path)
+    data = yaml.safe_load(config.read_text())
+    data["data"]["sources"][0]["path"] = str(bad)
+    config.write_text(yaml.safe_dump(data))
+    with pytest.raises(HarnessError) as info:
+        run_stage("dpo", config)
+    message = str(info.value)
+    assert str(bad) in message and "chosen" in message
+
+
+def test_stage_mismatch_and_unknown_harness_option(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="the file is for 'sft'"):
+        run_stage("dpo", example_config("sft", tmp_path))
+    config = example_config("pretrain", tmp_path, harness={"max_plugin_error": 2})
+    with pytest.raises(ConfigError, match=r"section 'harness'.*max_plugin_error.*Did you mean 'max_plugin_errors'"):
+        run_stage("pretrain", config)
