@@ -32,8 +32,8 @@ class CoreOptions(BaseModel):
 
     plugins: list[str] | None = Field(
         None,
-        description="Plugins to enable: built-in names, entry-point names or 'module:Class' paths. "
-        "Default: every plugin that is on by default (`harness plugins` marks them).",
+        description="Plugins to enable: built-in names, entry-point names or 'module:Class' paths; the name "
+        "'defaults' stands for every plugin that is on by default (`harness plugins` marks them). Default: [defaults].",
     )
     disable: list[str] = Field(default_factory=list, description="Plugins to switch off, even if listed or on by default.")
     severity: dict[str, Severity] = Field(
@@ -230,7 +230,8 @@ def resolve_config(
     except ValidationError as exc:
         raise ConfigError([_explain(e, source, model_cls, catalog) for e in exc.errors()]) from None
     problems: list[str] = []
-    requested = list(model.plugins) if model.plugins is not None else catalog.default_enabled
+    requested = list(model.plugins) if model.plugins is not None else ["defaults"]
+    requested = [name for spec in requested for name in (catalog.default_enabled if spec == "defaults" else [spec])]
     enabled: list[str] = []
     for spec in requested + list(extra_plugins or []):
         if spec in catalog.broken:

@@ -31,6 +31,12 @@ class FaultOptions(BaseModel):
     action: str = Field("continue", description="Action the plugin decides for TEST_FAULT.")
     raise_in: str | None = Field(None, description="Hook in which to raise RuntimeError (e.g. inspect_batch, on_loss).")
     raise_at_step: int | None = Field(None, description="Raise only at this step (default: every call).")
+    nonfinite_loss_at_steps: list[int] = Field(
+        default_factory=list, description="Steps whose first micro-batch gets NaN input embeddings (the forward pass yields NaN)."
+    )
+    inf_grad_at_steps: list[int] = Field(
+        default_factory=list, description="Steps whose gradients are made infinite (the loss stays finite)."
+    )
     hang_at_step: int | None = Field(None, description="Sleep (for kill -9 tests) in inspect_batch of this step.")
     snapshot_steps: list[int] = Field(
         default_factory=list, description="Record whether params and optimizer state changed across these steps."
@@ -84,6 +90,8 @@ class FaultInjector:
 
     def __init__(self) -> None:
         self.options = FaultOptions()
+        self._poison_forward = False
+        self._poison_grad = False
         self._model: Any = None
         self._optimizer: Any = None
         self._before: dict[str, dict[str, torch.Tensor]] = {}
@@ -112,8 +120,30 @@ class FaultInjector:
             ctx.report(TEST_FAULT.code, f"injected fault at step {step} on rank {ctx.rank} in {hook}", evidence={"injected": True})
 
     @hookimpl
+    def on_run_start(self, ctx: Any, trainer: Any) -> None:
+        o = self.options
+        if not (o.nonfinite_loss_at_steps or o.inf_grad_at_steps):
+            return
+        embeddings = trainer.model.get_input_embeddings()
+
+        def poison_forward(module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
+            if self._poison_forward:
+                self._poison_forward = False
+                return output * float("nan")
+            return None
+
+        def poison_grad(grad: torch.Tensor) -> torch.Tensor | None:
+            return grad * float("inf") if self._poison_grad else None
+
+        embeddings.register_forward_hook(poison_forward)
+        embeddings.weight.register_hook(poison_grad)
+
+    @hookimpl
     def inspect_batch(self, ctx: Any, step: int, micro_step: int) -> None:
         self._maybe_raise("inspect_batch", step)
+        if micro_step == 0:
+            self._poison_forward = step in self.options.nonfinite_loss_at_steps
+            self._poison_grad = step in self.options.inf_grad_at_steps
         if micro_step == 0:
             self._maybe_report(ctx, "inspect_batch", step)
         if self.options.hang_at_step == step:

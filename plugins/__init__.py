@@ -15,5 +15,6 @@ class BuiltinPlugin(NamedTuple):
 
 BUILTIN_PLUGINS: dict[str, BuiltinPlugin] = {
     "metrics_log": BuiltinPlugin("harness.plugins.metrics_log:MetricsLog", True),
+    "nan_guard": BuiltinPlugin("harness.plugins.nan_guard:NanGuard", True),
     "mlflow": BuiltinPlugin("harness.plugins.mlflow_tracker:MlflowTracker", False),
 }

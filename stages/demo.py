@@ -45,7 +45,7 @@ def demo_config(out: Path) -> dict:
             "disable_tqdm": True,
         },
         "harness": {
-            "plugins": ["metrics_log", "harness.stages.demo_faults:DemoFaults"],
+            "plugins": ["defaults", "harness.stages.demo_faults:DemoFaults"],
             "demo_faults": DEMO_FAULTS,
         },
     }

@@ -84,10 +84,3 @@ class DemoFaults:
             marker.touch()
             ctx.report(DEMO_FAULT.code, f"demo fault: the process kills itself (SIGKILL) at step {step}; the demo resumes from the last checkpoint", evidence={"fault": "crash"})
             os.kill(os.getpid(), signal.SIGKILL)
-
-    @hookimpl
-    def decide_action(self, ctx: Any, finding: Any) -> str | None:
-        # until nan_guard exists, the demo protects its own model: a NaN update is never applied
-        if finding.code == DEMO_FAULT.code and finding.evidence.get("fault") == "nonfinite_loss":
-            return "skip_step"
-        return None

@@ -79,8 +79,9 @@ def test_valid_config_resolves_plugins_policy_and_severity(tmp_path: Path, catal
 
 
 def test_defaults_and_disable(catalog: Catalog) -> None:
-    assert load_config({}, catalog).enabled == ["metrics_log"]
-    assert load_config({"disable": ["metrics_log"]}, catalog).enabled == []
+    assert load_config({}, catalog).enabled == ["metrics_log", "nan_guard"]
+    assert load_config({"disable": ["metrics_log"]}, catalog).enabled == ["nan_guard"]
+    assert load_config({"plugins": ["defaults", FAULTS]}, catalog).enabled == ["metrics_log", "nan_guard", "fault_injector"]
 
 
 def test_cli_prints_reference_with_every_option(tmp_path: Path) -> None:

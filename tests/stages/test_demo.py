@@ -13,7 +13,9 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     summary = result.stdout[result.stdout.index("harness demo: finished"):]
     for fault in ("makes the loss non-finite", "replaced by random tokens", "kills itself (SIGKILL)"):
         assert fault in summary
-    assert "harness skipped the optimizer update at step 8" in summary
+    assert "harness skipped the optimizer update at step 8 after NONFINITE_LOSS" in summary
     assert "mlflow ui --backend-store-uri sqlite:///" in summary
     assert sorted(f["evidence"]["fault"] for f in findings_of(out, "DEMO_FAULT")) == ["corrupted_batch", "crash", "nonfinite_loss"]
     assert (out / "model.safetensors").exists()  # the resumed run finished
+    (nonfinite,) = findings_of(out, "NONFINITE_LOSS")  # nan_guard caught the injected NaN batch
+    assert nonfinite["step"] == 8 and nonfinite["action"] == "skip_step"

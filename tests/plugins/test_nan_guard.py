@@ -1,0 +1,78 @@
+"""nan_guard: non-finite losses and gradients are found at the right step, skipped, and escalated."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import harness
+from conftest import EXAMPLE, FAULTS, findings_of, harness_cli, read_jsonl, write_yaml
+
+
+def _train(make_trainer: Any, faults: dict[str, Any], **args: Any) -> Any:
+    trainer = make_trainer(**{"max_steps": 6, **args})
+    ctx = harness.attach(trainer, config={"plugins": ["nan_guard", FAULTS], "fault_injector": faults})
+    trainer.train()
+    return trainer, ctx
+
+
+def _all_finite(trainer: Any) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
+
+
+def test_nan_loss_is_found_at_that_step_and_skipped(make_trainer: Any) -> None:
+    trainer, ctx = _train(make_trainer, {"nonfinite_loss_at_steps": [3], "snapshot_steps": [3, 4]}, gradient_accumulation_steps=2)
+    (finding,) = findings_of(trainer.args.output_dir, "NONFINITE_LOSS")
+    assert finding["step"] == 3 and finding["rank"] == 0 and finding["action"] == "skip_step"
+    assert finding["evidence"]["micro_batches"] == [0] and finding["plugin"] == "nan_guard"
+    assert "logging_nan_inf_filter" in finding["message"]
+    assert Path(finding["evidence"]["capture"]).exists()
+    snaps = {r["step"]: r for r in read_jsonl(ctx.run_dir / "fault_injector.rank-0.jsonl")}
+    assert snaps[3]["skipped"] and snaps[3]["params_changed"] == [] and snaps[3]["optimizer_changed"] == []
+    assert snaps[4]["params_changed"]
+    assert trainer.state.global_step == 6 and _all_finite(trainer)
+
+
+def test_inf_gradients_are_found_and_skipped(make_trainer: Any) -> None:
+    trainer, _ = _train(make_trainer, {"inf_grad_at_steps": [4]})
+    (finding,) = findings_of(trainer.args.output_dir, "NONFINITE_GRAD")
+    assert finding["step"] == 4 and finding["action"] == "skip_step"
+    assert findings_of(trainer.args.output_dir, "NONFINITE_LOSS") == []
+    assert trainer.state.global_step == 6 and _all_finite(trainer)
+
+
+def test_three_in_a_row_save_and_stop(make_trainer: Any) -> None:
+    trainer, _ = _train(make_trainer, {"nonfinite_loss_at_steps": [2, 3, 4]}, max_steps=8)
+    findings = findings_of(trainer.args.output_dir, "NONFINITE_LOSS")
+    assert [(f["step"], f["action"]) for f in findings] == [(2, "skip_step"), (3, "skip_step"), (4, "save_and_stop")]
+    assert trainer.state.global_step == 4
+    assert (Path(trainer.args.output_dir) / "checkpoint-4").exists() and _all_finite(trainer)
+
+
+def test_a_clean_step_resets_the_ladder(make_trainer: Any) -> None:
+    trainer, _ = _train(make_trainer, {"nonfinite_loss_at_steps": [2, 3, 5, 6]}, max_steps=8)
+    actions = [f["action"] for f in findings_of(trainer.args.output_dir, "NONFINITE_LOSS")]
+    assert actions == ["skip_step"] * 4 and trainer.state.global_step == 8
+
+
+@pytest.mark.parametrize(("fault", "code"), [("nonfinite_loss_at_steps", "NONFINITE_LOSS"), ("inf_grad_at_steps", "NONFINITE_GRAD")])
+def test_through_wrap_on_an_unmodified_script(tmp_path: Path, fault: str, code: str) -> None:
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["nan_guard", FAULTS], "fault_injector": {fault: [2]}})
+    result = harness_cli("wrap", "--config", str(config), "--", sys.executable, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (finding,) = findings_of(out, code)
+    assert finding["step"] == 2 and finding["action"] == "skip_step"
+    (taken,) = findings_of(out, "ACTION_TAKEN")
+    assert taken["step"] == 2
+
+
+def test_a_long_clean_run_is_silent(make_trainer: Any) -> None:
+    trainer = make_trainer(max_steps=320, logging_steps=50, per_device_train_batch_size=2)
+    harness.attach(trainer)  # the default plugins, nan_guard among them
+    trainer.train()
+    assert trainer.state.global_step == 320
+    assert [f for f in findings_of(trainer.args.output_dir) if f["severity"] != "info"] == []
