@@ -100,13 +100,19 @@ class NanGuard:
     def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, grad_norm: Any) -> None:
         flags, batches, losses = self._flags, self._batches, self._losses
         self._flags, self._batches, self._losses = [], [], []
+        norm_flag = self.options.check_grads and torch.is_tensor(grad_norm) and grad_norm.device == (flags[0].device if flags else grad_norm.device)
+        if norm_flag:
+            flags = flags + [torch.isfinite(grad_norm).all()]
         finite = torch.stack(flags).tolist() if flags else []  # the one host sync of this step
+        grad_ok = finite.pop() if norm_flag else None
         bad = [i for i, ok in enumerate(finite) if not ok]
         if bad:
             self._consecutive += 1
             self._report_loss(ctx, step, bad, batches, losses)
             return
-        if self.options.check_grads and self._grads_finite(model, grad_norm) is False:
+        if grad_ok is None and self.options.check_grads:
+            grad_ok = self._grads_finite(model, grad_norm)
+        if grad_ok is False:
             self._consecutive += 1
             norm = float(grad_norm) if grad_norm is not None else None
             ctx.report(
