@@ -16,5 +16,6 @@ class BuiltinPlugin(NamedTuple):
 BUILTIN_PLUGINS: dict[str, BuiltinPlugin] = {
     "metrics_log": BuiltinPlugin("harness.plugins.metrics_log:MetricsLog", True),
     "nan_guard": BuiltinPlugin("harness.plugins.nan_guard:NanGuard", True),
+    "loss_baseline": BuiltinPlugin("harness.plugins.loss_baseline:LossBaseline", True),
     "mlflow": BuiltinPlugin("harness.plugins.mlflow_tracker:MlflowTracker", False),
 }

@@ -79,9 +79,11 @@ def test_valid_config_resolves_plugins_policy_and_severity(tmp_path: Path, catal
 
 
 def test_defaults_and_disable(catalog: Catalog) -> None:
-    assert load_config({}, catalog).enabled == ["metrics_log", "nan_guard"]
-    assert load_config({"disable": ["metrics_log"]}, catalog).enabled == ["nan_guard"]
-    assert load_config({"plugins": ["defaults", FAULTS]}, catalog).enabled == ["metrics_log", "nan_guard", "fault_injector"]
+    defaults = catalog.default_enabled
+    assert "metrics_log" in defaults and "nan_guard" in defaults and "mlflow" not in defaults
+    assert load_config({}, catalog).enabled == defaults
+    assert load_config({"disable": ["metrics_log"]}, catalog).enabled == [n for n in defaults if n != "metrics_log"]
+    assert load_config({"plugins": ["defaults", FAULTS]}, catalog).enabled == [*defaults, "fault_injector"]
 
 
 def test_cli_prints_reference_with_every_option(tmp_path: Path) -> None:
