@@ -70,6 +70,7 @@ class StepTimer(TrainerCallback):
         self.begins: list[float] = []
         self.ends: list[float] = []
         self.plugin_seconds: dict[str, float] = {}
+        self.hook_seconds = 0.0
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self.begins.append(time.perf_counter())
@@ -144,6 +145,8 @@ def run_once(tokenizer: Any, dataset: Any, steps: int, warmup: int, with_harness
         trainer = Trainer(model=model, args=training_args(out, steps), train_dataset=dataset, callbacks=[timer])
         trainer.remove_callback(PrinterCallback)  # its log dicts would bury the table; removed on both sides
         ctx = harness.attach(trainer, config=None, plugins=plugins or None) if with_harness else None
+        if ctx is not None:
+            _time_hooks(ctx.manager, timer)
         trainer.train()
         if ctx is not None:
             for name in plugins:
@@ -153,6 +156,20 @@ def run_once(tokenizer: Any, dataset: Any, steps: int, warmup: int, with_harness
     if len(timer.ends) != steps:
         raise RuntimeError(f"expected {steps} optimizer steps, timed {len(timer.ends)}")
     return timer
+
+
+def _time_hooks(manager: Any, timer: StepTimer) -> None:
+    """Accumulate the time spent inside plugin hooks: a noise-free view of what the harness adds per step."""
+    call_one = manager._call_one
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return call_one(*args, **kwargs)
+        finally:
+            timer.hook_seconds += time.perf_counter() - began
+
+    manager._call_one = timed
 
 
 def prime(tokenizer: Any, dataset: Any, warmup: int) -> None:
@@ -231,18 +248,26 @@ def main(argv: list[str] | None = None) -> int:
     prime(tokenizer, dataset, args.warmup)
     plain, harnessed = Side(), Side()
     plugin_seconds: dict[str, float] = {}
+    hook_seconds = 0.0
     started = time.perf_counter()
     baseline_harness = args.baseline == "harness"
     for _ in range(args.rounds):
         for side, with_harness, extra in ((plain, baseline_harness, []), (harnessed, True, plugins)):
             timer = run_once(tokenizer, dataset, args.steps, args.warmup, with_harness, extra)
             side.add(timer.step_times(args.warmup), timer.span_times(args.warmup))
+            if side is harnessed:
+                hook_seconds += timer.hook_seconds
             for name, seconds in timer.plugin_seconds.items():
                 plugin_seconds[name] = plugin_seconds.get(name, 0.0) + seconds
     print(f"timed in {time.perf_counter() - started:.1f} s; step = on_step_end to on_step_end, span = begin to end")
     if baseline_harness:
         print("baseline: the harness with its default plugins; measured: the same plus " + ", ".join(plugins))
     print_table(plain, harnessed)
+    hook_per_step = hook_seconds / (args.rounds * args.steps)
+    print(
+        f"time inside plugin hooks: {hook_per_step * 1e6:.0f} us per step "
+        f"({hook_per_step / statistics.median(plain.steps) * 100:.2f}% of the baseline median step)"
+    )
     for name, seconds in plugin_seconds.items():
         per_step = seconds / (args.rounds * args.steps)
         print(f"training-thread time of plugin {name}: {per_step * 1e6:.1f} us per step (logging every {LOGGING_STEPS} steps)")
