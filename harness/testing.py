@@ -43,6 +43,23 @@ class FaultOptions(BaseModel):
     )
 
 
+class EmbeddingPoison:
+    """Makes the next forward pass of a model produce NaN (its input embeddings), once per ``arm()``."""
+
+    def __init__(self, model: Any) -> None:
+        self.armed = False
+        model.get_input_embeddings().register_forward_hook(self._hook)
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def _hook(self, module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
+        if self.armed:
+            self.armed = False
+            return output * float("nan")
+        return None
+
+
 def _unwrap_optimizer(optimizer: Any) -> Any:
     seen = 0
     while hasattr(optimizer, "optimizer") and seen < 4:
@@ -90,7 +107,7 @@ class FaultInjector:
 
     def __init__(self) -> None:
         self.options = FaultOptions()
-        self._poison_forward = False
+        self._poison: EmbeddingPoison | None = None
         self._poison_grad = False
         self._model: Any = None
         self._optimizer: Any = None
@@ -124,25 +141,19 @@ class FaultInjector:
         o = self.options
         if not (o.nonfinite_loss_at_steps or o.inf_grad_at_steps):
             return
-        embeddings = trainer.model.get_input_embeddings()
-
-        def poison_forward(module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
-            if self._poison_forward:
-                self._poison_forward = False
-                return output * float("nan")
-            return None
+        self._poison = EmbeddingPoison(trainer.model)
 
         def poison_grad(grad: torch.Tensor) -> torch.Tensor | None:
             return grad * float("inf") if self._poison_grad else None
 
-        embeddings.register_forward_hook(poison_forward)
-        embeddings.weight.register_hook(poison_grad)
+        trainer.model.get_input_embeddings().weight.register_hook(poison_grad)
 
     @hookimpl
     def inspect_batch(self, ctx: Any, step: int, micro_step: int) -> None:
         self._maybe_raise("inspect_batch", step)
         if micro_step == 0:
-            self._poison_forward = step in self.options.nonfinite_loss_at_steps
+            if self._poison is not None and step in self.options.nonfinite_loss_at_steps:
+                self._poison.arm()
             self._poison_grad = step in self.options.inf_grad_at_steps
         if micro_step == 0:
             self._maybe_report(ctx, "inspect_batch", step)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from harness.findings import FindingCode, Severity
 from harness.hookspecs import hookimpl
+from harness.testing import EmbeddingPoison
 
 DEMO_FAULT = FindingCode("DEMO_FAULT", Severity.INFO, "A fault injected on purpose by `harness demo`.", "demo#demo_fault")
 
@@ -36,7 +37,7 @@ class DemoFaults:
 
     def __init__(self) -> None:
         self.options = DemoFaultOptions()
-        self._poison = False
+        self._poison: EmbeddingPoison | None = None
 
     @hookimpl
     def add_config(self) -> type[BaseModel]:
@@ -52,23 +53,15 @@ class DemoFaults:
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
-        embeddings = trainer.model.get_input_embeddings()
-
-        def poison(module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
-            if self._poison:
-                self._poison = False
-                return output * float("nan")
-            return None
-
-        embeddings.register_forward_hook(poison)
+        self._poison = EmbeddingPoison(trainer.model)
 
     @hookimpl
     def inspect_batch(self, ctx: Any, batch: dict[str, Any], step: int, micro_step: int) -> None:
         o = self.options
         if micro_step != 0:
             return
-        if step == o.nan_step:
-            self._poison = True
+        if step == o.nan_step and self._poison is not None:
+            self._poison.arm()
             ctx.report(DEMO_FAULT.code, f"demo fault: the batch of step {step} makes the loss non-finite (NaN embeddings)", evidence={"fault": "nonfinite_loss"})
         if step == o.spike_step:
             ids = batch["input_ids"]
