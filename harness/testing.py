@@ -44,19 +44,36 @@ class FaultOptions(BaseModel):
 
 
 class EmbeddingPoison:
-    """Makes the next forward pass of a model produce NaN (its input embeddings), once per ``arm()``."""
+    """Breaks a model's numerics on demand, through its input embeddings.
+
+    ``arm()``: the next forward pass yields NaN (a non-finite loss).
+    ``arm_gradients()``: the next backward gives the embedding weight an
+    infinite gradient while the loss stays finite.
+    """
 
     def __init__(self, model: Any) -> None:
         self.armed = False
-        model.get_input_embeddings().register_forward_hook(self._hook)
+        self.gradients_armed = False
+        embeddings = model.get_input_embeddings()
+        embeddings.register_forward_hook(self._forward)
+        embeddings.weight.register_hook(self._backward)
 
     def arm(self) -> None:
         self.armed = True
 
-    def _hook(self, module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
+    def arm_gradients(self) -> None:
+        self.gradients_armed = True
+
+    def _forward(self, module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
         if self.armed:
             self.armed = False
             return output * float("nan")
+        return None
+
+    def _backward(self, grad: torch.Tensor) -> torch.Tensor | None:
+        if self.gradients_armed:
+            self.gradients_armed = False
+            return grad * float("inf")
         return None
 
 
@@ -108,7 +125,6 @@ class FaultInjector:
     def __init__(self) -> None:
         self.options = FaultOptions()
         self._poison: EmbeddingPoison | None = None
-        self._poison_grad = False
         self._model: Any = None
         self._optimizer: Any = None
         self._before: dict[str, dict[str, torch.Tensor]] = {}
@@ -143,18 +159,14 @@ class FaultInjector:
             return
         self._poison = EmbeddingPoison(trainer.model)
 
-        def poison_grad(grad: torch.Tensor) -> torch.Tensor | None:
-            return grad * float("inf") if self._poison_grad else None
-
-        trainer.model.get_input_embeddings().weight.register_hook(poison_grad)
-
     @hookimpl
     def inspect_batch(self, ctx: Any, step: int, micro_step: int) -> None:
         self._maybe_raise("inspect_batch", step)
-        if micro_step == 0:
-            if self._poison is not None and step in self.options.nonfinite_loss_at_steps:
+        if micro_step == 0 and self._poison is not None:
+            if step in self.options.nonfinite_loss_at_steps:
                 self._poison.arm()
-            self._poison_grad = step in self.options.inf_grad_at_steps
+            if step in self.options.inf_grad_at_steps:
+                self._poison.arm_gradients()
         if micro_step == 0:
             self._maybe_report(ctx, "inspect_batch", step)
         if self.options.hang_at_step == step:

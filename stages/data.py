@@ -116,7 +116,7 @@ def load_source(
             f"data file '{path}' ({where}.path) contains no records. "
             "Fix: point the path at a file with data, or remove this entry from data."
         )
-    _check_fields(dataset, path, source, where, required_fields)
+    check_fields(dataset, path, source, where, required_fields)
     return dataset
 
 
@@ -229,7 +229,7 @@ def _read_saved_folder(path: Path, where: str) -> Dataset:
     return loaded
 
 
-def _check_fields(
+def check_fields(
     dataset: Dataset, path: Path, source: DataSource, where: str, required_fields: Sequence[str]
 ) -> None:
     """Every required field must exist; the message lists what does exist and the closest name."""

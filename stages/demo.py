@@ -20,7 +20,7 @@ import yaml
 from harness.findings import read_run_findings
 
 DEMO_STEPS = 30
-DEMO_FAULTS = {"nan_step": 8, "spike_step": 14, "crash_step": 23}
+DEMO_FAULTS = {"nan_step": 8, "inf_grad_step": 11, "spike_step": 14, "masked_step": 17, "crash_step": 23}
 
 
 def demo_config(out: Path) -> dict:
@@ -67,8 +67,9 @@ def run_demo(out: str | Path = "runs/demo") -> int:
     config.write_text(yaml.safe_dump(demo_config(out), sort_keys=False), encoding="utf-8")
     began = time.time()
     print(f"harness demo: pretraining a tiny Llama for {DEMO_STEPS} steps in {out}")
-    print(f"  faults injected on purpose: non-finite loss at step {DEMO_FAULTS['nan_step']}, corrupted batch at step "
-          f"{DEMO_FAULTS['spike_step']}, kill -9 at step {DEMO_FAULTS['crash_step']}", flush=True)
+    print(f"  faults injected on purpose: non-finite loss at step {DEMO_FAULTS['nan_step']}, infinite gradients at step "
+          f"{DEMO_FAULTS['inf_grad_step']}, corrupted batch at step {DEMO_FAULTS['spike_step']}, all labels masked at step "
+          f"{DEMO_FAULTS['masked_step']}, kill -9 at step {DEMO_FAULTS['crash_step']}", flush=True)
     first = _run(config, resume=False)
     if first == 0:
         print("harness demo: the simulated crash did not happen; nothing to resume")

@@ -1,8 +1,9 @@
 """demo_faults: the faults `harness demo` injects on purpose, each announced as a DEMO_FAULT finding.
 
 Demo-only. It breaks a real training run in the ways the field notes
-describe — a batch that turns the loss non-finite, a corrupted batch that
-spikes the loss, a hard crash (``kill -9``) that forces a resume — so that
+describe — a batch that turns the loss non-finite, infinite gradients, a
+batch whose labels are all masked, a corrupted batch that spikes the loss,
+a hard crash (``kill -9``) that forces a resume — so that
 the detectors can be seen catching them. Each injection is reported, so the
 demo's summary can name every fault next to what the harness made of it.
 """
@@ -26,12 +27,14 @@ class DemoFaultOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     nan_step: int | None = Field(None, description="Step whose first micro-batch gets NaN embeddings (non-finite loss).")
+    inf_grad_step: int | None = Field(None, description="Step whose gradients are made infinite while the loss stays finite.")
     spike_step: int | None = Field(None, description="Step whose first micro-batch is replaced by random tokens (loss spike).")
+    masked_step: int | None = Field(None, description="Step whose first micro-batch gets every label masked (-100).")
     crash_step: int | None = Field(None, description="Step at which the process kills itself with SIGKILL (once per output dir).")
 
 
 class DemoFaults:
-    """Injects the demo's faults (NaN batch, corrupted batch, hard crash) and reports each one."""
+    """Injects the demo's faults (NaN batch, inf gradients, masked labels, corrupted batch, hard crash) and reports each."""
 
     name = "demo_faults"
 
@@ -63,6 +66,12 @@ class DemoFaults:
         if step == o.nan_step and self._poison is not None:
             self._poison.arm()
             ctx.report(DEMO_FAULT.code, f"demo fault: the batch of step {step} makes the loss non-finite (NaN embeddings)", evidence={"fault": "nonfinite_loss"})
+        if step == o.inf_grad_step and self._poison is not None:
+            self._poison.arm_gradients()
+            ctx.report(DEMO_FAULT.code, f"demo fault: the gradients of step {step} are made infinite (the loss stays finite)", evidence={"fault": "nonfinite_grad"})
+        if step == o.masked_step and torch.is_tensor(batch.get("labels")):
+            batch["labels"].fill_(-100)
+            ctx.report(DEMO_FAULT.code, f"demo fault: every label of the batch of step {step} is masked (-100)", evidence={"fault": "all_labels_masked"})
         if step == o.spike_step:
             ids = batch["input_ids"]
             generator = torch.Generator().manual_seed(step)

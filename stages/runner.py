@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from harness.config import Catalog, resolve_config
 from harness.errors import HarnessError
 from harness.stages.config import LoadedRunConfig, arguments_class, load_run_config
-from harness.stages.data import DataSource, load_source, mix_sources
+from harness.stages.data import DataSource, check_fields, load_source, mix_sources, resolve_path
 
 log = logging.getLogger("harness.stages")
 TEXT_FIELDS = {"sft": (("messages",), ("prompt", "completion")), "dpo": (("prompt", "chosen", "rejected"),)}
@@ -80,8 +80,10 @@ def _load_all(loaded: LoadedRunConfig, sources: list[DataSource], key: str) -> l
                 dataset = dataset.rename_column(source.text_field, "text")
             out.append(dataset.select_columns(["text"]))
             continue
-        probe = load_source(source, loaded.base_dir, required_fields=(), index=where)  # sft/dpo accept several record shapes
-        out.append(load_source(source, loaded.base_dir, required_fields=_required_fields(loaded.stage, source, probe), index=where))
+        dataset = load_source(source, loaded.base_dir, required_fields=(), index=where)
+        # sft/dpo accept several record shapes: check the one this file has
+        check_fields(dataset, resolve_path(source, loaded.base_dir), source, where, _required_fields(loaded.stage, source, dataset))
+        out.append(dataset)
     return out
 
 
@@ -133,9 +135,7 @@ def training_arguments(loaded: LoadedRunConfig) -> Any:
     }
     if loaded.stage in ("pretrain", "continue"):
         values["train_sampling_strategy"] = "sequential"  # the mixture is pre-shuffled; positions stay stable for rollback
-    if loaded.stage == "sft":
-        values["max_length"] = 256
-    if loaded.stage == "dpo":
+    if loaded.stage in ("sft", "dpo"):
         values["max_length"] = 256
     values.update(cfg.training)
     if cfg.deepspeed is not None:

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from transformers import TrainerCallback
 
 import harness
@@ -284,3 +285,51 @@ def test_unserialisable_plugin_state_does_not_break_the_checkpoint(make_trainer:
     assert json.loads((out / "checkpoint-2" / "harness_state" / "rank-0.json").read_text()) == {"recorder": {"saved_at": 2}}
     (error,) = findings_of(out, "INTERNAL_PLUGIN_ERROR")
     assert error["plugin"] == "bad_state" and error["evidence"]["hook"] == "checkpoint_state"
+
+
+class _OverflowAwareSGD(torch.optim.SGD):
+    """An engine-style optimizer (like DeepSpeed's) that consults its overflow check before updating."""
+
+    overflow = False
+
+    def check_overflow(self) -> bool:
+        self.overflow = False
+        return False
+
+    def _update_scale(self, overflow: bool) -> None:
+        pass
+
+    def step(self, closure: Any = None) -> Any:
+        self.check_overflow()
+        if self.overflow:
+            self.zero_grad(set_to_none=True)
+            return None
+        return super().step(closure)
+
+
+class _StubbornSGD(_OverflowAwareSGD):
+    """Declares an overflow check but never consults it: a skip cannot hold it."""
+
+    def step(self, closure: Any = None) -> Any:
+        return torch.optim.SGD.step(self, closure)
+
+
+@pytest.mark.parametrize(("optimizer_cls", "held"), [(_OverflowAwareSGD, True), (_StubbornSGD, False)])
+def test_engine_optimizer_skip_is_verified(make_trainer: Any, optimizer_cls: type, held: bool) -> None:
+    from harness.actions import Action
+    from harness.bridge import _guard_deepspeed_optimizer
+
+    trainer = make_trainer(max_steps=1)
+    ctx = harness.attach(trainer, config={"plugins": []})
+    layer = torch.nn.Linear(3, 3)
+    before = layer.weight.detach().clone()
+    optimizer = optimizer_cls(layer.parameters(), lr=0.5)
+    _guard_deepspeed_optimizer(optimizer, trainer._harness_bridge, layer)
+    layer(torch.ones(2, 3)).sum().backward()
+    ctx.pending_action = Action.SKIP_STEP
+    optimizer.step()
+    assert torch.equal(layer.weight, before) is held
+    not_applied = findings_of(trainer.args.output_dir, "SKIP_NOT_APPLIED")
+    assert (not_applied == []) is held
+    if not held:
+        assert not_applied[0]["severity"] == "critical" and "_StubbornSGD" in not_applied[0]["message"]

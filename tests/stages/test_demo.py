@@ -11,11 +11,15 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     result = harness_cli("demo", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = result.stdout[result.stdout.index("harness demo: finished"):]
-    for fault in ("makes the loss non-finite", "replaced by random tokens", "kills itself (SIGKILL)"):
+    for fault in ("makes the loss non-finite", "made infinite", "replaced by random tokens", "is masked (-100)", "kills itself (SIGKILL)"):
         assert fault in summary
     assert "harness skipped the optimizer update at step 8 after NONFINITE_LOSS" in summary
     assert "mlflow ui --backend-store-uri sqlite:///" in summary
-    assert sorted(f["evidence"]["fault"] for f in findings_of(out, "DEMO_FAULT")) == ["corrupted_batch", "crash", "nonfinite_loss"]
+    assert sorted(f["evidence"]["fault"] for f in findings_of(out, "DEMO_FAULT")) == ["all_labels_masked", "corrupted_batch", "crash", "nonfinite_grad", "nonfinite_loss"]
     assert (out / "model.safetensors").exists()  # the resumed run finished
-    (nonfinite,) = findings_of(out, "NONFINITE_LOSS")  # nan_guard caught the injected NaN batch
-    assert nonfinite["step"] == 8 and nonfinite["action"] == "skip_step"
+    # the detectors caught what was injected, at the injected steps
+    assert [f["step"] for f in findings_of(out, "NONFINITE_LOSS") if f["step"] == 8] == [8]
+    (grad,) = findings_of(out, "NONFINITE_GRAD")
+    assert grad["step"] == 11 and grad["action"] == "skip_step"
+    (masked,) = findings_of(out, "ALL_LABELS_MASKED")
+    assert masked["step"] == 17
