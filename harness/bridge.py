@@ -78,7 +78,9 @@ class Bridge:
         for name in manager.names:
             manager.call_plugin(name, "configure", ctx=self.ctx, options=resolved.options_for(name))
         self._loss_sum: Any = None
+        self._step_loss: Any = None
         self._micro_batches = 0
+        self._optimizer_skipped = False
         self._grad_norm: Any = None
         self._lr: float | None = None
         self._agreed = Action.CONTINUE
@@ -167,11 +169,26 @@ class Bridge:
         def harness_compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             result = compute_loss(model, inputs, *args, **kwargs)
             if self._in_training_step:
-                loss = result[0] if isinstance(result, tuple) else result
-                call("on_loss", ctx=ctx, loss=loss.detach(), batch=inputs, step=ctx.step, micro_step=ctx.micro_step)
+                loss = (result[0] if isinstance(result, tuple) else result).detach()
+                part = loss if self._loss_scaled_for_ga(kwargs.get("num_items_in_batch")) else loss / self._ga_steps()
+                self._step_loss = part if self._step_loss is None else self._step_loss + part
+                call("on_loss", ctx=ctx, loss=loss, batch=inputs, step=ctx.step, micro_step=ctx.micro_step)
             return result
 
         return harness_compute_loss
+
+    def _loss_scaled_for_ga(self, num_items_in_batch: Any) -> bool:
+        """Whether the Trainer treats this loss as already normalised over the whole step (its own rule)."""
+        trainer = self.trainer
+        fixed = getattr(trainer, "loss_is_scaled_for_ga", None)
+        if fixed is not None:
+            return bool(fixed)
+        accepts = bool(getattr(trainer, "model_accepts_loss_kwargs", False))
+        return (accepts and num_items_in_batch is not None) or getattr(trainer, "compute_loss_func", None) is not None
+
+    def _ga_steps(self) -> int:
+        trainer = self.trainer
+        return int(getattr(trainer, "current_gradient_accumulation_steps", None) or trainer.args.gradient_accumulation_steps or 1)
 
     def _wrap_grad_norm(self, get_grad_norm: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(get_grad_norm)
@@ -189,7 +206,7 @@ class Bridge:
             engine = trainer.model_wrapped
             _guard_deepspeed_optimizer(engine.optimizer, self, engine)
         else:
-            _guard_accelerated_optimizer(trainer.optimizer, self.guard, trainer.model_wrapped)
+            _guard_accelerated_optimizer(trainer.optimizer, self, trainer.model_wrapped)
 
     # -- the step guard -------------------------------------------------------------------------
 
@@ -197,7 +214,13 @@ class Bridge:
         """Fire the pre-step hook, agree the action with every rank, remember it for step end."""
         ctx = self.ctx
         ctx.manager.call(
-            "on_before_optimizer_step", ctx=ctx, step=ctx.step, model=model, optimizer=optimizer, grad_norm=self._grad_norm
+            "on_before_optimizer_step",
+            ctx=ctx,
+            step=ctx.step,
+            model=model,
+            optimizer=optimizer,
+            grad_norm=self._grad_norm,
+            loss=self._step_loss,
         )
         self._lr = _current_lr(self.trainer)  # the LR this update uses, before the scheduler moves
         action = ctx.agree()
@@ -228,7 +251,9 @@ class Bridge:
             self.ctx.pending_action = Action.CONTINUE  # asked after the last guard: that update is done
         self.ctx.micro_step = 0
         self._loss_sum = None
+        self._step_loss = None
         self._micro_batches = 0
+        self._optimizer_skipped = False
         self._grad_norm = None
         self._lr = None
         self._agreed = Action.CONTINUE
@@ -242,6 +267,7 @@ class Bridge:
             "grad_norm": self._grad_norm,
             "lr": self._lr,
             "skipped": agreed is not Action.CONTINUE,
+            "optimizer_skipped": self._optimizer_skipped and agreed is Action.CONTINUE,
             "action": agreed.value,
             "micro_batches": self._micro_batches,
         }
@@ -356,6 +382,10 @@ class Bridge:
         )
         self.ctx.pending_action = strongest(self.ctx.pending_action, Action.STOP)
 
+    def note_optimizer_skip(self, skipped: bool) -> None:
+        """The optimizer (DeepSpeed's overflow check, an fp16 GradScaler) skipped an update the harness let through."""
+        self._optimizer_skipped = skipped
+
     def skip_not_applied(self, detail: str) -> None:
         self.ctx.report(
             SKIP_NOT_APPLIED.code,
@@ -402,10 +432,7 @@ class HarnessCallback(TrainerCallback):
 
 # -- optimizer guards --------------------------------------------------------------------------------
 
-Guard = Callable[[Any, Any], Action]
-
-
-def _guard_accelerated_optimizer(optimizer: Any, guard: Guard, model: Any) -> None:
+def _guard_accelerated_optimizer(optimizer: Any, bridge: "Bridge", model: Any) -> None:
     """Plain runs: the Trainer calls ``AcceleratedOptimizer.step`` once per optimizer step.
 
     A skip leaves parameters and optimizer state untouched and marks the step
@@ -420,10 +447,12 @@ def _guard_accelerated_optimizer(optimizer: Any, guard: Guard, model: Any) -> No
     @functools.wraps(original)
     def harness_step(*args: Any, **kwargs: Any) -> Any:
         scaler = getattr(optimizer, "scaler", None)
-        if guard(model, optimizer) is Action.CONTINUE:
+        if bridge.guard(model, optimizer) is Action.CONTINUE:
             if scaler is None:
                 optimizer._is_overflow = False
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+            bridge.note_optimizer_skip(bool(getattr(optimizer, "step_was_skipped", False)))
+            return result
         optimizer._is_overflow = True
         if scaler is not None and scaler.is_enabled():
             scaler.update(scaler.get_scale())  # forget this step's unscale_; keep the scale as it was
@@ -452,7 +481,9 @@ def _guard_deepspeed_optimizer(optimizer: Any, bridge: "Bridge", engine: Any) ->
         if bridge.guard(engine, optimizer) is Action.CONTINUE:
             if not owns_overflow and hasattr(optimizer, "overflow"):
                 optimizer.overflow = False
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+            bridge.note_optimizer_skip(bool(getattr(optimizer, "overflow", False)))  # the engine's own overflow skip
+            return result
         if not _has_overflow_path(optimizer):
             # ZeRO stage 0 with a plain torch optimizer: drop the gradients, flag the skip for the engine
             optimizer.zero_grad(set_to_none=True)

@@ -52,6 +52,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.out)
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from harness.replay import print_replay
+
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    return print_replay(Path(args.capture_dir), checkpoint, args.rank, args.device, args.tolerance)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harness", description="Monitoring and diagnostics harness around the Hugging Face Trainer."
@@ -86,6 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     demo.set_defaults(func=_cmd_demo)
+
+    replay = sub.add_parser(
+        "replay",
+        help="recompute the per-sample losses of a captured batch on a checkpoint and compare them with the capture",
+        description="Load CAPTURE_DIR (<output_dir>/harness/captures/step-<N>/), the checkpoint of the step before it "
+        "(or --checkpoint), restore the RNG and rerun the forward pass: prints per-sample losses, most suspect first. "
+        "Exit status 1 when the captured numbers are not reproduced on the capture's own checkpoint.",
+    )
+    replay.add_argument("capture_dir", help="a captures/step-<N> directory")
+    replay.add_argument("--checkpoint", help="checkpoint or model directory (default: checkpoint-<N-1> of the run)")
+    replay.add_argument("--rank", type=int, default=None, help="which rank's capture (default: the lowest present)")
+    replay.add_argument("--device", default="cpu", help="device for the forward pass (default: cpu)")
+    replay.add_argument("--tolerance", type=float, default=1e-4, help="max |diff| that counts as reproduced (default: 1e-4)")
+    replay.set_defaults(func=_cmd_replay)
 
     plugins = sub.add_parser("plugins", help="list available plugins, their options or their finding codes")
     plugins.add_argument("--config-reference", action="store_true", help="print every config option with type, default and description")

@@ -154,7 +154,12 @@ def on_loss(
 
 @hookspec
 def on_before_optimizer_step(
-    ctx: "RunContext", step: int, model: Any, optimizer: Any, grad_norm: "torch.Tensor | float | None"
+    ctx: "RunContext",
+    step: int,
+    model: Any,
+    optimizer: Any,
+    grad_norm: "torch.Tensor | float | None",
+    loss: "torch.Tensor | None",
 ) -> None:
     """Gradients are reduced (and clipped) and the optimizer is about to update.
 
@@ -163,7 +168,10 @@ def on_before_optimizer_step(
     A finding reported here can still skip this very step. ``grad_norm`` is
     the Trainer's pre-clip norm when known (None under DeepSpeed, which
     computes it inside its own step). Under DeepSpeed ZeRO-1/2 gradients live
-    in the engine's partitions, not in ``param.grad``.
+    in the engine's partitions, not in ``param.grad``. ``loss`` is this rank's
+    loss of the step (device tensor): its micro-batch losses combined the way
+    the Trainer combines them for logging. The parameters are still those that
+    produced it, so a forward pass here reproduces the step's losses.
     """
 
 
@@ -175,8 +183,10 @@ def on_step_end(ctx: "RunContext", step: int, metrics: "dict[str, Any]") -> None
     scheduler. ``step`` is the step that just ended (1-based, the Trainer's
     new ``global_step``). ``metrics`` holds ``loss`` (device tensor: the step
     loss as the Trainer accumulates it for logging), ``grad_norm`` (tensor/float/None), ``lr``
-    (float), ``skipped`` (bool), ``action`` (the agreed action name) and
-    ``micro_batches`` (int).
+    (float), ``skipped`` (bool: the harness held the update back),
+    ``optimizer_skipped`` (bool: the harness let the update through but the
+    optimizer skipped it on its own, as DeepSpeed and fp16 loss scaling do on
+    an overflow), ``action`` (the agreed action name) and ``micro_batches`` (int).
     """
 
 

@@ -37,6 +37,14 @@ class FaultOptions(BaseModel):
     inf_grad_at_steps: list[int] = Field(
         default_factory=list, description="Steps whose gradients are made infinite (the loss stays finite)."
     )
+    corrupt_at_steps: list[int] = Field(
+        default_factory=list, description="Steps whose first micro-batch gets random tokens in the rows of corrupt_rows (a loss spike)."
+    )
+    corrupt_rows: list[int] | None = Field(None, description="Rows to corrupt (default: every row).")
+    lr_scale: float = Field(100.0, gt=0, description="Factor applied to the learning rate at lr_scale_at_steps / from lr_scale_from_step.")
+    lr_scale_at_steps: list[int] = Field(default_factory=list, description="Steps whose update uses the LR times lr_scale.")
+    lr_scale_from_step: int | None = Field(None, description="Every update from this step on uses the LR times lr_scale (divergence).")
+    nan_param_at_step: int | None = Field(None, description="Write a NaN into one parameter just before this step's update.")
     hang_at_step: int | None = Field(None, description="Sleep (for kill -9 tests) in inspect_batch of this step.")
     snapshot_steps: list[int] = Field(
         default_factory=list, description="Record whether params and optimizer state changed across these steps."
@@ -75,6 +83,32 @@ class EmbeddingPoison:
             self.gradients_armed = False
             return grad * float("inf")
         return None
+
+
+def corrupt_batch(batch: dict[str, Any], rows: list[int] | None, seed: int) -> list[int]:
+    """Replace the tokens of ``rows`` (all rows when None) with uniform random ids, in place; labels follow.
+
+    Random tokens after a repetitive corpus are the classic bad batch: the
+    model has never seen them, so their loss is near ln(vocab) while the rest
+    of the batch sits far lower. Returns the rows corrupted.
+    """
+    ids = batch["input_ids"]
+    chosen = list(range(ids.shape[0])) if rows is None else [r for r in rows if r < ids.shape[0]]
+    generator = torch.Generator().manual_seed(seed)
+    high = int(ids.max()) + 1
+    for r in chosen:
+        noise = torch.randint(0, high, ids[r].shape, generator=generator).to(ids.device, ids.dtype)
+        ids[r].copy_(noise)
+        labels = batch.get("labels")
+        if torch.is_tensor(labels) and labels.shape == ids.shape:
+            labels[r].copy_(torch.where(labels[r] == -100, labels[r], noise))
+    return chosen
+
+
+def scale_lr(optimizer: Any, factor: float) -> None:
+    """Multiply every param group's LR; the scheduler writes its own value back at its next step."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:
@@ -160,7 +194,7 @@ class FaultInjector:
         self._poison = EmbeddingPoison(trainer.model)
 
     @hookimpl
-    def inspect_batch(self, ctx: Any, step: int, micro_step: int) -> None:
+    def inspect_batch(self, ctx: Any, batch: dict[str, Any], step: int, micro_step: int) -> None:
         self._maybe_raise("inspect_batch", step)
         if micro_step == 0 and self._poison is not None:
             if step in self.options.nonfinite_loss_at_steps:
@@ -169,6 +203,8 @@ class FaultInjector:
                 self._poison.arm_gradients()
         if micro_step == 0:
             self._maybe_report(ctx, "inspect_batch", step)
+        if micro_step == 0 and step in self.options.corrupt_at_steps:
+            corrupt_batch(batch, self.options.corrupt_rows, seed=step)
         if self.options.hang_at_step == step:
             import time
 
@@ -193,6 +229,14 @@ class FaultInjector:
     def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, optimizer: Any) -> None:
         self._maybe_raise("on_before_optimizer_step", step)
         self._model, self._optimizer = model, optimizer
+        o = self.options
+        if o.nan_param_at_step == step:
+            name, param = next((n, p) for n, p in model.named_parameters() if n.endswith("o_proj.weight"))
+            with torch.no_grad():
+                getattr(param, "ds_tensor", param).view(-1)[0] = float("nan")
+            (ctx.run_dir / "nan_param.txt").write_text(name, encoding="utf-8")
+        if step in o.lr_scale_at_steps or (o.lr_scale_from_step is not None and step >= o.lr_scale_from_step):
+            scale_lr(optimizer, o.lr_scale)
         if step in self.options.snapshot_steps:
             self._before = {"params": param_tensors(model), "optimizer": optimizer_tensors(optimizer)}
 

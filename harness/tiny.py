@@ -147,8 +147,10 @@ def save_tiny_model_dir(path: Path | str, vocab_size: int = 512, seed: int = 0, 
     return path
 
 
-def lm_dataset(tokenizer: PreTrainedTokenizerFast, seq_len: int = 64, n_rows: int | None = None) -> Dataset:
-    """Fixed-length causal-LM rows from the corpus, no padding needed.
+def lm_dataset(
+    tokenizer: PreTrainedTokenizerFast, seq_len: int = 64, n_rows: int | None = None, lines: list[str] | None = None
+) -> Dataset:
+    """Fixed-length causal-LM rows from the corpus (or ``lines``), no padding needed.
 
     Lines are tokenized, joined with eos and cut into ``seq_len`` chunks (the
     ragged tail is dropped). If ``n_rows`` exceeds what the corpus yields, the
@@ -157,7 +159,7 @@ def lm_dataset(tokenizer: PreTrainedTokenizerFast, seq_len: int = 64, n_rows: in
     from datasets import Dataset
 
     ids: list[int] = []
-    for row in tokenizer(corpus_lines(), add_special_tokens=False)["input_ids"]:
+    for row in tokenizer(corpus_lines() if lines is None else lines, add_special_tokens=False)["input_ids"]:
         ids.extend(row)
         ids.append(tokenizer.eos_token_id)
     chunks = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]

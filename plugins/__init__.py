@@ -17,5 +17,6 @@ BUILTIN_PLUGINS: dict[str, BuiltinPlugin] = {
     "metrics_log": BuiltinPlugin("harness.plugins.metrics_log:MetricsLog", True),
     "nan_guard": BuiltinPlugin("harness.plugins.nan_guard:NanGuard", True),
     "loss_baseline": BuiltinPlugin("harness.plugins.loss_baseline:LossBaseline", True),
+    "spike_capture": BuiltinPlugin("harness.plugins.spike_capture:SpikeCapture", True),
     "mlflow": BuiltinPlugin("harness.plugins.mlflow_tracker:MlflowTracker", False),
 }

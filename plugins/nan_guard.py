@@ -6,20 +6,23 @@ with one transfer. On a hit it reports which micro-batch, rank and samples,
 writes the batch to ``captures/step-<N>/``, and decides the action ladder:
 skip the step, and after ``max_consecutive`` non-finite steps in a row,
 ``escalate_to`` (``save_and_stop`` by default).
+
+It also watches what slips past that: an update the optimizer skipped on
+its own (DeepSpeed's overflow check, an fp16 GradScaler), parameters that
+already hold NaN/Inf (every ``check_params_every`` steps), and, at run end,
+how many steps were skipped and whether the LR scheduler held still then.
 """
 from __future__ import annotations
 
-import json
-import logging
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from harness.capture import sample_ids, write_capture
 from harness.findings import Finding, FindingCode, Severity
 from harness.hookspecs import hookimpl
 
-log = logging.getLogger("harness.nan_guard")
 
 NONFINITE_LOSS = FindingCode(
     "NONFINITE_LOSS", Severity.ERROR, "A micro-batch's loss was NaN or Inf; the step was skipped.", "numeric-health#nonfinite_loss"
@@ -27,7 +30,24 @@ NONFINITE_LOSS = FindingCode(
 NONFINITE_GRAD = FindingCode(
     "NONFINITE_GRAD", Severity.ERROR, "The gradient norm was NaN or Inf with a finite loss; the step was skipped.", "numeric-health#nonfinite_grad"
 )
-SAMPLE_ID_KEYS = ("sample_id", "sample_ids", "idx", "id", "index")
+OPTIMIZER_SKIPPED_STEP = FindingCode(
+    "OPTIMIZER_SKIPPED_STEP",
+    Severity.WARNING,
+    "The optimizer skipped an update on its own (DeepSpeed or fp16 loss-scale overflow) and nothing in the logs says so.",
+    "numeric-health#optimizer_skipped_step",
+)
+NONFINITE_PARAMS = FindingCode(
+    "NONFINITE_PARAMS",
+    Severity.CRITICAL,
+    "Parameters already hold NaN or Inf: every later step trains a broken model; training stops.",
+    "numeric-health#nonfinite_params",
+)
+SKIPPED_STEPS = FindingCode(
+    "SKIPPED_STEPS",
+    Severity.INFO,
+    "How many optimizer steps were skipped in the run, and whether the LR scheduler held still during them.",
+    "numeric-health#skipped_steps",
+)
 
 
 class NanGuardOptions(BaseModel):
@@ -39,15 +59,17 @@ class NanGuardOptions(BaseModel):
     max_consecutive: int = Field(3, ge=1, description="After this many non-finite steps in a row, escalate instead of skipping.")
     escalate_to: str = Field("save_and_stop", description="The action once max_consecutive is reached (save_and_stop, rollback, stop).")
     check_grads: bool = Field(True, description="Also check the gradient norm (or, without one, every gradient) before each update.")
-    capture: bool = Field(True, description="Write the offending micro-batch's token ids to captures/step-<N>/.")
-
-
-def _sample_ids(batch: dict[str, Any]) -> list[Any] | None:
-    for key in SAMPLE_ID_KEYS:
-        value = batch.get(key) if isinstance(batch, dict) else None
-        if value is not None:
-            return value.tolist() if hasattr(value, "tolist") else list(value)
-    return None
+    capture: bool = Field(True, description="Write the step's micro-batches to captures/step-<N>/ (token ids, text, per-sample loss).")
+    check_params_every: int = Field(
+        100, ge=0, description="Every this many optimizer steps, check every parameter for NaN/Inf (one device sync); 0 turns it off."
+    )
+    params_action: str = Field("stop", description="Action when parameters are non-finite (stop, rollback; save_and_stop would save broken weights).")
+    optimizer_skip_grace: int | None = Field(
+        None,
+        ge=0,
+        description="Skips the optimizer makes on its own that pass without a finding (fp16 loss-scale calibration skips "
+        "a few at the start). Default: 20 with fp16, else 0.",
+    )
 
 
 class NanGuard:
@@ -62,7 +84,12 @@ class NanGuard:
         self._losses: list[torch.Tensor] = []
         self._consecutive = 0
         self._log_filter = False
+        self._fp16 = False
+        self._schedule_position: int | None = None
+        self._params_reported = False
         self.skipped_steps: list[int] = []
+        self.optimizer_skips: list[int] = []
+        self.scheduler_moved: list[int] = []
 
     @hookimpl
     def add_config(self) -> type[BaseModel]:
@@ -70,7 +97,7 @@ class NanGuard:
 
     @hookimpl
     def declare_codes(self) -> list[FindingCode]:
-        return [NONFINITE_LOSS, NONFINITE_GRAD]
+        return [NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAMS, OPTIMIZER_SKIPPED_STEP, SKIPPED_STEPS]
 
     @hookimpl
     def configure(self, ctx: Any, options: NanGuardOptions) -> None:
@@ -79,7 +106,28 @@ class NanGuard:
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         self._log_filter = bool(getattr(trainer.args, "logging_nan_inf_filter", False))
+        self._fp16 = bool(getattr(trainer.args, "fp16", False))
         self._flags, self._batches, self._losses = [], [], []
+        self.skipped_steps, self.optimizer_skips, self.scheduler_moved = [], [], []
+        self._params_reported = False
+
+    @hookimpl
+    def checkpoint_state(self, ctx: Any, step: int) -> dict[str, Any]:
+        return {
+            "consecutive": self._consecutive,
+            "skipped_steps": self.skipped_steps[-10000:],
+            "optimizer_skips": self.optimizer_skips[-10000:],
+            "scheduler_moved": self.scheduler_moved[-10000:],
+        }
+
+    @hookimpl
+    def on_resume(self, ctx: Any, state: dict[str, Any] | None) -> None:
+        if not state:
+            return  # the run-end summary then covers this process only
+        self._consecutive = int(state.get("consecutive", 0))
+        self.skipped_steps = [int(s) for s in state.get("skipped_steps", [])]
+        self.optimizer_skips = [int(s) for s in state.get("optimizer_skips", [])]
+        self.scheduler_moved = [int(s) for s in state.get("scheduler_moved", [])]
 
     @hookimpl
     def on_loss(self, loss: torch.Tensor, batch: dict[str, Any]) -> None:
@@ -98,6 +146,7 @@ class NanGuard:
 
     @hookimpl
     def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, grad_norm: Any) -> None:
+        self._schedule_position = _scheduler_position(ctx.trainer)
         flags, batches, losses = self._flags, self._batches, self._losses
         self._flags, self._batches, self._losses = [], [], []
         norm_flag = self.options.check_grads and torch.is_tensor(grad_norm) and grad_norm.device == (flags[0].device if flags else grad_norm.device)
@@ -128,8 +177,13 @@ class NanGuard:
     def _report_loss(self, ctx: Any, step: int, bad: list[int], batches: list[dict[str, Any]], losses: list[torch.Tensor]) -> None:
         first = bad[0]
         values = [float(losses[i]) for i in bad]
-        samples = _sample_ids(batches[first])
-        capture = self._capture(ctx, step, first, batches[first], values[0]) if self.options.capture else None
+        samples = sample_ids(batches[first])
+        capture = None
+        if self.options.capture:
+            micro = [(i, b, float(loss)) for i, (b, loss) in enumerate(zip(batches, losses))]
+            why = f"loss {values[0]} in micro-batch {first}"
+            result = write_capture(ctx, step=step, code=NONFINITE_LOSS.code, reason=f"NONFINITE_LOSS at step {step}: {why}.", micro_batches=micro)
+            capture = str(result.json_path)
         hidden = " The Trainer's logging_nan_inf_filter=True hides this value from its own logs." if self._log_filter else ""
         ctx.report(
             NONFINITE_LOSS.code,
@@ -147,22 +201,10 @@ class NanGuard:
             },
         )
 
-    def _capture(self, ctx: Any, step: int, micro: int, batch: dict[str, Any], loss: float) -> str | None:
-        try:
-            record = {"step": step, "micro_batch": micro, "rank": ctx.rank, "loss": loss, "sample_ids": _sample_ids(batch)}
-            for key in ("input_ids", "labels", "attention_mask", "position_ids"):
-                value = batch.get(key)
-                if value is not None and hasattr(value, "tolist"):
-                    record[key] = value.tolist()
-            path = ctx.path("captures", f"step-{step}", f"nonfinite.rank-{ctx.rank}.json")
-            path.write_text(json.dumps(record), encoding="utf-8")
-            return str(path)
-        except OSError as exc:
-            log.warning("nan_guard: could not write capture: %s", exc)
-            return None
-
     @hookimpl
     def decide_action(self, ctx: Any, finding: Finding) -> str | None:
+        if finding.code == NONFINITE_PARAMS.code:
+            return self.options.params_action
         if finding.code not in (NONFINITE_LOSS.code, NONFINITE_GRAD.code):
             return None
         if finding.evidence.get("consecutive", 1) >= self.options.max_consecutive:
@@ -170,6 +212,82 @@ class NanGuard:
         return self.options.action
 
     @hookimpl
-    def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
-        if metrics.get("skipped"):
-            self.skipped_steps.append(step)
+    def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        every = self.options.check_params_every
+        if every and step % every == 0 and not self._params_reported:
+            self._check_params(ctx, step)
+        skipped_by_us, skipped_alone = bool(metrics.get("skipped")), bool(metrics.get("optimizer_skipped"))
+        if not (skipped_by_us or skipped_alone):
+            return
+        self.skipped_steps.append(step)
+        position = _scheduler_position(ctx.trainer)
+        if position is not None and self._schedule_position is not None and position != self._schedule_position:
+            self.scheduler_moved.append(step)
+        if skipped_alone:
+            self._report_optimizer_skip(ctx, step, metrics)
+
+    def _check_params(self, ctx: Any, step: int) -> None:
+        """One norm per parameter tensor (a NaN or Inf anywhere makes it non-finite), read with one transfer."""
+        model = getattr(ctx.trainer, "model", None)
+        named = [(n, getattr(p, "ds_tensor", p)) for n, p in model.named_parameters()] if model is not None else []
+        named = [(n, t) for n, t in named if t.numel()]
+        if not named:
+            return
+        norms = torch.stack(torch._foreach_norm([t.detach() for _, t in named]))
+        finite = torch.isfinite(norms).tolist()
+        bad = [n for (n, _), ok in zip(named, finite) if not ok]
+        if not bad:
+            return
+        self._params_reported = True
+        ctx.report(
+            NONFINITE_PARAMS.code,
+            f"{len(bad)} of {len(named)} parameter tensors hold NaN or Inf after step {step} on rank {ctx.rank} "
+            f"(first: {', '.join(bad[:3])}); the model is broken from here on.",
+            step=step,
+            evidence={"parameters": bad[:50], "count": len(bad), "checked_tensors": len(named)},
+        )
+
+    def _report_optimizer_skip(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        self.optimizer_skips.append(step)
+        grace = self.options.optimizer_skip_grace
+        grace = (20 if self._fp16 else 0) if grace is None else grace
+        count = len(self.optimizer_skips)
+        if count <= grace or (count - grace > 10 and count % 100):
+            return  # within the grace, or rate-limited after ten reports
+        engine = "DeepSpeed engine" if getattr(ctx.trainer, "is_deepspeed_enabled", False) else "optimizer (fp16 loss scaler)"
+        ctx.report(
+            OPTIMIZER_SKIPPED_STEP.code,
+            f"the {engine} skipped the update of step {step} on its own (an overflow: non-finite gradients or loss scale); "
+            f"{count} such step(s) so far. The Trainer counts it as a normal step and its logs do not say so.",
+            step=step,
+            evidence={"optimizer_skips": count, "grad_norm": _as_float(metrics.get("grad_norm")), "lr": metrics.get("lr")},
+        )
+
+    @hookimpl
+    def on_run_end(self, ctx: Any) -> None:
+        if not self.skipped_steps:
+            return
+        moved = self.scheduler_moved
+        held = "the LR scheduler held still during every one" if not moved else f"the LR scheduler kept advancing during {len(moved)} of them (steps {moved[:10]})"
+        ctx.report(
+            SKIPPED_STEPS.code,
+            f"{len(self.skipped_steps)} optimizer step(s) were skipped in this run ({len(self.optimizer_skips)} by the optimizer "
+            f"on its own); {held}.",
+            step=ctx.step,
+            evidence={"skipped_steps": self.skipped_steps[:200], "optimizer_skips": self.optimizer_skips[:200], "scheduler_advanced": moved[:200]},
+            severity=Severity.WARNING if moved else None,
+        )
+
+
+def _scheduler_position(trainer: Any) -> int | None:
+    """The scheduler's step counter: it must not move on a skipped step."""
+    scheduler = getattr(trainer, "lr_scheduler", None)
+    position = getattr(scheduler, "last_epoch", None)
+    return int(position) if isinstance(position, int) else None
+
+
+def _as_float(value: Any) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None

@@ -2,8 +2,9 @@
 
 A tiny Llama is pretrained from scratch on the corpus shipped with the
 package. The demo-only ``demo_faults`` plugin makes one batch's loss
-non-finite, corrupts another batch, and kills the process (SIGKILL) midway;
-the demo then resumes from the last checkpoint and finishes. At the end it
+non-finite, corrupts another batch, kills the process (SIGKILL) midway and
+finally blows up the learning rate; the demo resumes from the last
+checkpoint after the kill and finishes. At the end it
 prints the findings, where the run directory and the MLflow store are, and
 the command that opens the MLflow UI. No network, no GPU, no download.
 """
@@ -19,8 +20,8 @@ import yaml
 
 from harness.findings import read_run_findings
 
-DEMO_STEPS = 30
-DEMO_FAULTS = {"nan_step": 8, "inf_grad_step": 11, "spike_step": 14, "masked_step": 17, "crash_step": 23}
+DEMO_STEPS = 60
+DEMO_FAULTS = {"nan_step": 8, "inf_grad_step": 11, "masked_step": 17, "spike_step": 31, "crash_step": 38, "diverge_from_step": 46, "diverge_lr_scale": 300}
 
 
 def demo_config(out: Path) -> dict:
@@ -47,6 +48,7 @@ def demo_config(out: Path) -> dict:
         "harness": {
             "plugins": ["defaults", "harness.stages.demo_faults:DemoFaults"],
             "demo_faults": DEMO_FAULTS,
+            "spike_capture": {"divergence_patience": 8},
         },
     }
 
@@ -67,9 +69,10 @@ def run_demo(out: str | Path = "runs/demo") -> int:
     config.write_text(yaml.safe_dump(demo_config(out), sort_keys=False), encoding="utf-8")
     began = time.time()
     print(f"harness demo: pretraining a tiny Llama for {DEMO_STEPS} steps in {out}")
-    print(f"  faults injected on purpose: non-finite loss at step {DEMO_FAULTS['nan_step']}, infinite gradients at step "
-          f"{DEMO_FAULTS['inf_grad_step']}, corrupted batch at step {DEMO_FAULTS['spike_step']}, all labels masked at step "
-          f"{DEMO_FAULTS['masked_step']}, kill -9 at step {DEMO_FAULTS['crash_step']}", flush=True)
+    f = DEMO_FAULTS
+    print(f"  faults injected on purpose: non-finite loss at step {f['nan_step']}, infinite gradients at step {f['inf_grad_step']}, "
+          f"all labels masked at step {f['masked_step']}, corrupted batch at step {f['spike_step']}, kill -9 at step "
+          f"{f['crash_step']}, learning rate blown up from step {f['diverge_from_step']}", flush=True)
     first = _run(config, resume=False)
     if first == 0:
         print("harness demo: the simulated crash did not happen; nothing to resume")
@@ -90,6 +93,11 @@ def _summary(out: Path, seconds: float) -> int:
         print(f"  [{finding.severity.value:<8}] step {finding.step!s:>3}  {finding.code:<22} -> {finding.action or 'continue':<10} {finding.message}")
     counts = Counter(f.code for f in findings)
     print("  by code: " + ", ".join(f"{code} x{n}" for code, n in sorted(counts.items())))
+    spikes = [f for f in findings if f.code == "LOSS_SPIKE" and f.evidence.get("capture")]
+    if spikes:
+        capture = Path(spikes[0].evidence["capture"]).parent
+        print(f"\nthe batch behind the first loss spike, most suspect sample first: {capture / 'summary.rank-0.md'}")
+        print(f"recompute its per-sample losses on checkpoint-{spikes[0].step - 1}: harness replay {capture}")
     store = run_dir / "mlflow" / "mlflow.db"
     print(f"\nrun directory: {run_dir}  (findings.jsonl, metrics.jsonl, config.yaml, mlflow/)")
     print(f"MLflow store:  sqlite:///{store}")

@@ -3,7 +3,8 @@
 Demo-only. It breaks a real training run in the ways the field notes
 describe — a batch that turns the loss non-finite, infinite gradients, a
 batch whose labels are all masked, a corrupted batch that spikes the loss,
-a hard crash (``kill -9``) that forces a resume — so that
+a hard crash (``kill -9``) that forces a resume, a learning rate blown up
+for the rest of the run (divergence) — so that
 the detectors can be seen catching them. Each injection is reported, so the
 demo's summary can name every fault next to what the harness made of it.
 """
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from harness.findings import FindingCode, Severity
 from harness.hookspecs import hookimpl
-from harness.testing import EmbeddingPoison
+from harness.testing import EmbeddingPoison, corrupt_batch, scale_lr
 
 DEMO_FAULT = FindingCode("DEMO_FAULT", Severity.INFO, "A fault injected on purpose by `harness demo`.", "demo#demo_fault")
 
@@ -28,9 +29,11 @@ class DemoFaultOptions(BaseModel):
 
     nan_step: int | None = Field(None, description="Step whose first micro-batch gets NaN embeddings (non-finite loss).")
     inf_grad_step: int | None = Field(None, description="Step whose gradients are made infinite while the loss stays finite.")
-    spike_step: int | None = Field(None, description="Step whose first micro-batch is replaced by random tokens (loss spike).")
+    spike_step: int | None = Field(None, description="Step whose first micro-batch is replaced by random tokens (loss spike; once per output dir).")
     masked_step: int | None = Field(None, description="Step whose first micro-batch gets every label masked (-100).")
     crash_step: int | None = Field(None, description="Step at which the process kills itself with SIGKILL (once per output dir).")
+    diverge_from_step: int | None = Field(None, description="From this step on every update uses the LR times diverge_lr_scale (divergence).")
+    diverge_lr_scale: float = Field(30.0, gt=1, description="LR factor of the divergence fault.")
 
 
 class DemoFaults:
@@ -72,17 +75,26 @@ class DemoFaults:
         if step == o.masked_step and torch.is_tensor(batch.get("labels")):
             batch["labels"].fill_(-100)
             ctx.report(DEMO_FAULT.code, f"demo fault: every label of the batch of step {step} is masked (-100)", evidence={"fault": "all_labels_masked"})
-        if step == o.spike_step:
-            ids = batch["input_ids"]
-            generator = torch.Generator().manual_seed(step)
-            noise = torch.randint(0, int(ids.max()) + 1, ids.shape, generator=generator).to(ids.device)
-            ids.copy_(noise)
-            if "labels" in batch:
-                labels = batch["labels"]
-                labels.copy_(torch.where(labels == -100, labels, noise))
+        spiked = ctx.run_dir / "demo_spiked"
+        if step == o.spike_step and not spiked.exists():
+            spiked.touch()  # once: the resumed run trains this step again, on clean data
+            corrupt_batch(batch, None, seed=step)
             ctx.report(DEMO_FAULT.code, f"demo fault: the batch of step {step} was replaced by random tokens (loss spike)", evidence={"fault": "corrupted_batch"})
         marker = ctx.run_dir / "demo_crashed"
         if step == o.crash_step and not marker.exists():
             marker.touch()
             ctx.report(DEMO_FAULT.code, f"demo fault: the process kills itself (SIGKILL) at step {step}; the demo resumes from the last checkpoint", evidence={"fault": "crash"})
             os.kill(os.getpid(), signal.SIGKILL)
+
+    @hookimpl
+    def on_before_optimizer_step(self, ctx: Any, step: int, optimizer: Any) -> None:
+        start = self.options.diverge_from_step
+        if start is None or step < start:
+            return
+        scale_lr(optimizer, self.options.diverge_lr_scale)
+        if step == start:
+            ctx.report(
+                DEMO_FAULT.code,
+                f"demo fault: from step {step} on every update uses {self.options.diverge_lr_scale:g}x the scheduled learning rate (divergence)",
+                evidence={"fault": "divergence"},
+            )

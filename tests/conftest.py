@@ -40,6 +40,14 @@ def lm_rows(tokenizer: Any) -> Any:
     return lm_dataset(tokenizer, seq_len=32, n_rows=96)
 
 
+@pytest.fixture(scope="session")
+def repetitive_rows(tokenizer: Any) -> Any:
+    """Rows cut from four corpus lines only: a corpus the tiny model learns fast, so a bad batch stands out."""
+    from harness.tiny import corpus_lines, lm_dataset
+
+    return lm_dataset(tokenizer, seq_len=32, n_rows=96, lines=corpus_lines()[:4])
+
+
 @pytest.fixture
 def make_trainer(tmp_path: Path, tokenizer: Any, lm_rows: Any) -> Callable[..., Any]:
     """A real ``transformers.Trainer`` on a 2-layer Llama; keyword arguments go to TrainingArguments."""
@@ -47,7 +55,13 @@ def make_trainer(tmp_path: Path, tokenizer: Any, lm_rows: Any) -> Callable[..., 
 
     from harness.tiny import build_tiny_llama
 
-    def factory(output_dir: Path | None = None, callbacks: list[Any] | None = None, **overrides: Any) -> Any:
+    def factory(
+        output_dir: Path | None = None,
+        callbacks: list[Any] | None = None,
+        train_dataset: Any = None,
+        processing_class: Any = None,
+        **overrides: Any,
+    ) -> Any:
         settings: dict[str, Any] = dict(
             output_dir=str(output_dir or tmp_path / "out"),
             max_steps=6,
@@ -63,7 +77,13 @@ def make_trainer(tmp_path: Path, tokenizer: Any, lm_rows: Any) -> Callable[..., 
         )
         settings.update(overrides)
         model = build_tiny_llama(tokenizer, seed=0)
-        return Trainer(model=model, args=TrainingArguments(**settings), train_dataset=lm_rows, callbacks=callbacks)
+        return Trainer(
+            model=model,
+            args=TrainingArguments(**settings),
+            train_dataset=lm_rows if train_dataset is None else train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+        )
 
     return factory
 

@@ -277,7 +277,7 @@ class _BadState:
 def test_unserialisable_plugin_state_does_not_break_the_checkpoint(make_trainer: Any, tmp_path: Path) -> None:
     out = tmp_path / "ckpt"
     trainer = make_trainer(output_dir=out, max_steps=2, save_strategy="steps", save_steps=2)
-    harness.attach(trainer, plugins=[_BadState(), Recorder()])
+    harness.attach(trainer, config={"plugins": []}, plugins=[_BadState(), Recorder()])
     trainer.train()
     assert (out / "checkpoint-2" / "model.safetensors").exists()
     import json

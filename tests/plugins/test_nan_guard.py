@@ -1,15 +1,17 @@
 """nan_guard: non-finite losses and gradients are found at the right step, skipped, and escalated."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 import harness
-from conftest import EXAMPLE, FAULTS, findings_of, harness_cli, read_jsonl, write_yaml
+from conftest import EXAMPLE, FAULTS, REPO, findings_of, harness_cli, read_jsonl, torchrun, write_yaml
 
 
 def _train(make_trainer: Any, faults: dict[str, Any], **args: Any) -> Any:
@@ -34,6 +36,12 @@ def test_nan_loss_is_found_at_that_step_and_skipped(make_trainer: Any) -> None:
     assert snaps[3]["skipped"] and snaps[3]["params_changed"] == [] and snaps[3]["optimizer_changed"] == []
     assert snaps[4]["params_changed"]
     assert trainer.state.global_step == 6 and _all_finite(trainer)
+    (summary,) = findings_of(trainer.args.output_dir, "SKIPPED_STEPS")
+    assert summary["severity"] == "info" and summary["evidence"]["skipped_steps"] == [3]
+    assert summary["evidence"]["scheduler_advanced"] == [] and "held still" in summary["message"]
+    capture = json.loads(Path(finding["evidence"]["capture"]).read_text())
+    assert capture["code"] == "NONFINITE_LOSS" and len(capture["samples"]) == 8  # both micro-batches of the step
+    assert [m["micro_batch"] for m in capture["micro_batches"]] == [0, 1] and capture["micro_batches"][0]["trainer_loss"] == "nan"
 
 
 def test_inf_gradients_are_found_and_skipped(make_trainer: Any) -> None:
@@ -70,9 +78,74 @@ def test_through_wrap_on_an_unmodified_script(tmp_path: Path, fault: str, code: 
     assert taken["step"] == 2
 
 
+def test_three_in_a_row_save_and_stop_through_wrap(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["nan_guard", FAULTS], "fault_injector": {"nonfinite_loss_at_steps": [2, 3, 4]}})
+    result = harness_cli("wrap", "--config", str(config), "--", sys.executable, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [(f["step"], f["action"]) for f in findings_of(out, "NONFINITE_LOSS")] == [(2, "skip_step"), (3, "skip_step"), (4, "save_and_stop")]
+    assert (out / "checkpoint-4").is_dir() and not (out / "checkpoint-8").exists()
+
+
 def test_a_long_clean_run_is_silent(make_trainer: Any) -> None:
     trainer = make_trainer(max_steps=320, logging_steps=50, per_device_train_batch_size=2)
     harness.attach(trainer)  # the default plugins, nan_guard among them
     trainer.train()
     assert trainer.state.global_step == 320
     assert [f for f in findings_of(trainer.args.output_dir) if f["severity"] != "info"] == []
+
+
+class SchedulerStepsOnSkips(TrainerCallback):
+    """A training loop that steps its LR scheduler even when the update was skipped (a common hand-written bug)."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if getattr(self.trainer.optimizer, "step_was_skipped", False):
+            self.trainer.lr_scheduler.step()
+        return control
+
+
+def test_skipped_steps_say_whether_the_scheduler_kept_advancing(make_trainer: Any) -> None:
+    leaky = SchedulerStepsOnSkips()
+    trainer = make_trainer(max_steps=6, callbacks=[leaky])
+    leaky.trainer = trainer
+    harness.attach(trainer, config={"plugins": ["nan_guard", FAULTS], "fault_injector": {"nonfinite_loss_at_steps": [2, 4]}})
+    trainer.train()
+    (summary,) = findings_of(trainer.args.output_dir, "SKIPPED_STEPS")
+    assert summary["severity"] == "warning" and summary["evidence"]["scheduler_advanced"] == [2, 4]
+    assert "kept advancing during 2" in summary["message"]
+
+
+@pytest.mark.slow
+def test_deepspeed_skipping_an_update_on_its_own_is_reported(tmp_path: Path) -> None:
+    """ZeRO-2 in fp32 drops a step whose gradient norm is not finite, silently; nan_guard names that step."""
+    out = tmp_path / "run"
+    config = write_yaml(
+        tmp_path / "h.yaml",
+        {"plugins": ["nan_guard", FAULTS], "fault_injector": {"inf_grad_at_steps": [3], "snapshot_steps": [3, 4]}},
+    )
+    script = [str(EXAMPLE), "--output_dir", str(out), "--max_steps", "5", "--deepspeed", str(REPO / "examples" / "ds_zero2.json")]
+    result = harness_cli("wrap", "--config", str(config), "--", *torchrun(), *script, env={"DS_ACCELERATOR": "cpu"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    skips = findings_of(out, "OPTIMIZER_SKIPPED_STEP")
+    assert sorted((f["rank"], f["step"]) for f in skips) == [(0, 3), (1, 3)]
+    assert "DeepSpeed engine" in skips[0]["message"]
+    for rank in (0, 1):
+        snaps = {r["step"]: r for r in read_jsonl(out / "harness" / f"fault_injector.rank-{rank}.jsonl")}
+        assert snaps[3]["params_changed"] == [] and snaps[4]["params_changed"]  # the engine really skipped step 3
+    (summary,) = [f for f in findings_of(out, "SKIPPED_STEPS") if f["rank"] == 0]
+    assert summary["evidence"]["optimizer_skips"] == [3] and summary["evidence"]["scheduler_advanced"] == []
+
+
+def test_nonfinite_parameters_stop_the_run_and_name_the_tensor(make_trainer: Any) -> None:
+    trainer = make_trainer(max_steps=8)
+    config = {"plugins": ["nan_guard", FAULTS], "nan_guard": {"check_params_every": 1}, "fault_injector": {"nan_param_at_step": 3}}
+    ctx = harness.attach(trainer, config=config)
+    trainer.train()
+    (finding,) = findings_of(trainer.args.output_dir, "NONFINITE_PARAMS")
+    poisoned = (ctx.run_dir / "nan_param.txt").read_text()
+    assert finding["step"] == 3 and finding["severity"] == "critical" and finding["action"] == "stop"
+    assert finding["evidence"]["parameters"] == [poisoned] and poisoned in finding["message"]
+    assert trainer.state.global_step == 3

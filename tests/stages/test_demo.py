@@ -11,11 +11,13 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     result = harness_cli("demo", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = result.stdout[result.stdout.index("harness demo: finished"):]
-    for fault in ("makes the loss non-finite", "made infinite", "replaced by random tokens", "is masked (-100)", "kills itself (SIGKILL)"):
+    faults = ("makes the loss non-finite", "made infinite", "replaced by random tokens", "is masked (-100)", "kills itself (SIGKILL)", "(divergence)")
+    for fault in faults:
         assert fault in summary
     assert "harness skipped the optimizer update at step 8 after NONFINITE_LOSS" in summary
     assert "mlflow ui --backend-store-uri sqlite:///" in summary
-    assert sorted(f["evidence"]["fault"] for f in findings_of(out, "DEMO_FAULT")) == ["all_labels_masked", "corrupted_batch", "crash", "nonfinite_grad", "nonfinite_loss"]
+    injected = sorted(f["evidence"]["fault"] for f in findings_of(out, "DEMO_FAULT"))
+    assert injected == ["all_labels_masked", "corrupted_batch", "crash", "divergence", "nonfinite_grad", "nonfinite_loss"]
     assert (out / "model.safetensors").exists()  # the resumed run finished
     # the detectors caught what was injected, at the injected steps
     assert [f["step"] for f in findings_of(out, "NONFINITE_LOSS") if f["step"] == 8] == [8]
@@ -23,3 +25,14 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     assert grad["step"] == 11 and grad["action"] == "skip_step"
     (masked,) = findings_of(out, "ALL_LABELS_MASKED")
     assert masked["step"] == 17
+    assert [f["step"] for f in findings_of(out, "LOSS_SPIKE")] == [31, 47]  # the corrupted batch, then the blown-up LR
+    spike = findings_of(out, "LOSS_SPIKE")[0]
+    capture_dir = Path(spike["evidence"]["capture"]).parent
+    assert f"harness replay {capture_dir}" in summary
+    replayed = harness_cli("replay", str(capture_dir))  # on checkpoint-30, the weights the spike was computed with
+    assert replayed.returncode == 0 and "reproduced: every per-sample loss" in replayed.stdout, replayed.stdout[-2000:]
+    (divergence,) = findings_of(out, "LOSS_DIVERGENCE")
+    assert divergence["evidence"]["since_step"] == 47
+    # the skipped steps of the killed process were carried through the checkpoint into the run-end summary
+    (summary,) = findings_of(out, "SKIPPED_STEPS")
+    assert summary["evidence"]["skipped_steps"] == [8, 11] and summary["evidence"]["scheduler_advanced"] == []

@@ -1,0 +1,162 @@
+"""``harness replay``: recompute a capture's per-sample losses on a checkpoint, to confirm what a capture blames.
+
+The capture holds the micro-batch tensors and the RNG state of the forward
+pass that produced its per-sample losses. Loading the checkpoint the capture
+was taken on (the one saved at the step before the spike) and running the
+same forward pass must give the same numbers; a different checkpoint shows
+how the blamed samples fare on other weights (e.g. before the data changed).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.capture import per_sample_loss, set_rng_state
+from harness.errors import HarnessError
+
+
+@dataclass
+class ReplayRow:
+    micro_batch: int
+    row: int
+    sample_id: Any
+    captured: float | None
+    replayed: float
+    text: str
+
+    @property
+    def diff(self) -> float | None:
+        if self.captured is None:
+            return None
+        if math.isnan(self.captured) and math.isnan(self.replayed):
+            return 0.0
+        return abs(self.replayed - self.captured)
+
+
+def _as_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    return float(value)  # "nan" / "inf" strings parse too
+
+
+def find_capture_file(capture_dir: Path, rank: int | None) -> Path:
+    if not capture_dir.is_dir():
+        raise HarnessError(f"capture directory {capture_dir} does not exist; captures are under <output_dir>/harness/captures/step-<N>/.")
+    files = sorted(capture_dir.glob("capture.rank-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    if rank is not None:
+        files = [f for f in files if f.stem == f"capture.rank-{rank}"]
+    if not files:
+        which = f" for rank {rank}" if rank is not None else ""
+        raise HarnessError(f"no capture.rank-*.json{which} in {capture_dir}; pass the step-<N> directory of a capture (or another --rank).")
+    return files[0]
+
+
+def find_checkpoint(meta: dict[str, Any], capture_file: Path) -> tuple[Path, bool]:
+    """The checkpoint saved at the step before the capture, else the latest before it; (path, exact)."""
+    wanted = int(meta["weights_from_step"])
+    candidates = [Path(meta["output_dir"])] if meta.get("output_dir") else []
+    candidates.append(capture_file.parents[3] if len(capture_file.parents) > 3 else capture_file.parent)
+    found: dict[int, Path] = {}
+    for base in candidates:
+        for ckpt in base.glob("checkpoint-*"):
+            m = re.fullmatch(r"checkpoint-(\d+)", ckpt.name)
+            if m and ckpt.is_dir() and int(m.group(1)) <= wanted:
+                found.setdefault(int(m.group(1)), ckpt)
+    if not found:
+        raise HarnessError(
+            f"no checkpoint at or before step {wanted} next to the capture (looked in {', '.join(str(c) for c in candidates)}); "
+            "pass --checkpoint DIR (a Trainer checkpoint or a saved model directory)."
+        )
+    best = max(found)
+    return found[best], best == wanted
+
+
+def load_model(checkpoint: Path, meta: dict[str, Any], device: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model_info = meta.get("model", {})
+    kwargs: dict[str, Any] = {}
+    if model_info.get("dtype"):
+        kwargs["dtype"] = getattr(torch, model_info["dtype"])
+    if model_info.get("attn_implementation"):
+        kwargs["attn_implementation"] = model_info["attn_implementation"]
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint), **kwargs)
+    except (OSError, ValueError) as exc:
+        raise HarnessError(f"could not load a model from {checkpoint}: {exc}. Pass --checkpoint with a directory that has config.json and weights.") from exc
+    model.to(device)
+    model.train(bool(model_info.get("training_mode", True)))
+    return model
+
+
+def replay(capture_dir: Path, checkpoint: Path | None = None, rank: int | None = None, device: str = "cpu") -> tuple[dict[str, Any], Path, bool, list[ReplayRow]]:
+    """Recompute the per-sample losses of a capture; returns (meta, checkpoint used, exact checkpoint, rows)."""
+    capture_file = find_capture_file(Path(capture_dir), rank)
+    meta = json.loads(capture_file.read_text(encoding="utf-8"))
+    batch_file = capture_file.with_name(capture_file.name.replace("capture.", "batch.").replace(".json", ".pt"))
+    if not batch_file.exists():
+        raise HarnessError(f"{batch_file} is missing: the capture's tensors are needed to replay it.")
+    saved = torch.load(batch_file, map_location="cpu", weights_only=True)
+    if checkpoint is None:
+        checkpoint, exact = find_checkpoint(meta, capture_file)
+    else:
+        named = re.fullmatch(r"checkpoint-(\d+)", Path(checkpoint).name)
+        exact = named is None or int(named.group(1)) == int(meta["weights_from_step"])
+    model = load_model(Path(checkpoint), meta, device)
+    set_rng_state(saved["rng"])
+    recorded = {(s["micro_batch"], s["row"]): s for s in meta["samples"]}
+    rows: list[ReplayRow] = []
+    for micro, tensors in zip(saved["micro_batch_index"], saved["micro_batches"]):
+        losses = per_sample_loss(model, {k: v.to(device) for k, v in tensors.items()})
+        if losses is None:
+            raise HarnessError(f"micro-batch {micro} of {capture_file} is not a causal-LM batch (no input_ids); it cannot be replayed.")
+        for r, value in enumerate(losses.tolist()):
+            s = recorded.get((micro, r), {})
+            rows.append(ReplayRow(micro, r, s.get("sample_id"), _as_float(s.get("loss")), value, (s.get("text") or "")[:50]))
+    order = {(s["micro_batch"], s["row"]): i for i, s in enumerate(meta["samples"])}
+    rows.sort(key=lambda x: order.get((x.micro_batch, x.row), len(order)))
+    return meta, Path(checkpoint), exact, rows
+
+
+def print_replay(capture_dir: Path, checkpoint: Path | None, rank: int | None, device: str, tolerance: float) -> int:
+    """The CLI: print the table; exit 0 when the captured numbers are reproduced, 1 when they are not."""
+    from rich.console import Console
+    from rich.table import Table
+
+    meta, used, exact, rows = replay(capture_dir, checkpoint, rank, device)
+    console = Console()
+    table = Table(title=f"{meta['code']} at step {meta['step']}, rank {meta['rank']}: per-sample loss on {used}")
+    for column in ("suspect", "micro-batch", "row", "sample id", "captured", "replayed", "|diff|", "text"):
+        table.add_column(column, justify="right" if column not in ("text",) else "left")
+    for i, row in enumerate(rows, 1):
+        diff = row.diff
+        table.add_row(
+            str(i), str(row.micro_batch), str(row.row), str(row.sample_id), "-" if row.captured is None else f"{row.captured:.5f}",
+            f"{row.replayed:.5f}", "-" if diff is None else f"{diff:.2e}", row.text.replace("\n", " "),
+        )
+    console.print(table)
+    comparable = [r.diff for r in rows if r.diff is not None]
+    if not exact:
+        console.print(
+            f"[yellow]{used} is not the checkpoint of step {meta['weights_from_step']} the capture was taken on: "
+            "the numbers show these samples on other weights and are not expected to match.[/yellow]"
+        )
+        return 0
+    if not comparable:
+        console.print("The capture has no per-sample losses to compare with (they were not recomputed at capture time).")
+        return 0
+    worst = max(comparable)
+    if worst <= tolerance:
+        console.print(f"[green]reproduced: every per-sample loss within {tolerance:g} of the capture (max |diff| {worst:.2e}).[/green]")
+        return 0
+    console.print(
+        f"[red]not reproduced: max |diff| {worst:.2e} > {tolerance:g}. Check that {used} holds the weights of step "
+        f"{meta['weights_from_step']} and that the model code and dtype are unchanged.[/red]"
+    )
+    return 1

@@ -1,0 +1,370 @@
+"""spike_capture: loss and grad-norm spikes against a robust running baseline, with the offending batch captured.
+
+The baseline is the median and MAD of the last ``window`` normal steps: a
+spike never enters it (so one bad batch cannot raise the bar for the next),
+and nothing is judged during a warmup grace period, when the loss falls
+steeply by design. A spike is judged before the optimizer applies the step,
+so the capture's per-sample losses are recomputed on the very weights that
+produced it, and a policy may still skip that update. A loss that stays
+elevated for ``divergence_patience`` steps is a divergence, not a spike.
+
+Per micro-batch it only keeps references (batch, device loss); per step it
+reads the step loss and grad norm with one transfer.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness.capture import CaptureResult, sample_ids, write_capture
+from harness.findings import FindingCode, Severity
+from harness.hashing import row_hashes
+from harness.hookspecs import hookimpl
+
+LOSS_SPIKE = FindingCode(
+    "LOSS_SPIKE", Severity.WARNING, "The step loss jumped far above its running baseline; the batch was captured.", "numeric-health#loss_spike"
+)
+GRAD_NORM_SPIKE = FindingCode(
+    "GRAD_NORM_SPIKE",
+    Severity.WARNING,
+    "The gradient norm jumped far above its running baseline (information alone; a warning with a loss spike or when huge).",
+    "numeric-health#grad_norm_spike",
+)
+LOSS_DIVERGENCE = FindingCode(
+    "LOSS_DIVERGENCE", Severity.ERROR, "The loss stayed far above its baseline for a whole patience window.", "numeric-health#loss_divergence"
+)
+MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
+
+
+class SpikeCaptureOptions(BaseModel):
+    """Options of the ``spike_capture`` plugin."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    window: int = Field(50, ge=5, description="Normal steps in the running baseline (spread: MAD of their step-to-step differences).")
+    min_history: int = Field(10, ge=3, description="Steps the baseline needs before any step is judged.")
+    warmup_steps: int = Field(20, ge=0, description="Grace period: the first warmup_steps steps of a run feed the baseline but are never reported.")
+    loss_z: float = Field(6.0, gt=0, description="A loss spike is this many robust standard deviations above the baseline level ...")
+    loss_min_rise: float = Field(0.1, ge=0, description="... and at least this fraction above the median (guards a flat baseline with a tiny spread).")
+    grad_z: float = Field(6.0, gt=0, description="A grad-norm spike is this many robust standard deviations above the median ...")
+    grad_min_ratio: float = Field(2.0, ge=1, description="... and at least this multiple of the median grad norm.")
+    grad_warn_ratio: float = Field(
+        10.0, ge=1, description="A grad-norm spike alone is information (healthy runs have them); a warning, with a capture, "
+        "when the loss spikes with it or it reaches this multiple of the median."
+    )
+    divergence_z: float = Field(3.0, gt=0, description="A step is 'elevated' when its loss is this many robust SDs and loss_min_rise above the median.")
+    divergence_patience: int = Field(20, ge=2, description="LOSS_DIVERGENCE when this many steps in a row are elevated or spikes.")
+    level_steps: int = Field(10, ge=1, description="The baseline level is the median of the last level_steps normal steps of the window.")
+    ring_size: int = Field(8, ge=1, description="Micro-batches kept (by reference) for the capture's context.")
+    copy_batches: bool = Field(False, description="Copy batches instead of keeping references (for collators that reuse their tensors).")
+    history: int = Field(20, ge=1, description="Steps of loss and grad-norm history written into a capture.")
+    max_captures: int = Field(20, ge=0, description="Captures written per run at most (findings go on after that, without a capture).")
+    resume_window: int = Field(200, ge=0, description="A spike within this many steps after a resume is flagged as following it.")
+    recompute_loss: bool = Field(True, description="Recompute per-sample losses with one extra forward pass on the captured batch.")
+
+
+@dataclass
+class Judgement:
+    """How one value compares with its baseline."""
+
+    value: float
+    median: float
+    sd: float
+    z: float
+    size: int
+
+    def evidence(self, name: str) -> dict[str, float | int]:
+        return {name: self.value, "median": self.median, "robust_sd": self.sd, "z": self.z, "window": self.size}
+
+
+def judge(value: float, window: deque[float], min_history: int, level_steps: int) -> Judgement | None:
+    """Robust z-score of ``value`` against ``window``; None until the window has ``min_history`` values.
+
+    The level is the median of the last ``level_steps`` values, so it follows
+    a healthy run's falling loss; the spread is the MAD of step-to-step
+    differences (scaled to a standard deviation), which a slow trend barely
+    moves while step noise sets it.
+    """
+    if len(window) < min_history:
+        return None
+    values = list(window)
+    median = statistics.median(values[-level_steps:])
+    diffs = [b - a for a, b in zip(values, values[1:])]
+    centre = statistics.median(diffs)
+    mad = statistics.median(abs(d - centre) for d in diffs)
+    sd = max(MAD_TO_SIGMA * mad / math.sqrt(2), 1e-3 * abs(median), 1e-12)
+    return Judgement(value, median, sd, (value - median) / sd, len(window))
+
+
+def _detach(batch: dict[str, Any], copy: bool) -> dict[str, Any]:
+    if not copy:
+        return batch
+    return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+class SpikeCapture:
+    """Finds loss and grad-norm spikes and divergence; writes the offending batch to captures/step-<N>/."""
+
+    name = "spike_capture"
+
+    def __init__(self) -> None:
+        self.options = SpikeCaptureOptions()
+        self._reset()
+
+    def _reset(self) -> None:
+        o = self.options
+        self.loss_window: deque[float] = deque(maxlen=o.window)
+        self.grad_window: deque[float] = deque(maxlen=o.window)
+        self.history: deque[tuple[int, float | None, float | None]] = deque(maxlen=o.history)
+        self.steps_seen = 0
+        self.elevated_run = 0
+        self.divergence_reported = False
+        self.grad_in_spike = False
+        self.captures = 0
+        self.resumed_at: int | None = None
+        self._current: list[tuple[int, dict[str, Any], torch.Tensor]] = []
+        self._ring: deque[tuple[int, int, dict[str, Any]]] = deque(maxlen=o.ring_size)
+        self._grad_pending: tuple[int, list[tuple[int, dict[str, Any], torch.Tensor]]] | None = None
+
+    @hookimpl
+    def add_config(self) -> type[BaseModel]:
+        return SpikeCaptureOptions
+
+    @hookimpl
+    def declare_codes(self) -> list[FindingCode]:
+        return [LOSS_SPIKE, GRAD_NORM_SPIKE, LOSS_DIVERGENCE]
+
+    @hookimpl
+    def configure(self, ctx: Any, options: SpikeCaptureOptions) -> None:
+        self.options = options
+        self._reset()
+
+    # -- state across checkpoints ------------------------------------------------------------------
+
+    @hookimpl
+    def checkpoint_state(self, ctx: Any, step: int) -> dict[str, Any]:
+        return {
+            "loss_window": list(self.loss_window),
+            "grad_window": list(self.grad_window),
+            "history": [list(h) for h in self.history],
+            "steps_seen": self.steps_seen,
+            "elevated_run": self.elevated_run,
+            "divergence_reported": self.divergence_reported,
+            "captures": self.captures,
+        }
+
+    @hookimpl
+    def on_resume(self, ctx: Any, state: dict[str, Any] | None) -> None:
+        self.resumed_at = ctx.step
+        if not state:
+            return
+        self.loss_window.extend(float(v) for v in state.get("loss_window", []))
+        self.grad_window.extend(float(v) for v in state.get("grad_window", []))
+        self.history.extend((int(s), l, g) for s, l, g in state.get("history", []))
+        self.steps_seen = int(state.get("steps_seen", 0))
+        self.elevated_run = int(state.get("elevated_run", 0))
+        self.divergence_reported = bool(state.get("divergence_reported", False))
+        self.captures = int(state.get("captures", 0))
+
+    # -- per micro-batch: references only ------------------------------------------------------------
+
+    @hookimpl
+    def on_loss(self, loss: torch.Tensor, batch: dict[str, Any], step: int, micro_step: int) -> None:
+        kept = _detach(batch, self.options.copy_batches)
+        self._current.append((micro_step, kept, loss))
+        self._ring.append((step, micro_step, kept))
+
+    # -- per optimizer step ---------------------------------------------------------------------------
+
+    @hookimpl
+    def on_before_optimizer_step(self, ctx: Any, step: int, grad_norm: Any, loss: torch.Tensor | None) -> None:
+        current, self._current = self._current, []
+        if loss is None:
+            return
+        values = [loss.float().reshape(())]
+        norm_on_device = torch.is_tensor(grad_norm) and grad_norm.device == loss.device
+        if norm_on_device:
+            values.append(grad_norm.float().reshape(()))
+        read = torch.stack(values).tolist()  # the one host sync of this plugin per step
+        norm = read[1] if norm_on_device else (float(grad_norm) if grad_norm is not None else None)
+        self._judge(ctx, step, read[0], norm, current)
+
+    @hookimpl
+    def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        pending, self._grad_pending = self._grad_pending, None
+        if pending is None or pending[0] != step or metrics.get("grad_norm") is None:
+            return
+        # DeepSpeed computes the grad norm inside its own step: judge it now (the weights have moved on)
+        grad = self._grad_judgement(float(metrics["grad_norm"]))
+        if grad is not None:
+            with_loss_spike = bool(self.history) and self.history[-1][0] == step and self.elevated_run > 0
+            self._report_grad_spike(ctx, step, grad, pending[1], None, with_loss_spike=with_loss_spike, weights_moved=True)
+
+    def _judge(self, ctx: Any, step: int, loss: float, norm: float | None, current: list[tuple[int, dict[str, Any], torch.Tensor]]) -> None:
+        o = self.options
+        if not math.isfinite(loss):
+            self.history.append((step, loss, norm))
+            return  # nan_guard's finding; a non-finite value must not poison the baseline
+        self.steps_seen += 1
+        in_grace = self.steps_seen <= o.warmup_steps
+        j = judge(loss, self.loss_window, o.min_history, o.level_steps)
+        spike = elevated = False
+        if j is not None and not in_grace:
+            rise = loss > j.median * (1 + o.loss_min_rise)
+            spike = rise and j.z > o.loss_z
+            elevated = rise and j.z > o.divergence_z
+        episode_started = self.elevated_run == 0
+        self.elevated_run = self.elevated_run + 1 if (spike or elevated) else 0
+        if not (spike or elevated):
+            self.loss_window.append(loss)
+            self.divergence_reported = False
+        grad = self._grad_judgement(norm) if norm is not None else None
+        capture: CaptureResult | None = None
+        if spike and episode_started and j is not None:
+            capture = self._capture(ctx, step, LOSS_SPIKE.code, f"loss {loss:.4f} vs running median {j.median:.4f}", current)
+            self._report_loss_spike(ctx, step, j, grad, capture)
+        if self.elevated_run >= o.divergence_patience and not self.divergence_reported and j is not None:
+            self.divergence_reported = True
+            self._report_divergence(ctx, step, j)
+            self.loss_window.clear()  # reported once; from here the new level is the baseline (min_history steps to rebuild)
+        if norm is None:
+            self._grad_pending = (step, current)
+        elif grad is not None:
+            self._report_grad_spike(ctx, step, grad, current, capture, with_loss_spike=spike, weights_moved=False)
+        self.history.append((step, loss, norm))
+
+    def _grad_judgement(self, norm: float) -> Judgement | None:
+        """Judge the grad norm (the window only takes normal values); returns the judgement of a spike only."""
+        o = self.options
+        if not math.isfinite(norm):
+            return None
+        j = judge(norm, self.grad_window, o.min_history, o.level_steps)
+        spike = j is not None and self.steps_seen > o.warmup_steps and norm > j.median * o.grad_min_ratio and j.z > o.grad_z
+        if not spike:
+            self.grad_window.append(norm)
+            self.grad_in_spike = False
+            return None
+        return j
+
+    def _report_grad_spike(
+        self, ctx: Any, step: int, j: Judgement, current: list[Any], capture: CaptureResult | None, with_loss_spike: bool, weights_moved: bool
+    ) -> None:
+        o = self.options
+        if self.grad_in_spike:
+            return  # the same episode: reported at its first step
+        self.grad_in_spike = True
+        ratio = j.value / j.median if j.median else math.inf
+        serious = with_loss_spike or ratio >= o.grad_warn_ratio
+        if capture is None and serious:
+            why = f"grad norm {j.value:.4f} vs running median {j.median:.4f}"
+            capture = self._capture(ctx, step, GRAD_NORM_SPIKE.code, why, current, weights_moved=weights_moved)
+        losses = [h[1] for h in self.history if h[1] is not None and math.isfinite(h[1])]
+        context = "together with a loss spike" if with_loss_spike else ("with the loss unmoved" if not serious else "far beyond the usual jitter")
+        ctx.report(
+            GRAD_NORM_SPIKE.code,
+            f"grad norm {j.value:.4f} at step {step} on rank {ctx.rank} is {j.z:.1f} robust SDs above its running median "
+            f"{j.median:.4f} ({ratio:.1f}x; baseline of {j.size} steps), {context}."
+            + (f" Top suspects: {capture.describe()}." if capture else ""),
+            step=step,
+            evidence={
+                **j.evidence("grad_norm"),
+                "ratio": ratio,
+                "with_loss_spike": with_loss_spike,
+                "loss_history": losses[-o.history:],
+                **self._resume_evidence(step),
+                "capture": str(capture.json_path) if capture else None,
+                "suspects": capture.suspects if capture else [],
+            },
+            severity=Severity.WARNING if serious else Severity.INFO,
+        )
+
+    # -- reports ------------------------------------------------------------------------------------
+
+    def _grad_rise(self) -> dict[str, Any]:
+        """Did the grad norm climb in the steps before? (An optimizer instability shows there first; a bad batch does not.)"""
+        norms = [h[2] for h in self.history if h[2] is not None and math.isfinite(h[2])]
+        last = norms[-3:]
+        median = statistics.median(self.grad_window) if self.grad_window else None
+        rose = bool(last and median and statistics.fmean(last) > 1.5 * median)
+        return {"grad_norm_history": norms, "grad_norm_rose_before": rose, "grad_norm_median": median}
+
+    def _resume_evidence(self, step: int) -> dict[str, Any]:
+        since = step - self.resumed_at if self.resumed_at is not None else None
+        return {"after_resume": since is not None and since <= self.options.resume_window, "steps_since_resume": since}
+
+    def _report_loss_spike(self, ctx: Any, step: int, j: Judgement, grad: Judgement | None, capture: CaptureResult | None) -> None:
+        rise = self._grad_rise()
+        resume = self._resume_evidence(step)
+        notes = []
+        if rise["grad_norm_rose_before"]:
+            notes.append("the grad norm was already rising before it (suspect the optimizer or LR, not only the batch)")
+        if grad is not None:
+            notes.append(f"the grad norm jumped with it ({grad.value / grad.median:.1f}x its median)")
+        if resume["after_resume"]:
+            notes.append(f"it came {resume['steps_since_resume']} steps after a resume (suspect the checkpoint restore first)")
+        ctx.report(
+            LOSS_SPIKE.code,
+            f"loss {j.value:.4f} at step {step} on rank {ctx.rank} is {j.z:.1f} robust SDs above its running median {j.median:.4f} "
+            f"(+{(j.value / j.median - 1) * 100:.0f}%; baseline of {j.size} steps)"
+            + (f"; {'; '.join(notes)}" if notes else "")
+            + (f". Top suspects: {capture.describe()}." if capture else "."),
+            step=step,
+            evidence={
+                **j.evidence("loss"),
+                **rise,
+                "grad_norm_jumped_with_it": grad is not None,
+                **resume,
+                "capture": str(capture.json_path) if capture else None,
+                "suspects": capture.suspects if capture else [],
+            },
+        )
+
+    def _report_divergence(self, ctx: Any, step: int, j: Judgement) -> None:
+        o = self.options
+        recent = [h[1] for h in self.history if h[1] is not None and math.isfinite(h[1])][-o.divergence_patience:]
+        ctx.report(
+            LOSS_DIVERGENCE.code,
+            f"the loss has stayed above its baseline for {self.elevated_run} steps in a row (step {step}: {j.value:.4f}, "
+            f"baseline median {j.median:.4f}, {j.z:.1f} robust SDs); training is diverging rather than spiking once.",
+            step=step,
+            evidence={
+                **j.evidence("loss"),
+                "elevated_steps": self.elevated_run,
+                "since_step": step - self.elevated_run + 1,
+                "recent_losses": recent,
+                **self._grad_rise(),
+                **self._resume_evidence(step),
+            },
+        )
+
+    def _capture(
+        self, ctx: Any, step: int, code: str, why: str, current: list[tuple[int, dict[str, Any], torch.Tensor]], weights_moved: bool = False
+    ) -> CaptureResult | None:
+        o = self.options
+        if self.captures >= o.max_captures or not current:
+            return None
+        self.captures += 1
+        micro = [(m, b, float(loss)) for m, b, loss in current]
+        earlier = [
+            {"step": s, "micro_batch": m, "sample_ids": sample_ids(b), "hashes": row_hashes(b["input_ids"]) if torch.is_tensor(b.get("input_ids")) else None}
+            for s, m, b in self._ring
+            if s != step
+        ]
+        context = {
+            "loss_history": [{"step": s, "loss": l, "grad_norm": g} for s, l, g in self.history],
+            **self._grad_rise(),
+            **self._resume_evidence(step),
+            "earlier_micro_batches": earlier,
+        }
+        return write_capture(
+            ctx, step=step, code=code, reason=f"{code} at step {step}: {why}.", micro_batches=micro, context=context,
+            no_recompute="the weights had already moved on (DeepSpeed reports the grad norm after its update)"
+            if weights_moved
+            else (None if o.recompute_loss else "recompute_loss is off in the config"),
+        )
