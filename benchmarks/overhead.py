@@ -71,6 +71,7 @@ class StepTimer(TrainerCallback):
         self.ends: list[float] = []
         self.plugin_seconds: dict[str, float] = {}
         self.hook_seconds = 0.0
+        self.by_plugin: dict[str, float] = {}
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self.begins.append(time.perf_counter())
@@ -162,12 +163,15 @@ def _time_hooks(manager: Any, timer: StepTimer) -> None:
     """Accumulate the time spent inside plugin hooks: a noise-free view of what the harness adds per step."""
     call_one = manager._call_one
 
-    def timed(*args: Any, **kwargs: Any) -> Any:
+    def timed(hook: str, plugin_name: str, *args: Any, **kwargs: Any) -> Any:
         began = time.perf_counter()
         try:
-            return call_one(*args, **kwargs)
+            return call_one(hook, plugin_name, *args, **kwargs)
         finally:
-            timer.hook_seconds += time.perf_counter() - began
+            spent = time.perf_counter() - began
+            timer.hook_seconds += spent
+            key = f"{plugin_name}.{hook}" if os.environ.get("HARNESS_BENCH_BY_HOOK") else plugin_name
+            timer.by_plugin[key] = timer.by_plugin.get(key, 0.0) + spent
 
     manager._call_one = timed
 
@@ -249,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     plain, harnessed = Side(), Side()
     plugin_seconds: dict[str, float] = {}
     hook_seconds = 0.0
+    by_plugin: dict[str, float] = {}
     started = time.perf_counter()
     baseline_harness = args.baseline == "harness"
     for _ in range(args.rounds):
@@ -257,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             side.add(timer.step_times(args.warmup), timer.span_times(args.warmup))
             if side is harnessed:
                 hook_seconds += timer.hook_seconds
+                for name, seconds in timer.by_plugin.items():
+                    by_plugin[name] = by_plugin.get(name, 0.0) + seconds
             for name, seconds in timer.plugin_seconds.items():
                 plugin_seconds[name] = plugin_seconds.get(name, 0.0) + seconds
     print(f"timed in {time.perf_counter() - started:.1f} s; step = on_step_end to on_step_end, span = begin to end")
@@ -268,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         f"time inside plugin hooks: {hook_per_step * 1e6:.0f} us per step "
         f"({hook_per_step / statistics.median(plain.steps) * 100:.2f}% of the baseline median step)"
     )
+    spent = ", ".join(f"{name} {seconds / (args.rounds * args.steps) * 1e6:.0f}" for name, seconds in sorted(by_plugin.items(), key=lambda kv: -kv[1]))
+    print(f"  by plugin (us per step): {spent}")
     for name, seconds in plugin_seconds.items():
         per_step = seconds / (args.rounds * args.steps)
         print(f"training-thread time of plugin {name}: {per_step * 1e6:.1f} us per step (logging every {LOGGING_STEPS} steps)")

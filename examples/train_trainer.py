@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from transformers import Trainer, TrainingArguments
+from typing import Any, Iterator
+
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import Trainer, TrainingArguments, default_data_collator
 
 from harness.tiny import build_tiny_llama, corpus_lines, lm_dataset, train_tokenizer
 
@@ -27,6 +30,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save_steps", type=int, default=0, help="0 disables checkpointing")
     p.add_argument("--deepspeed", default=None, help="path to a DeepSpeed config json")
     p.add_argument("--exit_code", type=int, default=0, help="exit status after training")
+    p.add_argument("--resume_from_checkpoint", default=None, help="checkpoint directory to resume from")
+    p.add_argument("--ignore_data_skip", action="store_true", help="on resume, do not skip the batches already seen")
+    p.add_argument(
+        "--own_dataloader", action="store_true",
+        help="stream the rows through a hand-built DataLoader over an IterableDataset (a common custom-Trainer pattern "
+        "that bypasses accelerate's sharding, so every rank reads the same rows)",
+    )
     # torchrun passes --local-rank only with --use-env off; accept it anyway.
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     return p.parse_args(argv)
@@ -48,19 +58,39 @@ def main(argv: list[str] | None = None) -> int:
         save_strategy="steps" if args.save_steps > 0 else "no",
         save_steps=args.save_steps if args.save_steps > 0 else 500,
         deepspeed=args.deepspeed,
+        ignore_data_skip=args.ignore_data_skip,
         logging_steps=1,
         report_to="none",
         use_cpu=True,
         dataloader_num_workers=0,
     )
-    trainer = Trainer(
+    trainer_class = OwnLoaderTrainer if args.own_dataloader else Trainer
+    trainer = trainer_class(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
         processing_class=tokenizer,
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     return args.exit_code
+
+
+class RowStream(IterableDataset):
+    """The rows as a stream, the way a web-scale corpus is read (no length, no index)."""
+
+    def __init__(self, rows: Any) -> None:
+        self.rows = rows
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while True:
+            yield from self.rows
+
+
+class OwnLoaderTrainer(Trainer):
+    """A custom Trainer that builds its own DataLoader (and so skips accelerate's per-rank sharding)."""
+
+    def get_train_dataloader(self) -> DataLoader:
+        return DataLoader(RowStream(self.train_dataset), batch_size=self.args.per_device_train_batch_size, collate_fn=default_data_collator)
 
 
 if __name__ == "__main__":

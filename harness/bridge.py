@@ -19,7 +19,7 @@ import functools
 import json
 import logging
 import os
-import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -167,12 +167,15 @@ class Bridge:
 
         @functools.wraps(compute_loss)
         def harness_compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            seen = dict(inputs) if isinstance(inputs, Mapping) else inputs  # compute_loss may pop "labels"
             result = compute_loss(model, inputs, *args, **kwargs)
             if self._in_training_step:
                 loss = (result[0] if isinstance(result, tuple) else result).detach()
+                if loss.dim() > 0:
+                    loss = loss.mean()  # DataParallel over several GPUs: one loss per replica, as the Trainer averages
                 part = loss if self._loss_scaled_for_ga(kwargs.get("num_items_in_batch")) else loss / self._ga_steps()
                 self._step_loss = part if self._step_loss is None else self._step_loss + part
-                call("on_loss", ctx=ctx, loss=loss, batch=inputs, step=ctx.step, micro_step=ctx.micro_step)
+                call("on_loss", ctx=ctx, loss=loss, batch=seen, step=ctx.step, micro_step=ctx.micro_step)
             return result
 
         return harness_compute_loss

@@ -69,24 +69,32 @@ def sample_ids(batch: Any) -> list[Any] | None:
     return None
 
 
-def per_sample_loss(model: Any, batch: dict[str, Any]) -> torch.Tensor | None:
-    """Causal-LM loss of each row (mean over its unmasked labels), by one forward pass without gradients.
+def per_sample_loss(model: Any, batch: Mapping[str, Any]) -> torch.Tensor | None:
+    """Causal-LM loss of each row (mean over its labelled tokens), by forward passes without gradients.
 
-    Returns None for batches that are not causal-LM batches (no ``input_ids``,
-    e.g. DPO's paired batches). A row without any label gets NaN.
+    One row at a time, so that the logits of only one row are ever held (a
+    large vocabulary times a long batch would not fit next to training).
+    Returns None for batches without ``input_ids`` and ``labels`` of the same
+    shape (DPO's paired batches have no labels). A row without any label
+    gets NaN.
     """
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
-    if not torch.is_tensor(ids) or ids.dim() != 2:
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not torch.is_tensor(ids) or ids.dim() != 2 or not torch.is_tensor(labels) or labels.shape != ids.shape:
         return None
-    labels = batch.get("labels")
-    labels = labels if torch.is_tensor(labels) and labels.shape == ids.shape else ids
+    rows = ids.shape[0]
     inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS and torch.is_tensor(v)}
+    losses = []
     with torch.no_grad():
-        logits = model(**inputs).logits.float()
-    shift_labels = labels[:, 1:].to(logits.device)
-    token_loss = F.cross_entropy(logits[:, :-1].transpose(1, 2), shift_labels.clamp_min(0), reduction="none")
-    mask = shift_labels != IGNORE_INDEX
-    return (token_loss * mask).sum(dim=1) / mask.sum(dim=1)
+        for r in range(rows):
+            row_inputs = {k: v[r : r + 1] if v.dim() > 0 and v.shape[0] == rows else v for k, v in inputs.items()}
+            logits = model(**row_inputs).logits[0, :-1].float()
+            shift = labels[r, 1:].to(logits.device)
+            mask = shift != IGNORE_INDEX
+            token_loss = F.cross_entropy(logits, shift.clamp_min(0), reduction="none")
+            losses.append((token_loss * mask).sum() / mask.sum())
+            del logits, token_loss
+    return torch.stack(losses)
 
 
 def text_heuristics(ids: list[int], text: str | None) -> dict[str, float]:
@@ -110,6 +118,9 @@ def can_recompute(trainer: Any) -> str | None:
         return "no trainer"
     if getattr(trainer, "is_fsdp_enabled", False):
         return "FSDP shards the parameters: a forward pass on one rank alone would hang"
+    first = next(iter(getattr(getattr(trainer, "model", None), "parameters", lambda: iter(()))()), None)
+    if first is not None and type(first).__name__ == "DTensor":
+        return "the parameters are distributed tensors (tensor/context parallel): a forward pass on one rank alone would hang"
     if getattr(trainer, "is_deepspeed_enabled", False):
         engine = getattr(trainer, "model_wrapped", None)
         stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
@@ -127,10 +138,23 @@ def json_float(value: float | None) -> float | str | None:
 
 def _suspicion_key(sample: dict[str, Any]) -> tuple[int, float, float]:
     loss = sample.get("loss")
+    broken_text = sample["nonprintable_ratio"] + sample["replacement_ratio"]
+    if sample.get("labelled_tokens") == 0:
+        return (2, 0.0, -broken_text)  # nothing to learn from: not what spiked the loss
     if isinstance(loss, str):
         return (0, 0.0, 0.0)  # a non-finite per-sample loss is the strongest suspect
-    broken_text = sample["nonprintable_ratio"] + sample["replacement_ratio"]
     return (1, -(loss if loss is not None else 0.0), -broken_text)
+
+
+def strict_json(value: Any) -> Any:
+    """The same structure with every non-finite float as a string, so that the file is strict JSON."""
+    if isinstance(value, float):
+        return json_float(value)
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def _rng_state() -> dict[str, Any]:
@@ -154,6 +178,12 @@ def recompute_losses(model: Any, batches: list[dict[str, Any]], rng: dict[str, A
         return [per_sample_loss(model, b) for b in batches]
     finally:
         set_rng_state(saved)
+
+
+def _autocast_dtype(trainer: Any) -> str | None:
+    """The dtype the Trainer's forward runs under autocast (accelerate wraps ``model.forward`` for bf16/fp16)."""
+    precision = str(getattr(getattr(trainer, "accelerator", None), "mixed_precision", "no") or "no")
+    return precision if precision in ("bf16", "fp16") and not getattr(trainer, "is_deepspeed_enabled", False) else None
 
 
 def _decode(tokenizer: Any, ids: list[int]) -> str | None:
@@ -180,14 +210,15 @@ def _samples(batch: dict[str, Any], micro: int, losses: torch.Tensor | None, tok
     for r, row in enumerate(rows):
         tokens = row if keep is None else [t for t, k in zip(row, keep[r]) if k]
         text = _decode(tokenizer, tokens)
+        labelled = int((labels[r] != IGNORE_INDEX).sum()) if torch.is_tensor(labels) and labels.shape == ids.shape else None
         record: dict[str, Any] = {
             "micro_batch": micro,
             "row": r,
             "sample_id": given[r] if given is not None and r < len(given) else None,
             "hash": hashes[r],
-            "loss": json_float(loss_list[r]) if loss_list is not None else None,
+            "loss": json_float(loss_list[r]) if loss_list is not None and labelled != 0 else None,
             **text_heuristics(tokens, text),
-            "labelled_tokens": int((labels[r] != IGNORE_INDEX).sum()) if torch.is_tensor(labels) and labels.shape == ids.shape else None,
+            "labelled_tokens": labelled,
             "text": text,
             "input_ids": row,
         }
@@ -275,6 +306,8 @@ def write_capture(
             "dtype": str(param.dtype).replace("torch.", "") if param is not None else None,
             "attn_implementation": getattr(config, "_attn_implementation", None),
             "training_mode": bool(getattr(model, "training", True)),
+            "device_type": param.device.type if param is not None else None,
+            "autocast": _autocast_dtype(trainer),
         },
         "tokenizer": getattr(tokenizer, "name_or_path", None),
         "micro_batches": [
@@ -291,7 +324,7 @@ def write_capture(
         directory / f"batch.rank-{ctx.rank}.pt",
     )
     json_path = directory / f"capture.rank-{ctx.rank}.json"
-    _write_atomic(json_path, json.dumps(meta, indent=1))
+    _write_atomic(json_path, json.dumps(strict_json(meta), indent=1, default=str))
     _write_atomic(directory / f"summary.rank-{ctx.rank}.md", _markdown(meta, samples))
     suspects = [{k: s[k] for k in ("micro_batch", "row", "sample_id", "hash", "loss", "repetition", "length_tokens")} for s in samples[:5]]
     return CaptureResult(directory, json_path, suspects, recomputed)

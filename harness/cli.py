@@ -106,8 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("capture_dir", help="a captures/step-<N> directory")
     replay.add_argument("--checkpoint", help="checkpoint or model directory (default: checkpoint-<N-1> of the run)")
     replay.add_argument("--rank", type=int, default=None, help="which rank's capture (default: the lowest present)")
-    replay.add_argument("--device", default="cpu", help="device for the forward pass (default: cpu)")
-    replay.add_argument("--tolerance", type=float, default=1e-4, help="max |diff| that counts as reproduced (default: 1e-4)")
+    replay.add_argument("--device", default=None, help="device for the forward pass (default: the capture's, cpu when it is not here)")
+    replay.add_argument(
+        "--tolerance", type=float, default=None,
+        help="max |diff| that counts as reproduced (default: 1e-4 in fp32, 2e-2 under bf16/fp16)",
+    )
     replay.set_defaults(func=_cmd_replay)
 
     plugins = sub.add_parser("plugins", help="list available plugins, their options or their finding codes")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,10 @@ class ReplayRow:
     def diff(self) -> float | None:
         if self.captured is None:
             return None
-        if math.isnan(self.captured) and math.isnan(self.replayed):
-            return 0.0
+        if math.isnan(self.captured) or math.isnan(self.replayed):
+            return 0.0 if math.isnan(self.captured) and math.isnan(self.replayed) else math.inf
+        if math.isinf(self.captured) or math.isinf(self.replayed):
+            return 0.0 if self.captured == self.replayed else math.inf
         return abs(self.replayed - self.captured)
 
 
@@ -95,6 +98,20 @@ def load_model(checkpoint: Path, meta: dict[str, Any], device: str) -> Any:
     return model
 
 
+def _autocast(device: str, precision: str | None) -> AbstractContextManager[Any]:
+    """The autocast the Trainer's forward ran under (accelerate's bf16/fp16), so that replay computes alike."""
+    if precision not in ("bf16", "fp16"):
+        return nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def default_tolerance(meta: dict[str, Any]) -> float:
+    """fp32 forward passes agree to ~1e-6; under bf16/fp16 autocast or in half precision only to ~1e-2."""
+    model = meta.get("model", {})
+    half = model.get("autocast") or model.get("dtype") in ("bfloat16", "float16")
+    return 2e-2 if half else 1e-4
+
+
 def replay(capture_dir: Path, checkpoint: Path | None = None, rank: int | None = None, device: str = "cpu") -> tuple[dict[str, Any], Path, bool, list[ReplayRow]]:
     """Recompute the per-sample losses of a capture; returns (meta, checkpoint used, exact checkpoint, rows)."""
     capture_file = find_capture_file(Path(capture_dir), rank)
@@ -107,15 +124,18 @@ def replay(capture_dir: Path, checkpoint: Path | None = None, rank: int | None =
         checkpoint, exact = find_checkpoint(meta, capture_file)
     else:
         named = re.fullmatch(r"checkpoint-(\d+)", Path(checkpoint).name)
-        exact = named is None or int(named.group(1)) == int(meta["weights_from_step"])
+        exact = named is not None and int(named.group(1)) == int(meta["weights_from_step"])
     model = load_model(Path(checkpoint), meta, device)
     set_rng_state(saved["rng"])
     recorded = {(s["micro_batch"], s["row"]): s for s in meta["samples"]}
     rows: list[ReplayRow] = []
+    autocast = meta.get("model", {}).get("autocast")
     for micro, tensors in zip(saved["micro_batch_index"], saved["micro_batches"]):
-        losses = per_sample_loss(model, {k: v.to(device) for k, v in tensors.items()})
+        batch = {k: v.to(device) for k, v in tensors.items()}
+        with _autocast(device, autocast):
+            losses = per_sample_loss(model, batch)
         if losses is None:
-            raise HarnessError(f"micro-batch {micro} of {capture_file} is not a causal-LM batch (no input_ids); it cannot be replayed.")
+            raise HarnessError(f"micro-batch {micro} of {capture_file} is not a causal-LM batch (no input_ids and labels); it cannot be replayed.")
         for r, value in enumerate(losses.tolist()):
             s = recorded.get((micro, r), {})
             rows.append(ReplayRow(micro, r, s.get("sample_id"), _as_float(s.get("loss")), value, (s.get("text") or "")[:50]))
@@ -124,13 +144,19 @@ def replay(capture_dir: Path, checkpoint: Path | None = None, rank: int | None =
     return meta, Path(checkpoint), exact, rows
 
 
-def print_replay(capture_dir: Path, checkpoint: Path | None, rank: int | None, device: str, tolerance: float) -> int:
+def print_replay(capture_dir: Path, checkpoint: Path | None, rank: int | None, device: str | None, tolerance: float | None) -> int:
     """The CLI: print the table; exit 0 when the captured numbers are reproduced, 1 when they are not."""
     from rich.console import Console
     from rich.table import Table
 
+    meta = json.loads(find_capture_file(Path(capture_dir), rank).read_text(encoding="utf-8"))
+    captured_on = meta.get("model", {}).get("device_type") or "cpu"
+    device = device or (captured_on if captured_on == "cpu" or torch.cuda.is_available() else "cpu")
+    tolerance = default_tolerance(meta) if tolerance is None else tolerance
     meta, used, exact, rows = replay(capture_dir, checkpoint, rank, device)
     console = Console()
+    if device != captured_on:
+        console.print(f"[yellow]the capture ran on {captured_on}, this replay on {device}: kernels differ, expect small differences.[/yellow]")
     table = Table(title=f"{meta['code']} at step {meta['step']}, rank {meta['rank']}: per-sample loss on {used}")
     for column in ("suspect", "micro-batch", "row", "sample id", "captured", "replayed", "|diff|", "text"):
         table.add_column(column, justify="right" if column not in ("text",) else "left")

@@ -46,6 +46,9 @@ class FaultOptions(BaseModel):
     lr_scale_from_step: int | None = Field(None, description="Every update from this step on uses the LR times lr_scale (divergence).")
     nan_param_at_step: int | None = Field(None, description="Write a NaN into one parameter just before this step's update.")
     hang_at_step: int | None = Field(None, description="Sleep (for kill -9 tests) in inspect_batch of this step.")
+    kill_at_step: int | None = Field(
+        None, description="SIGKILL the process in inspect_batch of this step (once per run directory: a resumed run goes on)."
+    )
     snapshot_steps: list[int] = Field(
         default_factory=list, description="Record whether params and optimizer state changed across these steps."
     )
@@ -205,6 +208,13 @@ class FaultInjector:
             self._maybe_report(ctx, "inspect_batch", step)
         if micro_step == 0 and step in self.options.corrupt_at_steps:
             corrupt_batch(batch, self.options.corrupt_rows, seed=step)
+        marker = ctx.run_dir / f"killed.rank-{ctx.rank}"
+        if self.options.kill_at_step == step and not marker.exists():
+            import os
+            import signal
+
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.options.hang_at_step == step:
             import time
 

@@ -18,5 +18,6 @@ BUILTIN_PLUGINS: dict[str, BuiltinPlugin] = {
     "nan_guard": BuiltinPlugin("harness.plugins.nan_guard:NanGuard", True),
     "loss_baseline": BuiltinPlugin("harness.plugins.loss_baseline:LossBaseline", True),
     "spike_capture": BuiltinPlugin("harness.plugins.spike_capture:SpikeCapture", True),
+    "data_hash": BuiltinPlugin("harness.plugins.data_hash:DataHash", True),
     "mlflow": BuiltinPlugin("harness.plugins.mlflow_tracker:MlflowTracker", False),
 }

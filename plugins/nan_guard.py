@@ -14,6 +14,7 @@ how many steps were skipped and whether the LR scheduler held still then.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -22,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.capture import sample_ids, write_capture
 from harness.findings import Finding, FindingCode, Severity
 from harness.hookspecs import hookimpl
+
+log = logging.getLogger("harness.nan_guard")
 
 
 NONFINITE_LOSS = FindingCode(
@@ -64,11 +67,9 @@ class NanGuardOptions(BaseModel):
         100, ge=0, description="Every this many optimizer steps, check every parameter for NaN/Inf (one device sync); 0 turns it off."
     )
     params_action: str = Field("stop", description="Action when parameters are non-finite (stop, rollback; save_and_stop would save broken weights).")
-    optimizer_skip_grace: int | None = Field(
-        None,
-        ge=0,
-        description="Skips the optimizer makes on its own that pass without a finding (fp16 loss-scale calibration skips "
-        "a few at the start). Default: 20 with fp16, else 0.",
+    fp16_skips_in_a_row: int = Field(
+        5, ge=1, description="Under fp16 loss scaling the scaler skips a step now and then by design (probing a larger scale); "
+        "OPTIMIZER_SKIPPED_STEP only when this many come in a row. Without fp16 every such skip is reported.",
     )
 
 
@@ -87,6 +88,8 @@ class NanGuard:
         self._fp16 = False
         self._schedule_position: int | None = None
         self._params_reported = False
+        self._reports = 0
+        self._optimizer_skips_in_a_row = 0
         self.skipped_steps: list[int] = []
         self.optimizer_skips: list[int] = []
         self.scheduler_moved: list[int] = []
@@ -106,7 +109,9 @@ class NanGuard:
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         self._log_filter = bool(getattr(trainer.args, "logging_nan_inf_filter", False))
-        self._fp16 = bool(getattr(trainer.args, "fp16", False))
+        engine_fp16 = getattr(getattr(trainer, "model_wrapped", None), "fp16_enabled", None)
+        self._fp16 = bool(getattr(trainer.args, "fp16", False)) or bool(callable(engine_fp16) and engine_fp16())
+        self._optimizer_skips_in_a_row = 0
         self._flags, self._batches, self._losses = [], [], []
         self.skipped_steps, self.optimizer_skips, self.scheduler_moved = [], [], []
         self._params_reported = False
@@ -159,7 +164,9 @@ class NanGuard:
             self._consecutive += 1
             self._report_loss(ctx, step, bad, batches, losses)
             return
-        if grad_ok is None and self.options.check_grads:
+        if self._fp16:
+            grad_ok = None  # a loss scaler owns gradient overflows: it skips the step and lowers its scale
+        elif grad_ok is None and self.options.check_grads:
             grad_ok = self._grads_finite(model, grad_norm)
         if grad_ok is False:
             self._consecutive += 1
@@ -178,12 +185,7 @@ class NanGuard:
         first = bad[0]
         values = [float(losses[i]) for i in bad]
         samples = sample_ids(batches[first])
-        capture = None
-        if self.options.capture:
-            micro = [(i, b, float(loss)) for i, (b, loss) in enumerate(zip(batches, losses))]
-            why = f"loss {values[0]} in micro-batch {first}"
-            result = write_capture(ctx, step=step, code=NONFINITE_LOSS.code, reason=f"NONFINITE_LOSS at step {step}: {why}.", micro_batches=micro)
-            capture = str(result.json_path)
+        capture = self._capture(ctx, step, batches, losses, f"loss {values[0]} in micro-batch {first}") if self.options.capture else None
         hidden = " The Trainer's logging_nan_inf_filter=True hides this value from its own logs." if self._log_filter else ""
         ctx.report(
             NONFINITE_LOSS.code,
@@ -201,6 +203,16 @@ class NanGuard:
             },
         )
 
+    def _capture(self, ctx: Any, step: int, batches: list[dict[str, Any]], losses: list[torch.Tensor], why: str) -> str | None:
+        """The step's micro-batches to captures/step-<N>/; a capture that fails must not stop the skip."""
+        try:
+            micro = [(i, b, float(loss.float().mean())) for i, (b, loss) in enumerate(zip(batches, losses))]
+            result = write_capture(ctx, step=step, code=NONFINITE_LOSS.code, reason=f"NONFINITE_LOSS at step {step}: {why}.", micro_batches=micro)
+            return str(result.json_path)
+        except Exception as exc:  # noqa: BLE001 - disk full, odd batch: the finding and the skip matter more
+            log.warning("nan_guard: could not write the capture of step %s: %s", step, exc)
+            return None
+
     @hookimpl
     def decide_action(self, ctx: Any, finding: Finding) -> str | None:
         if finding.code == NONFINITE_PARAMS.code:
@@ -217,6 +229,7 @@ class NanGuard:
         if every and step % every == 0 and not self._params_reported:
             self._check_params(ctx, step)
         skipped_by_us, skipped_alone = bool(metrics.get("skipped")), bool(metrics.get("optimizer_skipped"))
+        self._optimizer_skips_in_a_row = self._optimizer_skips_in_a_row + 1 if skipped_alone else 0
         if not (skipped_by_us or skipped_alone):
             return
         self.skipped_steps.append(step)
@@ -227,14 +240,13 @@ class NanGuard:
             self._report_optimizer_skip(ctx, step, metrics)
 
     def _check_params(self, ctx: Any, step: int) -> None:
-        """One norm per parameter tensor (a NaN or Inf anywhere makes it non-finite), read with one transfer."""
+        """One finiteness flag per floating-point parameter tensor, read with one transfer."""
         model = getattr(ctx.trainer, "model", None)
         named = [(n, getattr(p, "ds_tensor", p)) for n, p in model.named_parameters()] if model is not None else []
-        named = [(n, t) for n, t in named if t.numel()]
+        named = [(n, t) for n, t in named if t.numel() and t.is_floating_point()]  # quantized weights are integers
         if not named:
             return
-        norms = torch.stack(torch._foreach_norm([t.detach() for _, t in named]))
-        finite = torch.isfinite(norms).tolist()
+        finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in named]).tolist()
         bad = [n for (n, _), ok in zip(named, finite) if not ok]
         if not bad:
             return
@@ -249,18 +261,19 @@ class NanGuard:
 
     def _report_optimizer_skip(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
         self.optimizer_skips.append(step)
-        grace = self.options.optimizer_skip_grace
-        grace = (20 if self._fp16 else 0) if grace is None else grace
-        count = len(self.optimizer_skips)
-        if count <= grace or (count - grace > 10 and count % 100):
-            return  # within the grace, or rate-limited after ten reports
+        count, in_a_row = len(self.optimizer_skips), self._optimizer_skips_in_a_row
+        if self._fp16 and in_a_row != self.options.fp16_skips_in_a_row:
+            return  # the scaler's routine probing; a run of skips is reported once, when it reaches the limit
+        self._reports += 1
+        if self._reports > 10 and count % 100:
+            return  # rate-limited after ten reports
         engine = "DeepSpeed engine" if getattr(ctx.trainer, "is_deepspeed_enabled", False) else "optimizer (fp16 loss scaler)"
         ctx.report(
             OPTIMIZER_SKIPPED_STEP.code,
             f"the {engine} skipped the update of step {step} on its own (an overflow: non-finite gradients or loss scale); "
-            f"{count} such step(s) so far. The Trainer counts it as a normal step and its logs do not say so.",
+            f"{count} such step(s) so far, {in_a_row} in a row. The Trainer counts it as a normal step and its logs do not say so.",
             step=step,
-            evidence={"optimizer_skips": count, "grad_norm": _as_float(metrics.get("grad_norm")), "lr": metrics.get("lr")},
+            evidence={"optimizer_skips": count, "in_a_row": in_a_row, "fp16": self._fp16, "grad_norm": _as_float(metrics.get("grad_norm")), "lr": metrics.get("lr")},
         )
 
     @hookimpl

@@ -13,6 +13,7 @@ reads the step loss and grad norm with one transfer.
 """
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
@@ -39,6 +40,7 @@ GRAD_NORM_SPIKE = FindingCode(
 LOSS_DIVERGENCE = FindingCode(
     "LOSS_DIVERGENCE", Severity.ERROR, "The loss stayed far above its baseline for a whole patience window.", "numeric-health#loss_divergence"
 )
+log = logging.getLogger("harness.spike_capture")
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 
 
@@ -130,7 +132,7 @@ class SpikeCapture:
         self.resumed_at: int | None = None
         self._current: list[tuple[int, dict[str, Any], torch.Tensor]] = []
         self._ring: deque[tuple[int, int, dict[str, Any]]] = deque(maxlen=o.ring_size)
-        self._grad_pending: tuple[int, list[tuple[int, dict[str, Any], torch.Tensor]]] | None = None
+        self._grad_pending: tuple[int, list[tuple[int, dict[str, Any], torch.Tensor]], CaptureResult | None] | None = None
 
     @hookimpl
     def add_config(self) -> type[BaseModel]:
@@ -144,6 +146,10 @@ class SpikeCapture:
     def configure(self, ctx: Any, options: SpikeCaptureOptions) -> None:
         self.options = options
         self._reset()
+
+    @hookimpl
+    def on_run_start(self, ctx: Any) -> None:
+        self._reset()  # a rollback trains again with the same plugin: start from the checkpoint's state, not this run's
 
     # -- state across checkpoints ------------------------------------------------------------------
 
@@ -200,11 +206,12 @@ class SpikeCapture:
         pending, self._grad_pending = self._grad_pending, None
         if pending is None or pending[0] != step or metrics.get("grad_norm") is None:
             return
+        _, current, capture = pending
         # DeepSpeed computes the grad norm inside its own step: judge it now (the weights have moved on)
         grad = self._grad_judgement(float(metrics["grad_norm"]))
         if grad is not None:
             with_loss_spike = bool(self.history) and self.history[-1][0] == step and self.elevated_run > 0
-            self._report_grad_spike(ctx, step, grad, pending[1], None, with_loss_spike=with_loss_spike, weights_moved=True)
+            self._report_grad_spike(ctx, step, grad, current, capture, with_loss_spike=with_loss_spike, weights_moved=True)
 
     def _judge(self, ctx: Any, step: int, loss: float, norm: float | None, current: list[tuple[int, dict[str, Any], torch.Tensor]]) -> None:
         o = self.options
@@ -216,7 +223,7 @@ class SpikeCapture:
         j = judge(loss, self.loss_window, o.min_history, o.level_steps)
         spike = elevated = False
         if j is not None and not in_grace:
-            rise = loss > j.median * (1 + o.loss_min_rise)
+            rise = loss - j.median > o.loss_min_rise * abs(j.median)
             spike = rise and j.z > o.loss_z
             elevated = rise and j.z > o.divergence_z
         episode_started = self.elevated_run == 0
@@ -234,7 +241,7 @@ class SpikeCapture:
             self._report_divergence(ctx, step, j)
             self.loss_window.clear()  # reported once; from here the new level is the baseline (min_history steps to rebuild)
         if norm is None:
-            self._grad_pending = (step, current)
+            self._grad_pending = (step, current, capture)
         elif grad is not None:
             self._report_grad_spike(ctx, step, grad, current, capture, with_loss_spike=spike, weights_moved=False)
         self.history.append((step, loss, norm))
@@ -259,7 +266,7 @@ class SpikeCapture:
         if self.grad_in_spike:
             return  # the same episode: reported at its first step
         self.grad_in_spike = True
-        ratio = j.value / j.median if j.median else math.inf
+        ratio = j.value / j.median if j.median > 0 else math.inf
         serious = with_loss_spike or ratio >= o.grad_warn_ratio
         if capture is None and serious:
             why = f"grad norm {j.value:.4f} vs running median {j.median:.4f}"
@@ -305,13 +312,13 @@ class SpikeCapture:
         if rise["grad_norm_rose_before"]:
             notes.append("the grad norm was already rising before it (suspect the optimizer or LR, not only the batch)")
         if grad is not None:
-            notes.append(f"the grad norm jumped with it ({grad.value / grad.median:.1f}x its median)")
+            notes.append(f"the grad norm jumped with it ({grad.value / grad.median if grad.median > 0 else math.inf:.1f}x its median)")
         if resume["after_resume"]:
             notes.append(f"it came {resume['steps_since_resume']} steps after a resume (suspect the checkpoint restore first)")
         ctx.report(
             LOSS_SPIKE.code,
             f"loss {j.value:.4f} at step {step} on rank {ctx.rank} is {j.z:.1f} robust SDs above its running median {j.median:.4f} "
-            f"(+{(j.value / j.median - 1) * 100:.0f}%; baseline of {j.size} steps)"
+            f"(+{(j.value - j.median) / abs(j.median) * 100 if j.median else math.inf:.0f}%; baseline of {j.size} steps)"
             + (f"; {'; '.join(notes)}" if notes else "")
             + (f". Top suspects: {capture.describe()}." if capture else "."),
             step=step,
@@ -350,7 +357,14 @@ class SpikeCapture:
         if self.captures >= o.max_captures or not current:
             return None
         self.captures += 1
-        micro = [(m, b, float(loss)) for m, b, loss in current]
+        try:
+            return self._write(ctx, step, code, why, current, weights_moved)
+        except Exception as exc:  # noqa: BLE001 - a full disk or an odd batch must not cost the finding
+            log.warning("spike_capture: could not write the capture of step %s: %s", step, exc)
+            return None
+
+    def _write(self, ctx: Any, step: int, code: str, why: str, current: list[tuple[int, dict[str, Any], torch.Tensor]], weights_moved: bool) -> CaptureResult:
+        micro = [(m, b, float(loss.float().mean())) for m, b, loss in current]
         earlier = [
             {"step": s, "micro_batch": m, "sample_ids": sample_ids(b), "hashes": row_hashes(b["input_ids"]) if torch.is_tensor(b.get("input_ids")) else None}
             for s, m, b in self._ring
@@ -362,9 +376,9 @@ class SpikeCapture:
             **self._resume_evidence(step),
             "earlier_micro_batches": earlier,
         }
+        no_recompute = "the weights had already moved on (DeepSpeed reports the grad norm after its update)" if weights_moved else None
+        if not self.options.recompute_loss:
+            no_recompute = "recompute_loss is off in the config"
         return write_capture(
-            ctx, step=step, code=code, reason=f"{code} at step {step}: {why}.", micro_batches=micro, context=context,
-            no_recompute="the weights had already moved on (DeepSpeed reports the grad norm after its update)"
-            if weights_moved
-            else (None if o.recompute_loss else "recompute_loss is off in the config"),
+            ctx, step=step, code=code, reason=f"{code} at step {step}: {why}.", micro_batches=micro, context=context, no_recompute=no_recompute
         )

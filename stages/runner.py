@@ -264,6 +264,10 @@ def run_stage(stage: str, config_path: str | Path, resume: str | bool | None = N
 
     loaded = load_run_config(config_path, stage)
     harness_config = dict(loaded.config.harness)
+    data = loaded.config.data
+    if any(s.max_repeats > 1 for s in [*data.sources, *(data.old_sources or [])]):
+        # upsampling a source (max_repeats) is repetition the config asked for: duplicates are information here
+        harness_config["severity"] = {"DUPLICATE_SAMPLES": "info", **dict(harness_config.get("severity") or {})}
     catalog = Catalog.build()
     resolve_config(harness_config, catalog, source=f"{loaded.path}, section 'harness'", extra_plugins=["mlflow"])
     mixed, texts = load_training_data(loaded)

@@ -26,7 +26,9 @@ SPIKE_CODES = ("LOSS_SPIKE", "GRAD_NORM_SPIKE", "LOSS_DIVERGENCE")
 def _run(make_trainer: Any, rows: Any, tokenizer: Any, faults: dict[str, Any], steps: int = 60, **args: Any) -> tuple[Any, Any]:
     settings = {"max_steps": steps, "learning_rate": 5e-3, "logging_steps": 10, **args}
     trainer = make_trainer(train_dataset=rows, processing_class=tokenizer, **settings)
-    ctx = harness.attach(trainer, config={"plugins": ["defaults", FAULTS], "fault_injector": faults})
+    # the repetitive corpus is duplicated by design: data_hash's DUPLICATE_SAMPLES is expected, not a warning here
+    config = {"plugins": ["defaults", FAULTS], "fault_injector": faults, "severity": {"DUPLICATE_SAMPLES": "info"}}
+    ctx = harness.attach(trainer, config=config)
     trainer.train()
     return trainer, ctx
 
@@ -128,10 +130,15 @@ def test_replay_reproduces_the_captured_losses_on_the_checkpoint(
     assert result.returncode == 0, result.stdout + result.stderr
     assert "reproduced" in result.stdout and "not reproduced" not in result.stdout
 
-    # other weights under a name that does not say so: the numbers differ and replay says so
+    # another model directory: the numbers are shown, and said not to be comparable
     other = tmp_path / "some_model"
     shutil.copytree(out / "checkpoint-26", other)
     result = harness_cli("replay", str(capture_dir), "--checkpoint", str(other))
+    assert result.returncode == 0 and "not expected to match" in result.stdout
+    # other weights under the name of the right checkpoint: the numbers differ and replay fails
+    impostor = tmp_path / "elsewhere" / "checkpoint-39"
+    shutil.copytree(out / "checkpoint-26", impostor)
+    result = harness_cli("replay", str(capture_dir), "--checkpoint", str(impostor))
     assert result.returncode == 1 and "not reproduced" in result.stdout
 
     missing = harness_cli("replay", str(out / "harness" / "captures" / "step-7"))
@@ -158,3 +165,12 @@ def test_a_divergence_through_wrap_on_an_unmodified_script(tmp_path: Path) -> No
     out = _wrapped(tmp_path, {"lr_scale_from_step": 40, "lr_scale": 300.0}, steps=62)
     (divergence,) = findings_of(out, "LOSS_DIVERGENCE")
     assert divergence["evidence"]["since_step"] == 41 and divergence["step"] == 60
+
+
+def test_the_capture_keeps_the_labels_a_custom_loss_pops(make_trainer: Any, repetitive_rows: Any, tokenizer: Any) -> None:
+    """With label smoothing the Trainer pops ``labels`` from the batch; the capture must still score against them."""
+    trainer, _ = _run(make_trainer, repetitive_rows, tokenizer, {"corrupt_at_steps": [40], "corrupt_rows": [0]}, label_smoothing_factor=0.1)
+    (spike,) = findings_of(trainer.args.output_dir, "LOSS_SPIKE")
+    capture = json.loads(Path(spike["evidence"]["capture"]).read_text())
+    assert all(s["labelled_tokens"] == 32 for s in capture["samples"])
+    assert capture["samples"][0]["row"] == 0

@@ -1,0 +1,355 @@
+"""data_hash: a ledger of every micro-batch every rank trains on, and the data faults it reveals.
+
+Per micro-batch it hashes each row where the batch lives (a random linear
+hash over the token ids, no per-token Python, no host sync); once per
+optimizer step it reads the step's hashes with one transfer and appends
+them to ``ledger/rank-<r>.jsonl``. From the ledger it finds samples repeated
+within an epoch (the classic broken resume: the loader restarted at the
+epoch's beginning), samples the interrupted run would have trained next but
+the resumed one never did, duplicate content, and data-parallel ranks that
+train on the same samples. The training dataset gets a content fingerprint,
+stored with each checkpoint and compared on resume.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness.capture import sample_ids
+from harness.distributed import gather_to_main
+from harness.findings import FindingCode, Severity
+from harness.hashing import combine_hashes, device_row_hashes, hex64
+from harness.hookspecs import hookimpl
+from harness.ledger import LedgerWriter, iter_records, ledger_path
+
+DATA_REPEATED = FindingCode(
+    "DATA_REPEATED", Severity.WARNING, "Samples were trained on again within the same epoch.", "data#data_repeated"
+)
+DATA_SKIPPED = FindingCode(
+    "DATA_SKIPPED",
+    Severity.WARNING,
+    "After a resume, samples the interrupted run trained next were never trained by the resumed run.",
+    "data#data_skipped",
+)
+DUPLICATE_SAMPLES = FindingCode(
+    "DUPLICATE_SAMPLES", Severity.WARNING, "The same sample content appears more than once in the training data.", "data#duplicate_samples"
+)
+RANK_DATA_OVERLAP = FindingCode(
+    "RANK_DATA_OVERLAP",
+    Severity.ERROR,
+    "Two data-parallel ranks trained on the same samples in the same step (the data is not sharded).",
+    "data#rank_data_overlap",
+)
+RESUME_DATA_CHANGED = FindingCode(
+    "RESUME_DATA_CHANGED",
+    Severity.ERROR,
+    "The training data's content fingerprint differs from the one stored with the checkpoint.",
+    "data#resume_data_changed",
+)
+HASH_KEYS = ("input_ids", "chosen_input_ids")  # what a batch's samples are made of (LM / SFT, then DPO pairs)
+MASK_KEYS = {"input_ids": "attention_mask", "chosen_input_ids": "chosen_attention_mask"}
+
+
+class DataHashOptions(BaseModel):
+    """Options of the ``data_hash`` plugin."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index_max_rows: int = Field(
+        200_000, ge=0, description="Map-style datasets up to this many rows are hashed whole at run start: duplicates are "
+        "found before training and a sample present k times may appear k times per epoch."
+    )
+    fingerprint_rows: int = Field(1000, ge=1, description="Rows (evenly spaced) that make the fingerprint of a dataset too big to index.")
+    max_duplicates: int = Field(0, ge=0, description="DUPLICATE_SAMPLES once more than this many samples have a content twin.")
+    check_rank_overlap: bool = Field(True, description="Compare the ranks' samples every step (one small gather over gloo).")
+    fsync_every: int = Field(100, ge=1, description="fsync the ledger every this many steps (it is flushed every step).")
+    max_reports: int = Field(10, ge=1, description="Findings per code per run at most (the evidence counts the rest).")
+
+
+def _hash_key(batch: Mapping[str, Any]) -> str | None:
+    for key in HASH_KEYS:
+        if torch.is_tensor(batch.get(key)) and batch[key].dim() == 2:
+            return key
+    return None
+
+
+def _dataset_rows(dataset: Any, key: str, indices: range | list[int]) -> list[list[int]] | None:
+    """Token rows of a map-style dataset (None when it does not hold ``key``)."""
+    try:
+        if hasattr(dataset, "column_names") and hasattr(dataset, "select"):
+            if key not in dataset.column_names:
+                return None
+            return [list(r) for r in dataset.select(indices)[key]]
+        return [list(dataset[i][key]) for i in indices]
+    except (KeyError, TypeError, IndexError):
+        return None
+
+
+def _hash_rows(rows: list[list[int]]) -> list[int]:
+    if not rows:
+        return []
+    width = max(len(r) for r in rows) or 1
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    mask = torch.zeros(len(rows), width, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.int64)
+        mask[i, : len(row)] = 1
+    return device_row_hashes(ids, mask).tolist()
+
+
+class DataHash:
+    """Writes the data ledger and reports repeated, skipped, duplicated and rank-overlapping samples."""
+
+    name = "data_hash"
+
+    def __init__(self) -> None:
+        self.options = DataHashOptions()
+        self._writer: LedgerWriter | None = None
+        self._pending: list[tuple[int, torch.Tensor, list[Any] | None]] = []
+        self._multiplicity: Counter[int] | None = None
+        self.fingerprint: dict[str, Any] | None = None
+        self._epoch = 0
+        self._step_epoch = 0
+        self._seen: Counter[Any] = Counter()
+        self._content_ids: dict[int, Any] = {}
+        self._twins = 0
+        self._reports: Counter[str] = Counter()
+        self._repeats_total = 0
+        self._resume_step: int | None = None
+        self._interrupted: dict[tuple[int, int], int] = {}  # (epoch, hash) -> step the interrupted attempt trained it at
+        self._since_resume: set[tuple[int, int]] = set()
+
+    @hookimpl
+    def add_config(self) -> type[BaseModel]:
+        return DataHashOptions
+
+    @hookimpl
+    def declare_codes(self) -> list[FindingCode]:
+        return [DATA_REPEATED, DATA_SKIPPED, DUPLICATE_SAMPLES, RANK_DATA_OVERLAP, RESUME_DATA_CHANGED]
+
+    @hookimpl
+    def configure(self, ctx: Any, options: DataHashOptions) -> None:
+        self.options = options
+
+    # -- run start: the ledger, the dataset's index and fingerprint ----------------------------------
+
+    @hookimpl
+    def on_run_start(self, ctx: Any, trainer: Any) -> None:
+        self._writer = LedgerWriter(ctx.run_dir, ctx.rank, self.options.fsync_every)
+        resumed = str(ctx.resumed_from) if ctx.resumed_from is not None else None
+        self._writer.start(trainer.state.global_step, ctx.world_size, resumed)
+        self._epoch = self._current_epoch(trainer)
+
+    @hookimpl
+    def inspect_dataset(self, ctx: Any, dataset: Any, split: str) -> None:
+        if split != "train" or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            return
+        size = len(dataset)
+        key = next((k for k in HASH_KEYS if _dataset_rows(dataset, k, range(min(1, size))) is not None), None)
+        if key is None or size == 0:
+            return
+        indexed = size <= self.options.index_max_rows
+        if indexed:
+            hashes: list[int] = []
+            for start in range(0, size, 1000):
+                hashes += _hash_rows(_dataset_rows(dataset, key, range(start, min(size, start + 1000))) or [])
+            self._multiplicity = Counter(hashes)
+        else:
+            step = size / self.options.fingerprint_rows
+            hashes = _hash_rows(_dataset_rows(dataset, key, sorted({int(i * step) for i in range(self.options.fingerprint_rows)})) or [])
+        digest = xxhash.xxh3_64()
+        digest.update(str(size).encode())
+        for value in hashes:
+            digest.update(value.to_bytes(8, "little", signed=True))
+        self.fingerprint = {"rows": size, "column": key, "indexed": indexed, "digest": digest.hexdigest()}
+        if self._multiplicity is not None and ctx.is_main:
+            twins = {h: n for h, n in self._multiplicity.items() if n > 1}
+            extra = sum(n - 1 for n in twins.values())
+            if extra > self.options.max_duplicates:
+                self._report(
+                    ctx,
+                    DUPLICATE_SAMPLES.code,
+                    f"{extra} of the {size} training rows repeat another row's content ({len(twins)} distinct samples "
+                    f"appear more than once, the most frequent {max(twins.values())} times); each is trained that many times per epoch.",
+                    evidence={"rows": size, "extra_copies": extra, "distinct_duplicated": len(twins), "source": "dataset index"},
+                )
+
+    # -- per micro-batch: hashes stay on the device ----------------------------------------------------
+
+    @hookimpl
+    def inspect_batch(self, ctx: Any, batch: Any, step: int, micro_step: int) -> None:
+        if not isinstance(batch, Mapping):
+            return
+        key = _hash_key(batch)
+        if key is None:
+            return
+        mask = batch.get(MASK_KEYS[key])
+        rows = device_row_hashes(batch[key], mask if torch.is_tensor(mask) else None)
+        if micro_step == 0:
+            self._step_epoch = self._current_epoch(ctx.trainer)  # before the Trainer advances state.epoch at step end
+        self._pending.append((micro_step, rows, sample_ids(batch)))
+
+    # -- per optimizer step: one read, the ledger, the checks -----------------------------------------------
+
+    @hookimpl
+    def on_step_end(self, ctx: Any, step: int) -> None:
+        pending, self._pending = self._pending, []
+        flat: list[int] = []
+        if pending:
+            stacked = torch.cat([rows for _, rows, _ in pending] + [combine_hashes(rows).reshape(1) for _, rows, _ in pending])
+            flat = stacked.tolist()  # the one host sync of this plugin per step
+        if ctx.world_size > 1 and self.options.check_rank_overlap:
+            self._check_overlap(ctx, step, flat[: len(flat) - len(pending)])
+        if not pending:
+            return
+        epoch = self._step_epoch
+        if epoch != self._epoch:
+            self._epoch, self._seen = epoch, Counter()
+        records, offset = [], 0
+        batch_hashes = flat[len(flat) - len(pending):]
+        for (micro, rows, ids), batch_hash in zip(pending, batch_hashes):
+            hashes = flat[offset: offset + rows.shape[0]]
+            offset += rows.shape[0]
+            records.append(
+                {"step": step, "micro_batch": micro, "epoch": epoch, "batch_hash": hex64(batch_hash),
+                 "sample_hashes": [hex64(h) for h in hashes], "sample_ids": ids}
+            )
+            self._check_samples(ctx, step, hashes, ids)
+        if self._writer is not None:
+            self._writer.write_step(records)
+
+    def _current_epoch(self, trainer: Any) -> int:
+        epoch = getattr(getattr(trainer, "state", None), "epoch", None) or 0.0
+        return int(math.floor(float(epoch) + 1e-6))
+
+    def _check_samples(self, ctx: Any, step: int, hashes: list[int], ids: list[Any] | None) -> None:
+        repeated = []
+        for i, h in enumerate(hashes):
+            if self._resume_step is not None:
+                self._since_resume.add((self._epoch, h))
+            key = ids[i] if ids is not None and i < len(ids) else h
+            self._seen[key] += 1
+            allowed = 1 if ids is not None or self._multiplicity is None else self._multiplicity.get(h, 1)
+            if self._seen[key] > allowed:
+                repeated.append(i)
+            if ids is not None:
+                first = self._content_ids.setdefault(h, key)
+                if first != key:
+                    self._twins += 1
+                    if self._twins == self.options.max_duplicates + 1:
+                        self._report(
+                            ctx, DUPLICATE_SAMPLES.code,
+                            f"sample id {key} at step {step} on rank {ctx.rank} has the same content as sample id {first}: "
+                            f"{self._twins} content duplicates under different ids so far.",
+                            step=step, evidence={"sample_id": key, "same_as": first, "hash": hex64(h), "source": "training"},
+                        )
+        if repeated:
+            self._repeats_total += len(repeated)
+            self._report(
+                ctx, DATA_REPEATED.code,
+                f"{len(repeated)} of {len(hashes)} samples of a micro-batch at step {step} on rank {ctx.rank} were already trained "
+                f"on in epoch {self._epoch} ({self._repeats_total} repeats so far); "
+                + ("this follows a resume: the data position was not restored." if self._resume_step is not None else "the loader is not covering its epoch once."),
+                step=step,
+                evidence={"rows": repeated, "hashes": [hex64(hashes[i]) for i in repeated], "epoch": self._epoch,
+                          "sample_ids": [ids[i] for i in repeated] if ids else None, "repeats_so_far": self._repeats_total},
+            )
+
+    def _check_overlap(self, ctx: Any, step: int, hashes: list[int]) -> None:
+        gathered = gather_to_main(hashes)
+        if gathered is None:
+            return
+        owner: dict[int, int] = {}
+        shared: dict[int, set[int]] = {}
+        for rank, rank_hashes in enumerate(gathered):
+            for h in set(rank_hashes or []):
+                if h in owner and owner[h] != rank:
+                    shared.setdefault(h, {owner[h]}).add(rank)
+                owner.setdefault(h, rank)
+        if self._multiplicity is not None:
+            shared = {h: r for h, r in shared.items() if self._multiplicity.get(h, 1) == 1}  # twins may meet by chance
+        if shared:
+            ranks = sorted({r for rs in shared.values() for r in rs})
+            self._report(
+                ctx, RANK_DATA_OVERLAP.code,
+                f"{len(shared)} samples were trained at step {step} by more than one data-parallel rank (ranks {ranks}): "
+                "the ranks are not reading disjoint shards, so the effective batch is smaller than configured.",
+                step=step,
+                evidence={"shared_samples": len(shared), "ranks": ranks, "per_rank_samples": [len(g or []) for g in gathered],
+                          "hashes": [hex64(h) for h in list(shared)[:10]]},
+            )
+
+    def _report(self, ctx: Any, code: str, message: str, **kwargs: Any) -> None:
+        self._reports[code] += 1
+        if self._reports[code] <= self.options.max_reports:
+            ctx.report(code, message, **kwargs)
+
+    # -- checkpoints and resume --------------------------------------------------------------------------
+
+    @hookimpl
+    def checkpoint_state(self, ctx: Any, step: int) -> dict[str, Any] | None:
+        if self._writer is not None:
+            self._writer.sync()  # the ledger up to this checkpoint is on disk before the checkpoint counts
+        return {"fingerprint": self.fingerprint, "epoch": self._epoch}
+
+    @hookimpl
+    def on_resume(self, ctx: Any, state: dict[str, Any] | None) -> None:
+        self._resume_step = ctx.step
+        self._restore_epoch_from_ledger(ctx)
+        stored = (state or {}).get("fingerprint")
+        if stored and self.fingerprint and stored["digest"] != self.fingerprint["digest"] and ctx.is_main:
+            ctx.report(
+                RESUME_DATA_CHANGED.code,
+                f"the training data changed since the checkpoint: {stored['rows']} rows (fingerprint {stored['digest']}) then, "
+                f"{self.fingerprint['rows']} rows (fingerprint {self.fingerprint['digest']}) now; the data position restored "
+                "from the checkpoint points into different data.",
+                evidence={"stored": stored, "current": self.fingerprint},
+            )
+
+    def _restore_epoch_from_ledger(self, ctx: Any) -> None:
+        """What this epoch already trained before the checkpoint, and what the interrupted run trained after it."""
+        resume = ctx.step
+        latest: dict[int, tuple[int, dict[str, Any]]] = {}
+        current = self._writer.attempt if self._writer is not None else None
+        records = [r for r in iter_records(ledger_path(ctx.run_dir, ctx.rank)) if r.get("event") is None and r.get("attempt") != current]
+        for record in records:
+            key = record["step"] * 100_000 + record["micro_batch"]
+            if key not in latest or latest[key][0] < record["attempt"]:
+                latest[key] = (record["attempt"], record)
+        last_attempt = max((r["attempt"] for r in records), default=None)
+        for attempt, record in latest.values():
+            hashes = [int(h, 16) for h in record["sample_hashes"]]
+            signed = [h - (1 << 64) if h >= 1 << 63 else h for h in hashes]
+            if record["step"] <= resume and record["epoch"] == self._epoch:
+                ids = record.get("sample_ids")
+                for i, h in enumerate(signed):
+                    self._seen[ids[i] if ids else h] += 1
+            elif record["step"] > resume and attempt == last_attempt:
+                for h in signed:
+                    self._interrupted.setdefault((record["epoch"], h), record["step"])
+
+    @hookimpl
+    def on_run_end(self, ctx: Any) -> None:
+        if self._interrupted and self._resume_step is not None:
+            reached = ctx.step
+            missing = {key: s for key, s in self._interrupted.items() if s <= reached and key not in self._since_resume}
+            if missing:
+                steps = sorted(set(missing.values()))
+                self._report(
+                    ctx, DATA_SKIPPED.code,
+                    f"{len(missing)} samples the interrupted run trained at steps {steps[0]}-{steps[-1]} (after the checkpoint of step "
+                    f"{self._resume_step}) were not trained in the same epoch by the resumed run on rank {ctx.rank}, which reached "
+                    f"step {reached}: the resumed data order differs from the interrupted one.",
+                    step=reached,
+                    evidence={"missing": len(missing), "steps": steps[:50], "hashes": [hex64(h) for _, h in list(missing)[:10]],
+                              "epochs": sorted({e for e, _ in missing})},
+                )
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

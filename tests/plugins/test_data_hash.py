@@ -1,0 +1,128 @@
+"""data_hash: the ledger of every micro-batch, and the data faults of broken resumes, duplicates and unsharded ranks."""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import harness
+from conftest import EXAMPLE, FAULTS, findings_of, harness_cli, torchrun, write_yaml
+from harness.hashing import device_row_hashes, hex64
+from harness.ledger import read_ledger
+
+DATA_CODES = ("DATA_REPEATED", "DATA_SKIPPED", "DUPLICATE_SAMPLES", "RANK_DATA_OVERLAP", "RESUME_DATA_CHANGED")
+
+
+def _data_findings(output_dir: Any) -> list[tuple[str, int]]:
+    return [(f["code"], f["step"]) for f in findings_of(output_dir) if f["code"] in DATA_CODES]
+
+
+def _dataset_hashes(rows: Any) -> set[str]:
+    return {hex64(h) for h in device_row_hashes(torch.tensor(rows["input_ids"])).tolist()}
+
+
+def test_the_ledger_holds_every_micro_batch_and_reads_back(make_trainer: Any, lm_rows: Any) -> None:
+    trainer = make_trainer(max_steps=15, gradient_accumulation_steps=2)  # 96 rows / 8 per step: epoch 1 from step 13
+    harness.attach(trainer)
+    trainer.train()
+    ledger = read_ledger(trainer.args.output_dir)
+    assert len(ledger) == 15 * 2 * 4 and list(ledger["attempt"].unique()) == [1]
+    assert sorted(ledger["step"].unique()) == list(range(1, 16)) and sorted(ledger["micro_batch"].unique()) == [0, 1]
+    assert set(ledger["sample_hash"]) <= _dataset_hashes(lm_rows)  # hashed on the batch = hashed from the dataset
+    assert ledger.groupby("step")["epoch"].first().to_dict() == {s: (0 if s <= 12 else 1) for s in range(1, 16)}
+    assert ledger[ledger["epoch"] == 0]["sample_hash"].is_unique and not ledger["superseded"].any()
+    assert _data_findings(trainer.args.output_dir) == []  # a new epoch may see its samples again
+
+
+def _interrupted_then_resumed(make_trainer: Any, out: Path, **resume_args: Any) -> Any:
+    """A run that got to step 20 (checkpoints every 5), resumed from checkpoint-10 as if it had died at 20."""
+    first = make_trainer(output_dir=out, max_steps=20, save_strategy="steps", save_steps=5)
+    harness.attach(first)
+    first.train()
+    shutil.rmtree(out / "checkpoint-15")
+    shutil.rmtree(out / "checkpoint-20")
+    resumed = make_trainer(output_dir=out, max_steps=20, save_strategy="steps", save_steps=5, **resume_args)
+    harness.attach(resumed)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-10"))
+    return resumed
+
+
+def test_a_correct_resume_is_silent_and_the_ledger_marks_the_lost_steps(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _interrupted_then_resumed(make_trainer, out)
+    assert _data_findings(out) == []
+    ledger = read_ledger(out)
+    lost = ledger[ledger["superseded"]]
+    assert set(lost["attempt"]) == {1} and sorted(lost["step"].unique()) == list(range(11, 21))
+    first, second = (ledger[(ledger["attempt"] == a) & (ledger["step"] > 10)] for a in (1, 2))
+    assert list(first["sample_hash"]) == list(second["sample_hash"])  # the resumed run trained exactly what was lost
+
+
+def test_ignore_data_skip_repeats_the_epoch_and_skips_what_came_next(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _interrupted_then_resumed(make_trainer, out, ignore_data_skip=True)
+    repeated = findings_of(out, "DATA_REPEATED")
+    assert repeated[0]["step"] == 11 and repeated[0]["evidence"]["rows"] == [0, 1, 2, 3]
+    assert "follows a resume" in repeated[0]["message"]
+    (skipped,) = findings_of(out, "DATA_SKIPPED")
+    assert skipped["evidence"]["missing"] == 40 and skipped["evidence"]["steps"] == list(range(11, 21))
+
+
+def test_duplicate_rows_are_reported_once_and_may_recur_within_an_epoch(make_trainer: Any, repetitive_rows: Any) -> None:
+    distinct = len(set(map(tuple, repetitive_rows["input_ids"])))
+    trainer = make_trainer(max_steps=30, train_dataset=repetitive_rows)
+    harness.attach(trainer)
+    trainer.train()
+    (dup,) = findings_of(trainer.args.output_dir, "DUPLICATE_SAMPLES")
+    assert dup["evidence"]["extra_copies"] == len(repetitive_rows) - distinct and dup["evidence"]["source"] == "dataset index"
+    assert findings_of(trainer.args.output_dir, "DATA_REPEATED") == []  # each copy may be trained once per epoch
+
+
+def test_changed_training_data_on_resume(make_trainer: Any, lm_rows: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    first = make_trainer(output_dir=out, max_steps=5, save_strategy="steps", save_steps=5)
+    harness.attach(first)
+    first.train()
+    resumed = make_trainer(output_dir=out, max_steps=8, train_dataset=lm_rows.select(range(48)))
+    harness.attach(resumed)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-5"))
+    (changed,) = findings_of(out, "RESUME_DATA_CHANGED")
+    assert changed["evidence"]["stored"]["rows"] == 96 and changed["evidence"]["current"]["rows"] == 48
+
+
+def _wrapped(out: Path, config: Path, *extra: str, launcher: list[str] | None = None) -> Any:
+    script = [str(EXAMPLE), "--output_dir", str(out), "--max_steps", "16", "--save_steps", "5", *extra]
+    return harness_cli("wrap", "--config", str(config), "--", *(launcher or [sys.executable]), *script, env={"DS_ACCELERATOR": "cpu"})
+
+
+@pytest.mark.parametrize("ignore_data_skip", [False, True])
+def test_a_killed_run_resumed_through_wrap(tmp_path: Path, ignore_data_skip: bool) -> None:
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults", FAULTS], "fault_injector": {"kill_at_step": 13}})
+    killed = _wrapped(out, config)
+    assert killed.returncode != 0 and (out / "checkpoint-10").is_dir() and not (out / "checkpoint-15").exists()
+    resumed = _wrapped(out, config, "--resume_from_checkpoint", str(out / "checkpoint-10"), *(["--ignore_data_skip"] if ignore_data_skip else []))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ledger = read_ledger(out)
+    assert sorted(ledger[ledger["superseded"]]["step"].unique()) == [11, 12]  # what the killed process trained past the checkpoint
+    if ignore_data_skip:
+        assert _data_findings(out)[0] == ("DATA_REPEATED", 11)
+    else:
+        assert _data_findings(out) == []
+
+
+@pytest.mark.slow
+def test_two_ranks_reading_the_same_stream_overlap(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults"]})
+    result = _wrapped(out, config, "--own_dataloader", launcher=torchrun())
+    assert result.returncode == 0, result.stderr[-3000:]
+    overlap = findings_of(out, "RANK_DATA_OVERLAP")
+    assert overlap[0]["step"] == 1 and overlap[0]["evidence"]["ranks"] == [0, 1] and overlap[0]["evidence"]["shared_samples"] == 4
+    clean = tmp_path / "sharded"
+    assert _wrapped(clean, config, launcher=torchrun()).returncode == 0
+    assert _data_findings(clean) == []
