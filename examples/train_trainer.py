@@ -31,6 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deepspeed", default=None, help="path to a DeepSpeed config json")
     p.add_argument("--exit_code", type=int, default=0, help="exit status after training")
     p.add_argument("--resume_from_checkpoint", default=None, help="checkpoint directory to resume from")
+    p.add_argument("--dropout", type=float, default=0.0, help="attention dropout (training then draws from the RNG every step)")
     p.add_argument("--ignore_data_skip", action="store_true", help="on resume, do not skip the batches already seen")
     p.add_argument(
         "--own_dataloader", action="store_true",
@@ -45,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tokenizer = train_tokenizer(corpus_lines())
-    model = build_tiny_llama(tokenizer, seed=args.seed)
+    model = build_tiny_llama(tokenizer, seed=args.seed, attention_dropout=args.dropout)
     train_dataset = lm_dataset(tokenizer, seq_len=64)
 
     training_args = TrainingArguments(

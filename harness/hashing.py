@@ -51,9 +51,16 @@ def device_row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> to
 
 
 def combine_hashes(hashes: torch.Tensor) -> torch.Tensor:
-    """One order-sensitive hash of a 1-D int64 hash tensor (a batch from its rows)."""
+    """One order-sensitive hash of a 1-D int64 hash tensor (a batch from its rows), on its device."""
     weights = _position_weights(hashes.device, hashes.shape[0] + 1)[1 : hashes.shape[0] + 1]
     return (hashes * weights).sum()
+
+
+def combine_row_hashes(hashes: list[int]) -> int:
+    """``combine_hashes`` for row hashes already on the host: the same number, without a device op."""
+    weights = _position_weights(torch.device("cpu"), len(hashes) + 1)[1 : len(hashes) + 1].tolist()
+    total = sum(h * w for h, w in zip(hashes, weights)) & 0xFFFF_FFFF_FFFF_FFFF
+    return total - (1 << 64) if total >= 1 << 63 else total
 
 
 def hex64(value: int) -> str:

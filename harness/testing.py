@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from harness.actions import HarnessStop
 from harness.findings import FindingCode, Severity
+from harness.fingerprints import optimizer_tensors, param_tensors
 from harness.hookspecs import hookimpl
 
 TEST_FAULT = FindingCode("TEST_FAULT", Severity.WARNING, "A fault injected on purpose by harness.testing.", "harness-core#test_fault")
@@ -112,41 +113,6 @@ def scale_lr(optimizer: Any, factor: float) -> None:
     """Multiply every param group's LR; the scheduler writes its own value back at its next step."""
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * factor
-
-
-def _unwrap_optimizer(optimizer: Any) -> Any:
-    seen = 0
-    while hasattr(optimizer, "optimizer") and seen < 4:
-        optimizer = optimizer.optimizer
-        seen += 1
-    return optimizer
-
-
-def optimizer_tensors(optimizer: Any) -> dict[str, torch.Tensor]:
-    """Every tensor of the optimizer's state (and ZeRO's fp32 master partitions), cloned."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()  # wrappers share their inner optimizer's state dict
-    node, depth = optimizer, 0
-    while node is not None and depth < 5:
-        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # ZeRO-1/2, ZeRO-3
-            for i, part in enumerate(getattr(node, attr, None) or []):
-                out[f"d{depth}.{attr}.{i}"] = part.detach().clone()
-        state = getattr(node, "state", None)
-        if isinstance(state, dict) and id(state) not in seen:
-            seen.add(id(state))
-            for j, per_param in enumerate(state.values()):
-                if isinstance(per_param, dict):
-                    for key, value in per_param.items():
-                        if torch.is_tensor(value):
-                            out[f"d{depth}.state.{j}.{key}"] = value.detach().clone()
-        node, depth = getattr(node, "optimizer", None), depth + 1
-    return out
-
-
-def param_tensors(model: Any) -> dict[str, torch.Tensor]:
-    """Every parameter, cloned; under ZeRO-3 the rank's own partition (``ds_tensor``)."""
-    module = getattr(model, "module", model)
-    return {name: getattr(p, "ds_tensor", p).detach().clone() for name, p in module.named_parameters()}
 
 
 def _diff(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> list[str]:

@@ -19,5 +19,6 @@ BUILTIN_PLUGINS: dict[str, BuiltinPlugin] = {
     "loss_baseline": BuiltinPlugin("harness.plugins.loss_baseline:LossBaseline", True),
     "spike_capture": BuiltinPlugin("harness.plugins.spike_capture:SpikeCapture", True),
     "data_hash": BuiltinPlugin("harness.plugins.data_hash:DataHash", True),
+    "resume_check": BuiltinPlugin("harness.plugins.resume_check:ResumeCheck", True),
     "mlflow": BuiltinPlugin("harness.plugins.mlflow_tracker:MlflowTracker", False),
 }

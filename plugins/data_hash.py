@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.capture import sample_ids
 from harness.distributed import gather_to_main
 from harness.findings import FindingCode, Severity
-from harness.hashing import combine_hashes, device_row_hashes, hex64
+from harness.hashing import combine_row_hashes, device_row_hashes, hex64
 from harness.hookspecs import hookimpl
 from harness.ledger import LedgerWriter, iter_records, ledger_path
 
@@ -68,7 +68,10 @@ class DataHashOptions(BaseModel):
     fingerprint_rows: int = Field(1000, ge=1, description="Rows (evenly spaced) that make the fingerprint of a dataset too big to index.")
     max_duplicates: int = Field(0, ge=0, description="DUPLICATE_SAMPLES once more than this many samples have a content twin.")
     check_rank_overlap: bool = Field(True, description="Compare the ranks' samples every step (one small gather over gloo).")
-    fsync_every: int = Field(100, ge=1, description="fsync the ledger every this many steps (it is flushed every step).")
+    fsync_every: int = Field(
+        1000, ge=1, description="fsync the ledger every this many steps; it is flushed every step (a killed process loses "
+        "nothing) and fsynced at every checkpoint (a machine crash loses nothing a resume needs).",
+    )
     max_reports: int = Field(10, ge=1, description="Findings per code per run at most (the evidence counts the rest).")
 
 
@@ -202,22 +205,21 @@ class DataHash:
         pending, self._pending = self._pending, []
         flat: list[int] = []
         if pending:
-            stacked = torch.cat([rows for _, rows, _ in pending] + [combine_hashes(rows).reshape(1) for _, rows, _ in pending])
-            flat = stacked.tolist()  # the one host sync of this plugin per step
+            rows_all = pending[0][1] if len(pending) == 1 else torch.cat([rows for _, rows, _ in pending])
+            flat = rows_all.tolist()  # the one host sync of this plugin per step
         if ctx.world_size > 1 and self.options.check_rank_overlap:
-            self._check_overlap(ctx, step, flat[: len(flat) - len(pending)])
+            self._check_overlap(ctx, step, flat)
         if not pending:
             return
         epoch = self._step_epoch
         if epoch != self._epoch:
             self._epoch, self._seen = epoch, Counter()
         records, offset = [], 0
-        batch_hashes = flat[len(flat) - len(pending):]
-        for (micro, rows, ids), batch_hash in zip(pending, batch_hashes):
+        for micro, rows, ids in pending:
             hashes = flat[offset: offset + rows.shape[0]]
             offset += rows.shape[0]
             records.append(
-                {"step": step, "micro_batch": micro, "epoch": epoch, "batch_hash": hex64(batch_hash),
+                {"step": step, "micro_batch": micro, "epoch": epoch, "batch_hash": hex64(combine_row_hashes(hashes)),
                  "sample_hashes": [hex64(h) for h in hashes], "sample_ids": ids}
             )
             self._check_samples(ctx, step, hashes, ids)

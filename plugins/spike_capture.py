@@ -17,7 +17,6 @@ import logging
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from harness.capture import CaptureResult, sample_ids, write_capture
 from harness.findings import FindingCode, Severity
 from harness.hashing import row_hashes
 from harness.hookspecs import hookimpl
+from harness.robust import Judgement, judge
 
 LOSS_SPIKE = FindingCode(
     "LOSS_SPIKE", Severity.WARNING, "The step loss jumped far above its running baseline; the batch was captured.", "numeric-health#loss_spike"
@@ -41,7 +41,6 @@ LOSS_DIVERGENCE = FindingCode(
     "LOSS_DIVERGENCE", Severity.ERROR, "The loss stayed far above its baseline for a whole patience window.", "numeric-health#loss_divergence"
 )
 log = logging.getLogger("harness.spike_capture")
-MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 
 
 class SpikeCaptureOptions(BaseModel):
@@ -69,39 +68,6 @@ class SpikeCaptureOptions(BaseModel):
     max_captures: int = Field(20, ge=0, description="Captures written per run at most (findings go on after that, without a capture).")
     resume_window: int = Field(200, ge=0, description="A spike within this many steps after a resume is flagged as following it.")
     recompute_loss: bool = Field(True, description="Recompute per-sample losses with one extra forward pass on the captured batch.")
-
-
-@dataclass
-class Judgement:
-    """How one value compares with its baseline."""
-
-    value: float
-    median: float
-    sd: float
-    z: float
-    size: int
-
-    def evidence(self, name: str) -> dict[str, float | int]:
-        return {name: self.value, "median": self.median, "robust_sd": self.sd, "z": self.z, "window": self.size}
-
-
-def judge(value: float, window: deque[float], min_history: int, level_steps: int) -> Judgement | None:
-    """Robust z-score of ``value`` against ``window``; None until the window has ``min_history`` values.
-
-    The level is the median of the last ``level_steps`` values, so it follows
-    a healthy run's falling loss; the spread is the MAD of step-to-step
-    differences (scaled to a standard deviation), which a slow trend barely
-    moves while step noise sets it.
-    """
-    if len(window) < min_history:
-        return None
-    values = list(window)
-    median = statistics.median(values[-level_steps:])
-    diffs = [b - a for a, b in zip(values, values[1:])]
-    centre = statistics.median(diffs)
-    mad = statistics.median(abs(d - centre) for d in diffs)
-    sd = max(MAD_TO_SIGMA * mad / math.sqrt(2), 1e-3 * abs(median), 1e-12)
-    return Judgement(value, median, sd, (value - median) / sd, len(window))
 
 
 def _detach(batch: dict[str, Any], copy: bool) -> dict[str, Any]:

@@ -29,7 +29,7 @@ class DemoFaultOptions(BaseModel):
 
     nan_step: int | None = Field(None, description="Step whose first micro-batch gets NaN embeddings (non-finite loss).")
     inf_grad_step: int | None = Field(None, description="Step whose gradients are made infinite while the loss stays finite.")
-    spike_step: int | None = Field(None, description="Step whose first micro-batch is replaced by random tokens (loss spike; once per output dir).")
+    spike_step: int | None = Field(None, description="Step whose first micro-batch is replaced by random tokens (loss spike).")
     masked_step: int | None = Field(None, description="Step whose first micro-batch gets every label masked (-100).")
     crash_step: int | None = Field(None, description="Step at which the process kills itself with SIGKILL (once per output dir).")
     diverge_from_step: int | None = Field(None, description="From this step on every update uses the LR times diverge_lr_scale (divergence).")
@@ -75,9 +75,7 @@ class DemoFaults:
         if step == o.masked_step and torch.is_tensor(batch.get("labels")):
             batch["labels"].fill_(-100)
             ctx.report(DEMO_FAULT.code, f"demo fault: every label of the batch of step {step} is masked (-100)", evidence={"fault": "all_labels_masked"})
-        spiked = ctx.run_dir / "demo_spiked"
-        if step == o.spike_step and not spiked.exists():
-            spiked.touch()  # once: the resumed run trains this step again, on clean data
+        if step == o.spike_step:  # in the data, as real corruption is: a resumed run that replays the step meets it again
             corrupt_batch(batch, None, seed=step)
             ctx.report(DEMO_FAULT.code, f"demo fault: the batch of step {step} was replaced by random tokens (loss spike)", evidence={"fault": "corrupted_batch"})
         marker = ctx.run_dir / "demo_crashed"

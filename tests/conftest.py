@@ -106,6 +106,14 @@ def harness_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 
     )
 
 
+def wrapped_example(
+    out: Path, config: Path, *extra: str, launcher: list[str] | None = None, steps: int = 14, save_steps: int = 5
+) -> subprocess.CompletedProcess[str]:
+    """The unmodified example script under ``harness wrap`` (python, or ``launcher`` such as torchrun)."""
+    script = [str(EXAMPLE), "--output_dir", str(out), "--max_steps", str(steps), "--save_steps", str(save_steps), *extra]
+    return harness_cli("wrap", "--config", str(config), "--", *(launcher or [sys.executable]), *script, env={"DS_ACCELERATOR": "cpu"})
+
+
 def free_port() -> int:
     import socket
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 import harness
-from conftest import EXAMPLE, FAULTS, findings_of, harness_cli, torchrun, write_yaml
+from conftest import findings_of, torchrun, wrapped_example, write_yaml
 from harness.hashing import device_row_hashes, hex64
 from harness.ledger import read_ledger
 
@@ -46,7 +45,7 @@ def _interrupted_then_resumed(make_trainer: Any, out: Path, **resume_args: Any) 
     shutil.rmtree(out / "checkpoint-15")
     shutil.rmtree(out / "checkpoint-20")
     resumed = make_trainer(output_dir=out, max_steps=20, save_strategy="steps", save_steps=5, **resume_args)
-    harness.attach(resumed)
+    harness.attach(resumed, config={"policy": {"RESUME_DATA_POSITION": "continue"}})  # data_hash's view alone: train on
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-10"))
     return resumed
 
@@ -94,35 +93,14 @@ def test_changed_training_data_on_resume(make_trainer: Any, lm_rows: Any, tmp_pa
     assert changed["evidence"]["stored"]["rows"] == 96 and changed["evidence"]["current"]["rows"] == 48
 
 
-def _wrapped(out: Path, config: Path, *extra: str, launcher: list[str] | None = None) -> Any:
-    script = [str(EXAMPLE), "--output_dir", str(out), "--max_steps", "16", "--save_steps", "5", *extra]
-    return harness_cli("wrap", "--config", str(config), "--", *(launcher or [sys.executable]), *script, env={"DS_ACCELERATOR": "cpu"})
-
-
-@pytest.mark.parametrize("ignore_data_skip", [False, True])
-def test_a_killed_run_resumed_through_wrap(tmp_path: Path, ignore_data_skip: bool) -> None:
-    out = tmp_path / "run"
-    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults", FAULTS], "fault_injector": {"kill_at_step": 13}})
-    killed = _wrapped(out, config)
-    assert killed.returncode != 0 and (out / "checkpoint-10").is_dir() and not (out / "checkpoint-15").exists()
-    resumed = _wrapped(out, config, "--resume_from_checkpoint", str(out / "checkpoint-10"), *(["--ignore_data_skip"] if ignore_data_skip else []))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    ledger = read_ledger(out)
-    assert sorted(ledger[ledger["superseded"]]["step"].unique()) == [11, 12]  # what the killed process trained past the checkpoint
-    if ignore_data_skip:
-        assert _data_findings(out)[0] == ("DATA_REPEATED", 11)
-    else:
-        assert _data_findings(out) == []
-
-
 @pytest.mark.slow
 def test_two_ranks_reading_the_same_stream_overlap(tmp_path: Path) -> None:
     out = tmp_path / "run"
     config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults"]})
-    result = _wrapped(out, config, "--own_dataloader", launcher=torchrun())
+    result = wrapped_example(out, config, "--own_dataloader", launcher=torchrun(), steps=16)
     assert result.returncode == 0, result.stderr[-3000:]
     overlap = findings_of(out, "RANK_DATA_OVERLAP")
     assert overlap[0]["step"] == 1 and overlap[0]["evidence"]["ranks"] == [0, 1] and overlap[0]["evidence"]["shared_samples"] == 4
     clean = tmp_path / "sharded"
-    assert _wrapped(clean, config, launcher=torchrun()).returncode == 0
+    assert wrapped_example(clean, config, launcher=torchrun(), steps=16).returncode == 0
     assert _data_findings(clean) == []

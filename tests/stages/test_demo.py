@@ -17,7 +17,7 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     assert "harness skipped the optimizer update at step 8 after NONFINITE_LOSS" in summary
     assert "mlflow ui --backend-store-uri sqlite:///" in summary
     injected = sorted(f["evidence"]["fault"] for f in findings_of(out, "DEMO_FAULT"))
-    assert injected == ["all_labels_masked", "corrupted_batch", "crash", "divergence", "nonfinite_grad", "nonfinite_loss"]
+    assert injected == ["all_labels_masked", "corrupted_batch", "corrupted_batch", "crash", "divergence", "nonfinite_grad", "nonfinite_loss"]
     assert (out / "model.safetensors").exists()  # the resumed run finished
     # the detectors caught what was injected, at the injected steps
     assert [f["step"] for f in findings_of(out, "NONFINITE_LOSS") if f["step"] == 8] == [8]
@@ -25,7 +25,9 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     assert grad["step"] == 11 and grad["action"] == "skip_step"
     (masked,) = findings_of(out, "ALL_LABELS_MASKED")
     assert masked["step"] == 17
-    assert [f["step"] for f in findings_of(out, "LOSS_SPIKE")] == [31, 47]  # the corrupted batch, then the blown-up LR
+    # the corrupted batch (met again by the resumed run, which replays step 31), then the blown-up LR
+    assert [f["step"] for f in findings_of(out, "LOSS_SPIKE")] == [31, 31, 47]
+    assert [f["code"] for f in findings_of(out) if f["code"].startswith(("RESUME_", "DATA_"))] == []  # the resume itself was right
     spike = findings_of(out, "LOSS_SPIKE")[0]
     capture_dir = Path(spike["evidence"]["capture"]).parent
     assert f"harness replay {capture_dir}" in summary

@@ -1,0 +1,92 @@
+"""Compact fingerprints of training state (weights, optimizer, scheduler, RNG) that survive a JSON round trip.
+
+A resume is only correct if what the Trainer restored equals what it saved.
+These fingerprints are small enough to store beside every checkpoint and
+exact enough to notice one changed weight: per tensor, the float64 sum and
+sum of squares (any single-element change moves at least one of them).
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The innermost optimizer under accelerate's and DeepSpeed's wrappers."""
+    seen = 0
+    while hasattr(optimizer, "optimizer") and seen < 4:
+        optimizer = optimizer.optimizer
+        seen += 1
+    return optimizer
+
+
+def optimizer_tensors(optimizer: Any, clone: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of the optimizer's state (and ZeRO's fp32 master partitions), by a stable name."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()  # wrappers share their inner optimizer's state dict
+    node, depth = optimizer, 0
+    while node is not None and depth < 5:
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # ZeRO-1/2, ZeRO-3
+            for i, part in enumerate(getattr(node, attr, None) or []):
+                out[f"d{depth}.{attr}.{i}"] = part.detach().clone() if clone else part.detach()
+        state = getattr(node, "state", None)
+        if isinstance(state, dict) and id(state) not in seen:
+            seen.add(id(state))
+            for j, per_param in enumerate(state.values()):
+                if isinstance(per_param, dict):
+                    for key, value in per_param.items():
+                        if torch.is_tensor(value):
+                            out[f"d{depth}.state.{j}.{key}"] = value.detach().clone() if clone else value.detach()
+        node, depth = getattr(node, "optimizer", None), depth + 1
+    return out
+
+
+def param_tensors(model: Any, clone: bool = True) -> dict[str, torch.Tensor]:
+    """Every parameter; under ZeRO-3 the rank's own partition (``ds_tensor``)."""
+    module = getattr(model, "module", model)
+    return {name: (getattr(p, "ds_tensor", p).detach().clone() if clone else getattr(p, "ds_tensor", p).detach()) for name, p in module.named_parameters()}
+
+
+def tensor_sums(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """Per tensor [sum, sum of squares] in float64, read with one transfer."""
+    names = [n for n, t in tensors.items() if t.numel()]
+    if not names:
+        return {}
+
+    def pair(t: torch.Tensor) -> torch.Tensor:
+        t = t if t.is_floating_point() else t.double()  # step counters; floats reduce in float64 without a copy
+        return torch.stack([torch.sum(t, dtype=torch.float64), torch.linalg.vector_norm(t, 2, dtype=torch.float64) ** 2])
+
+    sums = torch.stack([pair(tensors[n]).cpu() for n in names])
+    return {n: [float(a), float(b)] for n, (a, b) in zip(names, sums.tolist())}
+
+
+def differing(saved: dict[str, list[float]], now: dict[str, list[float]], rel: float = 0.0) -> list[str]:
+    """Names whose fingerprints differ (beyond ``rel`` relative tolerance), plus names only one side has."""
+    out = [n for n in saved if n not in now]
+    for name, (a, b) in saved.items():
+        if name in now:
+            c, d = now[name]
+            if abs(a - c) > rel * max(abs(a), abs(c)) or abs(b - d) > rel * max(abs(b), abs(d)):
+                out.append(name)
+    return out + [n for n in now if n not in saved]
+
+
+def _digest(data: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def rng_fingerprints() -> dict[str, str]:
+    """One digest per random-number stream the Trainer saves and restores (python, numpy, torch CPU and device)."""
+    out = {
+        "python": _digest(repr(random.getstate()).encode()),
+        "numpy": _digest(repr(np.random.get_state()[1].tolist()).encode() + str(np.random.get_state()[2]).encode()),
+        "torch_cpu": _digest(torch.get_rng_state().numpy().tobytes()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["torch_cuda"] = _digest(torch.cuda.get_rng_state().numpy().tobytes())
+    return out

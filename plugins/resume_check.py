@@ -1,0 +1,366 @@
+"""resume_check: a resumed run continues exactly where the interrupted one stopped, or it does not train on.
+
+At every save it stores beside the checkpoint (``harness_state/rank-<r>.json``)
+a fingerprint of what a resume must bring back: the weights, the optimizer
+state, the scheduler, the RNG streams, the world size and the training
+arguments that shape the schedule, the recent losses and the loss of a small
+fixed reference batch. After the Trainer has restored a checkpoint it
+recomputes each and compares; the first batches after the resume are
+compared with what the interrupted run trained next (from the data ledger).
+Mismatches of weights, optimizer or data position stop training before its
+first update by default; the rest warn.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness.capture import can_recompute, per_sample_loss, recompute_losses
+from harness.findings import Finding, FindingCode, Severity
+from harness.fingerprints import differing, optimizer_tensors, param_tensors, rng_fingerprints, tensor_sums
+from harness.hashing import combine_hashes, device_row_hashes, hex64
+from harness.hookspecs import hookimpl
+from harness.robust import judge
+from harness.ledger import iter_records, ledger_path
+
+
+def _code(code: str, severity: Severity, summary: str) -> FindingCode:
+    return FindingCode(code, severity, summary, f"resume#{code.lower()}")
+
+
+RESUME_MODEL_MISMATCH = _code("RESUME_MODEL_MISMATCH", Severity.CRITICAL, "The restored weights differ from the ones saved in the checkpoint.")
+RESUME_OPTIMIZER_NOT_RESTORED = _code(
+    "RESUME_OPTIMIZER_NOT_RESTORED", Severity.ERROR, "The optimizer state was not restored (missing, fresh or different)."
+)
+RESUME_SCHEDULER_MISMATCH = _code("RESUME_SCHEDULER_MISMATCH", Severity.ERROR, "The LR scheduler did not resume at the saved position.")
+RESUME_RNG_NOT_RESTORED = _code("RESUME_RNG_NOT_RESTORED", Severity.WARNING, "The random-number streams were not restored to their saved state.")
+RESUME_DATA_POSITION = _code(
+    "RESUME_DATA_POSITION", Severity.ERROR, "The first batches after the resume are not the ones the interrupted run trained next."
+)
+RESUME_WORLD_SIZE_CHANGED = _code("RESUME_WORLD_SIZE_CHANGED", Severity.WARNING, "The run resumed with a different number of processes.")
+RESUME_CONFIG_CHANGED = _code("RESUME_CONFIG_CHANGED", Severity.WARNING, "Training arguments that shape the schedule changed across the resume.")
+RESUME_LOSS_JUMP = _code(
+    "RESUME_LOSS_JUMP", Severity.WARNING, "The loss after the resume does not continue the saved run's (reference batch or first steps)."
+)
+CODES = [
+    RESUME_MODEL_MISMATCH, RESUME_OPTIMIZER_NOT_RESTORED, RESUME_SCHEDULER_MISMATCH, RESUME_RNG_NOT_RESTORED,
+    RESUME_DATA_POSITION, RESUME_WORLD_SIZE_CHANGED, RESUME_CONFIG_CHANGED, RESUME_LOSS_JUMP,
+]
+SCHEDULE_KEYS = (
+    "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "max_steps", "num_train_epochs",
+    "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed", "weight_decay", "max_grad_norm",
+    "optim", "adam_beta1", "adam_beta2", "adam_epsilon", "bf16", "fp16",
+)
+
+
+class ResumeCheckOptions(BaseModel):
+    """Options of the ``resume_check`` plugin."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stop_on: list[str] = Field(
+        default_factory=lambda: [RESUME_MODEL_MISMATCH.code, RESUME_OPTIMIZER_NOT_RESTORED.code, RESUME_DATA_POSITION.code],
+        description="Codes that stop training before its first update (on mismatch: stop); every other RESUME_* code warns.",
+    )
+    first_steps: int = Field(3, ge=1, description="Steps after the resume compared with the interrupted run's batches and loss band.")
+    loss_window: int = Field(20, ge=3, description="Step losses kept before each save: the band the first losses after a resume must fall in.")
+    loss_band_rise: float = Field(0.1, ge=0, description="The first losses may exceed the band's median by this fraction and ...")
+    loss_band_z: float = Field(6.0, gt=0, description="... this many robust SDs of the saved window before RESUME_LOSS_JUMP.")
+    reference_rows: int = Field(2, ge=1, description="Rows of the run's first batch kept as the reference batch.")
+    reference_tokens: int = Field(256, ge=8, description="Tokens per reference row (the rest is cut).")
+    config_keys: list[str] = Field(default_factory=lambda: list(SCHEDULE_KEYS), description="Training arguments compared across a resume.")
+
+
+def _half(trainer: Any) -> bool:
+    args = getattr(trainer, "args", None)
+    return bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+
+
+class ResumeCheck:
+    """Fingerprints training state at each save and verifies it after a resume."""
+
+    name = "resume_check"
+
+    def __init__(self) -> None:
+        self.options = ResumeCheckOptions()
+        self._losses: deque[torch.Tensor] = deque(maxlen=self.options.loss_window)
+        self._reference: dict[str, torch.Tensor] | None = None
+        self._saved: dict[str, Any] | None = None
+        self._resume_step: int | None = None
+        self._pending_rng = False
+        self._expected: dict[tuple[int, int], str] | None = None
+        self._position_reported = False
+        self._band_checked = 0
+        self._earlier_losses: dict[int, float] | None = None
+
+    @hookimpl
+    def add_config(self) -> type[BaseModel]:
+        return ResumeCheckOptions
+
+    @hookimpl
+    def declare_codes(self) -> list[FindingCode]:
+        return CODES
+
+    @hookimpl
+    def configure(self, ctx: Any, options: ResumeCheckOptions) -> None:
+        self.options = options
+        self._losses = deque(maxlen=options.loss_window)
+
+    @hookimpl
+    def on_run_start(self, ctx: Any) -> None:
+        self._losses.clear()
+        self._resume_step, self._saved, self._expected = None, None, None
+        self._earlier_losses: dict[int, float] | None = None
+        self._pending_rng, self._position_reported, self._band_checked = False, False, 0
+
+    @hookimpl
+    def decide_action(self, ctx: Any, finding: Finding) -> str | None:
+        return "stop" if finding.code in self.options.stop_on else None
+
+    # -- what is saved ------------------------------------------------------------------------------
+
+    @hookimpl
+    def inspect_batch(self, ctx: Any, batch: Any, step: int, micro_step: int) -> None:
+        if self._reference is None and hasattr(batch, "get") and torch.is_tensor(batch.get("labels")) and torch.is_tensor(batch.get("input_ids")):
+            rows, tokens = self.options.reference_rows, self.options.reference_tokens
+            keys = [k for k in ("input_ids", "labels", "attention_mask") if torch.is_tensor(batch.get(k)) and batch[k].dim() == 2]
+            self._reference = {k: batch[k][:rows, :tokens].detach().cpu().clone() for k in keys}
+        if self._resume_step is not None and step <= self._resume_step + self.options.first_steps:
+            self._check_after_resume(ctx, batch, step, micro_step)
+
+    @hookimpl
+    def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        loss = metrics.get("loss")
+        if torch.is_tensor(loss):
+            self._losses.append(loss.detach().reshape(()))  # read only at a save
+        if self._resume_step is not None and self._saved and self._band_checked < self.options.first_steps and torch.is_tensor(loss):
+            self._band_checked += 1
+            self._check_loss_band(ctx, step, float(loss))
+
+    @hookimpl
+    def checkpoint_state(self, ctx: Any, step: int) -> dict[str, Any]:
+        trainer = ctx.trainer
+        losses = torch.stack(list(self._losses)).float().tolist() if self._losses else []
+        scheduler = getattr(trainer, "lr_scheduler", None)
+        state: dict[str, Any] = {
+            "step": step,
+            "world_size": ctx.world_size,
+            "epoch": float(getattr(trainer.state, "epoch", 0.0) or 0.0),
+            "config": {k: _plain(getattr(trainer.args, k, None)) for k in self.options.config_keys},
+            "params": tensor_sums(param_tensors(trainer.model_wrapped, clone=False)),
+            "optimizer": tensor_sums(optimizer_tensors(trainer.optimizer, clone=False)),
+            "scheduler": _scheduler_state(scheduler),
+            "rng": rng_fingerprints(),
+            "loss_window": [v for v in losses if math.isfinite(v)],
+        }
+        reference = self._reference_loss(trainer)
+        if reference is not None:
+            state["reference"] = {"batch": {k: v.tolist() for k, v in self._reference.items()}, "loss": reference}  # type: ignore[union-attr]
+        return state
+
+    def _reference_loss(self, trainer: Any) -> float | None:
+        if self._reference is None or can_recompute(trainer) is not None:
+            return None
+        model = trainer.model
+        device = next(model.parameters()).device
+        batch = {k: v.to(device) for k, v in self._reference.items()}
+        was_training = model.training
+        model.eval()  # no dropout: the same weights give the same number
+        try:
+            (losses,) = recompute_losses(model, [batch], {"cpu": torch.get_rng_state()})
+        finally:
+            model.train(was_training)
+        return float(losses.mean()) if losses is not None else None
+
+    # -- what is checked after a resume -----------------------------------------------------------------
+
+    @hookimpl
+    def on_resume(self, ctx: Any, checkpoint_dir: Any, state: dict[str, Any] | None) -> None:
+        self._resume_step = ctx.step
+        self._saved = state
+        if not state:
+            return  # a checkpoint saved without the harness: nothing to compare with
+        trainer = ctx.trainer
+        if state.get("world_size") != ctx.world_size:
+            ctx.report(
+                RESUME_WORLD_SIZE_CHANGED.code,
+                f"the run was saved with {state.get('world_size')} processes and resumes with {ctx.world_size}: the data position "
+                "(batches per step) and any per-rank state no longer line up.",
+                evidence={"saved": state.get("world_size"), "now": ctx.world_size},
+            )
+        config_now = {k: _plain(getattr(trainer.args, k, None)) for k in self.options.config_keys}
+        changed = {k: {"saved": state["config"].get(k), "now": v} for k, v in config_now.items() if k in state.get("config", {}) and state["config"][k] != v}
+        if changed:
+            ctx.report(
+                RESUME_CONFIG_CHANGED.code,
+                "training arguments changed across the resume: "
+                + ", ".join(f"{k} {c['saved']} -> {c['now']}" for k, c in changed.items())
+                + ".",
+                evidence={"changed": changed},
+            )
+        self._check_model(ctx, trainer, state)
+        self._check_optimizer(ctx, trainer, state)
+        self._check_scheduler(ctx, trainer, state)
+        self._check_reference(ctx, trainer, state)
+        epoch = float(state.get("epoch", 0.0))
+        self._pending_rng = "rng" in state and epoch != int(epoch)  # at an epoch start the loader draws from the RNG first
+
+    def _check_model(self, ctx: Any, trainer: Any, state: dict[str, Any]) -> None:
+        saved = state.get("params") or {}
+        diff = differing(saved, tensor_sums(param_tensors(trainer.model_wrapped, clone=False)))
+        if saved and diff:
+            ctx.report(
+                RESUME_MODEL_MISMATCH.code,
+                f"{len(diff)} of {len(saved)} weight tensors differ from those saved at step {state['step']} "
+                f"(first: {', '.join(diff[:3])}): the checkpoint's model file was changed, or another model was loaded.",
+                evidence={"tensors": diff[:50], "count": len(diff)},
+            )
+
+    def _check_optimizer(self, ctx: Any, trainer: Any, state: dict[str, Any]) -> None:
+        saved = state.get("optimizer") or {}
+        now = tensor_sums(optimizer_tensors(trainer.optimizer, clone=False))
+        diff = differing(saved, now)
+        if saved and diff:
+            missing = [n for n in saved if n not in now]
+            what = "is empty (optimizer.pt missing or not loaded)" if not now or len(missing) == len(saved) else "differs from the saved one"
+            ctx.report(
+                RESUME_OPTIMIZER_NOT_RESTORED.code,
+                f"the optimizer state {what}: {len(diff)} of {len(saved)} state tensors do not match step {state['step']}; "
+                "Adam restarts its moment estimates, which destabilises the first steps.",
+                evidence={"tensors": diff[:50], "saved_tensors": len(saved), "restored_tensors": len(now)},
+            )
+
+    def _check_scheduler(self, ctx: Any, trainer: Any, state: dict[str, Any]) -> None:
+        saved, now = state.get("scheduler"), _scheduler_state(getattr(trainer, "lr_scheduler", None))
+        if saved and now and (saved["last_epoch"] != now["last_epoch"] or not math.isclose(saved["lr"], now["lr"], rel_tol=1e-6)):
+            ctx.report(
+                RESUME_SCHEDULER_MISMATCH.code,
+                f"the LR scheduler resumes at position {now['last_epoch']} (LR {now['lr']:.3g}); it was saved at {saved['last_epoch']} "
+                f"(LR {saved['lr']:.3g}): warmup or decay restarts (scheduler.pt missing or not loaded).",
+                evidence={"saved": saved, "now": now},
+            )
+
+    def _check_reference(self, ctx: Any, trainer: Any, state: dict[str, Any]) -> None:
+        saved = state.get("reference")
+        if not saved or can_recompute(trainer) is not None:
+            return
+        self._reference = {k: torch.tensor(v) for k, v in saved["batch"].items()}
+        now = self._reference_loss(trainer)
+        tolerance = 1e-2 if _half(trainer) else 1e-4
+        if now is not None and abs(now - saved["loss"]) > tolerance * max(1.0, abs(saved["loss"])):
+            ctx.report(
+                RESUME_LOSS_JUMP.code,
+                f"the reference batch's loss is {now:.5f} after the resume and was {saved['loss']:.5f} at the save: the restored "
+                "model does not compute what the saved one did.",
+                evidence={"reference_loss_saved": saved["loss"], "reference_loss_now": now, "source": "reference batch"},
+            )
+
+    def _check_after_resume(self, ctx: Any, batch: Any, step: int, micro: int) -> None:
+        if self._pending_rng and step == (self._resume_step or 0) + 1 and micro == 0:
+            self._pending_rng = False
+            saved, now = (self._saved or {}).get("rng", {}), rng_fingerprints()
+            streams = [k for k, v in saved.items() if now.get(k) != v]
+            if streams:
+                ctx.report(
+                    RESUME_RNG_NOT_RESTORED.code,
+                    f"at the first step after the resume the random streams {', '.join(streams)} are not those saved at step "
+                    f"{self._resume_step} (rng_state*.pth missing or not loaded): dropout masks and sampling differ from the interrupted run.",
+                    evidence={"streams": streams},
+                )
+        if self._position_reported or not hasattr(batch, "get") or not torch.is_tensor(batch.get("input_ids")):
+            return
+        expected = self._expected_batches(ctx)
+        want = expected.get((step, micro))
+        if want is None:
+            return  # the interrupted run did not get this far: nothing to compare with
+        mask = batch.get("attention_mask")
+        got = hex64(int(combine_hashes(device_row_hashes(batch["input_ids"], mask if torch.is_tensor(mask) else None))))
+        if got != want:
+            self._position_reported = True
+            ctx.report(
+                RESUME_DATA_POSITION.code,
+                f"micro-batch {micro} of step {step}, the first after resuming from step {self._resume_step}, is not the batch the "
+                "interrupted run trained at that step: the data loader did not resume at the saved position.",
+                step=step,
+                evidence={"batch_hash": got, "interrupted_run_batch_hash": want, "resume_step": self._resume_step},
+            )
+
+    def _interrupted_losses(self, ctx: Any) -> dict[int, float]:
+        """The losses the interrupted run logged after the checkpoint (read once, before this run logs the same steps)."""
+        if self._earlier_losses is None:
+            resume = self._resume_step or 0
+            logged = _read_logged_losses(ctx.run_dir / "metrics.jsonl")
+            self._earlier_losses = {s: v for s, v in logged.items() if s > resume}
+        return self._earlier_losses
+
+    def _expected_batches(self, ctx: Any) -> dict[tuple[int, int], str]:
+        """(step, micro-batch) -> batch hash the interrupted attempt trained after the checkpoint (from data_hash's ledger)."""
+        if self._expected is None:
+            records = list(iter_records(ledger_path(ctx.run_dir, ctx.rank)))
+            current = max((r["attempt"] for r in records if r.get("event") == "start"), default=0)
+            resume, last = self._resume_step or 0, (self._resume_step or 0) + self.options.first_steps
+            later = [r for r in records if r.get("event") is None and r["attempt"] < current and resume < r["step"] <= last]
+            newest = max((r["attempt"] for r in later), default=None)
+            self._expected = {(r["step"], r["micro_batch"]): r["batch_hash"] for r in later if r["attempt"] == newest}
+        return self._expected
+
+    def _check_loss_band(self, ctx: Any, step: int, loss: float) -> None:
+        window = (self._saved or {}).get("loss_window") or []
+        if len(window) < 3 or not math.isfinite(loss):
+            return
+        j = judge(loss, window, 3, len(window))
+        assert j is not None
+        median, sd = j.median, j.sd
+        o = self.options
+        earlier = self._interrupted_losses(ctx).get(step)
+        if earlier is not None and loss - earlier <= o.loss_band_rise * abs(earlier):
+            return  # the interrupted run had this loss at this step too (a hard batch in the data, not the resume)
+        if loss - median > max(o.loss_band_rise * abs(median), o.loss_band_z * sd):
+            self._band_checked = o.first_steps  # once
+            ctx.report(
+                RESUME_LOSS_JUMP.code,
+                f"the loss at step {step}, {step - (self._resume_step or 0)} step(s) after the resume, is {loss:.4f}: above the "
+                f"band of the {len(window)} steps before the save (median {median:.4f}); the curve does not continue.",
+                step=step,
+                evidence={"loss": loss, "saved_window_median": median, "robust_sd": sd, "source": "first steps"},
+            )
+
+
+def _read_logged_losses(path: Any) -> dict[int, float]:
+    """step -> loss logged in ``metrics.jsonl`` so far (by ``metrics_log`` on rank 0), the latest line per step."""
+    import json
+
+    out: dict[int, float] = {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record.get("step"), int) and isinstance(record.get("loss"), (int, float)):
+                    out[record["step"]] = float(record["loss"])
+    except OSError:
+        pass
+    return out
+
+
+def _scheduler_state(scheduler: Any) -> dict[str, Any] | None:
+    position = getattr(scheduler, "last_epoch", None)
+    if not isinstance(position, int):
+        return None
+    try:
+        lr = float(scheduler.get_last_lr()[0])
+    except Exception:  # noqa: BLE001 - a scheduler without get_last_lr
+        return None
+    return {"last_epoch": position, "lr": lr}
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-comparable form of a training argument (enums by value)."""
+    value = getattr(value, "value", value)
+    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)

@@ -1,0 +1,211 @@
+"""resume_check: each thing a resume can fail to restore is named, and a broken resume does not train on.
+
+Every case trains with saves, is interrupted past a checkpoint (or killed, through
+``harness wrap``), breaks one part of the checkpoint the way it happens in the
+field, and resumes.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import harness
+from conftest import FAULTS, REPO, findings_of, read_jsonl, torchrun, wrapped_example, write_yaml
+from harness.fingerprints import differing, param_tensors, tensor_sums
+from harness.ledger import read_ledger
+
+
+def _resume_codes(output_dir: Any) -> list[tuple[str, int]]:
+    return [(f["code"], f["step"]) for f in findings_of(output_dir) if f["code"].startswith(("RESUME_", "DATA_"))]
+
+
+def _interrupted(make_trainer: Any, out: Path) -> None:
+    """A run that got to step 14 with checkpoints at 5 and 10, as if it had died at 14."""
+    first = make_trainer(output_dir=out, max_steps=14, save_strategy="steps", save_steps=5, seed=0)
+    harness.attach(first)
+    first.train()
+
+
+def _resume(make_trainer: Any, out: Path, **args: Any) -> Any:
+    trainer = make_trainer(output_dir=out, max_steps=14, save_strategy="steps", save_steps=5, **args)
+    harness.attach(trainer)
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-10"))
+    return trainer
+
+
+def test_a_correct_resume_is_silent_and_continues_the_curve(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _interrupted(make_trainer, out)
+    before = {r["step"]: r["loss"] for r in read_jsonl(out / "harness" / "metrics.jsonl") if "loss" in r}
+    _resume(make_trainer, out)
+    assert _resume_codes(out) == []
+    after = [r for r in read_jsonl(out / "harness" / "metrics.jsonl") if "loss" in r]
+    resumed = {r["step"]: r["loss"] for r in after[len(before):]}
+    assert sorted(resumed) == [11, 12, 13, 14]
+    for step, loss in resumed.items():  # the resumed run retraces the interrupted one
+        assert loss == pytest.approx(before[step], rel=1e-4)
+    state = __import__("json").loads((out / "checkpoint-10" / "harness_state" / "rank-0.json").read_text())["resume_check"]
+    assert state["step"] == 10 and state["reference"]["loss"] > 0 and len(state["loss_window"]) == 10
+
+
+def test_a_missing_optimizer_state_stops_before_the_first_update(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _interrupted(make_trainer, out)
+    (out / "checkpoint-10" / "optimizer.pt").unlink()
+    saved = load_file(str(out / "checkpoint-10" / "model.safetensors"))
+    trainer = _resume(make_trainer, out)
+    (finding,) = findings_of(out, "RESUME_OPTIMIZER_NOT_RESTORED")
+    assert finding["step"] == 10 and finding["action"] == "stop" and "empty" in finding["message"]
+    assert trainer.state.global_step == 11  # the first step ran its forward pass; its update did not happen
+    now = param_tensors(trainer.model)
+    assert all(torch.equal(now[name], saved[name]) for name in saved if name in now)
+
+
+def test_a_missing_scheduler_state(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _interrupted(make_trainer, out)
+    (out / "checkpoint-10" / "scheduler.pt").unlink()
+    _resume(make_trainer, out)
+    (finding,) = findings_of(out, "RESUME_SCHEDULER_MISMATCH")
+    assert finding["evidence"]["saved"]["last_epoch"] == 10 and finding["evidence"]["now"]["last_epoch"] == 0
+
+
+def test_missing_rng_state(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _interrupted(make_trainer, out)
+    for rng in (out / "checkpoint-10").glob("rng_state*.pth"):
+        rng.unlink()
+    _resume(make_trainer, out, seed=1)
+    (finding,) = findings_of(out, "RESUME_RNG_NOT_RESTORED")
+    assert finding["step"] == 11 and "torch_cpu" in finding["evidence"]["streams"]
+
+
+def test_an_altered_weight_in_the_saved_model(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _interrupted(make_trainer, out)
+    path = out / "checkpoint-10" / "model.safetensors"
+    weights = load_file(str(path))
+    name = next(n for n in weights if n.endswith("layers.1.mlp.down_proj.weight"))
+    weights[name] *= 1.5
+    save_file(weights, str(path), metadata={"format": "pt"})
+    trainer = _resume(make_trainer, out)
+    (finding,) = findings_of(out, "RESUME_MODEL_MISMATCH")
+    assert finding["evidence"]["tensors"] == [name] and finding["action"] == "stop" and finding["severity"] == "critical"
+    (jump,) = findings_of(out, "RESUME_LOSS_JUMP")
+    assert jump["evidence"]["source"] == "reference batch"
+    assert trainer.state.global_step == 11
+
+
+def test_one_changed_element_changes_the_fingerprint() -> None:
+    weights = {"w": torch.randn(64, 64)}
+    saved = tensor_sums(weights)
+    weights["w"][3, 7] = torch.nextafter(weights["w"][3, 7], torch.tensor(10.0))  # one ulp
+    assert differing(saved, tensor_sums(weights)) == ["w"]
+    assert differing(saved, tensor_sums({})) == ["w"]
+
+
+def test_ignore_data_skip_is_a_wrong_data_position(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _interrupted(make_trainer, out)
+    _resume(make_trainer, out, ignore_data_skip=True)
+    (position,) = findings_of(out, "RESUME_DATA_POSITION")
+    assert position["step"] == 11 and position["action"] == "stop"
+    assert findings_of(out, "DATA_REPEATED")[0]["step"] == 11
+
+
+def test_a_1000_step_ledger_reads_back_into_one_dataframe(make_trainer: Any) -> None:
+    trainer = make_trainer(max_steps=1000, per_device_train_batch_size=1, logging_steps=500)
+    harness.attach(trainer)
+    trainer.train()
+    ledger = read_ledger(trainer.args.output_dir)
+    assert len(ledger) == 1000 and ledger["step"].tolist() == list(range(1, 1001))
+    assert ledger.groupby("epoch").size().tolist() == [96] * 10 + [40]
+
+
+def _wrapped(out: Path, config: Path, *extra: str, launcher: list[str] | None = None) -> Any:
+    # with dropout every step draws from the RNG, so a stream that was not restored really differs
+    return wrapped_example(out, config, "--dropout", "0.1", *extra, launcher=launcher)
+
+
+def _break(checkpoint: Path, what: str) -> None:
+    """Break one part of a checkpoint the way it happens in the field."""
+    if what in ("optimizer", "scheduler"):
+        (checkpoint / f"{what}.pt").unlink()
+    elif what == "rng":
+        for rng in checkpoint.glob("rng_state*.pth"):
+            rng.unlink()
+    elif what == "model":
+        weights = load_file(str(checkpoint / "model.safetensors"))
+        name = next(n for n in weights if n.endswith("layers.0.self_attn.o_proj.weight"))
+        weights[name][0, 0] += 1e-2
+        save_file(weights, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+
+
+# what a resume through `harness wrap` reports after each breakage (the Trainer restores optimizer and scheduler
+# only when both files are there, so losing either loses both)
+EXPECTED = {
+    "nothing": [],
+    "optimizer": ["RESUME_OPTIMIZER_NOT_RESTORED", "RESUME_SCHEDULER_MISMATCH"],
+    "scheduler": ["RESUME_OPTIMIZER_NOT_RESTORED", "RESUME_SCHEDULER_MISMATCH"],
+    "rng": ["RESUME_RNG_NOT_RESTORED"],
+    "model": ["RESUME_MODEL_MISMATCH"],
+    "ignore_data_skip": ["DATA_REPEATED", "DATA_SKIPPED", "RESUME_DATA_POSITION", "RESUME_RNG_NOT_RESTORED"],
+}
+
+
+def test_a_killed_run_resumed_through_wrap(tmp_path: Path) -> None:
+    killed = tmp_path / "killed"
+    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults", FAULTS], "fault_injector": {"kill_at_step": 13}})
+    assert _wrapped(killed, config).returncode != 0 and (killed / "checkpoint-10").is_dir()
+    for what, expected in EXPECTED.items():
+        out = tmp_path / what
+        shutil.copytree(killed, out)
+        shutil.rmtree(out / "harness" / "ranks", ignore_errors=True)
+        _break(out / "checkpoint-10", what)
+        flags = ["--ignore_data_skip"] if what == "ignore_data_skip" else []
+        resumed = _wrapped(out, config, "--resume_from_checkpoint", str(out / "checkpoint-10"), *flags)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert sorted({c for c, _ in _resume_codes(out)}) == expected, what
+        if what == "nothing":  # the ledger keeps what the killed process trained past the checkpoint
+            ledger = read_ledger(out)
+            assert sorted(ledger[ledger["superseded"]]["step"].unique()) == [11, 12]
+        stops = expected and expected[0] in ("RESUME_OPTIMIZER_NOT_RESTORED", "RESUME_MODEL_MISMATCH", "DATA_REPEATED")
+        assert (out / "checkpoint-14").exists() != bool(stops), what  # a stopping mismatch never reaches the next save
+
+
+ZERO2 = ["--deepspeed", str(REPO / "examples" / "ds_zero2.json")]
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_two_processes(tmp_path: Path) -> None:
+    killed = tmp_path / "killed"
+    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults", FAULTS], "fault_injector": {"kill_at_step": 13}})
+    assert _wrapped(killed, config, *ZERO2, launcher=torchrun()).returncode != 0 and (killed / "checkpoint-10").is_dir()
+    for ignore_data_skip in (False, True):
+        out = tmp_path / f"ignore_data_skip={ignore_data_skip}"
+        shutil.copytree(killed, out)
+        extra = ["--resume_from_checkpoint", str(out / "checkpoint-10"), *(["--ignore_data_skip"] if ignore_data_skip else [])]
+        resumed = _wrapped(out, config, *ZERO2, *extra, launcher=torchrun())
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        if ignore_data_skip:
+            positions = findings_of(out, "RESUME_DATA_POSITION")
+            assert {f["rank"] for f in positions} == {0, 1} and {f["step"] for f in positions} == {11}
+        else:
+            assert _resume_codes(out) == []
+
+
+@pytest.mark.slow
+def test_resumed_with_fewer_processes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults"], "policy": {"RESUME_DATA_POSITION": "continue"}})
+    assert _wrapped(out, config, launcher=torchrun()).returncode == 0
+    shutil.rmtree(out / "checkpoint-14", ignore_errors=True)
+    resumed = _wrapped(out, config, "--resume_from_checkpoint", str(out / "checkpoint-10"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (changed,) = findings_of(out, "RESUME_WORLD_SIZE_CHANGED")
+    assert changed["evidence"] == {"saved": 2, "now": 1}
