@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from harness.hashing import row_hashes
+from harness.hashing import content_hashes
 
 log = logging.getLogger("harness.capture")
 
@@ -201,7 +201,7 @@ def _samples(batch: dict[str, Any], micro: int, losses: torch.Tensor | None, tok
         return []
     mask = batch.get("attention_mask")
     labels = batch.get("labels")
-    hashes = row_hashes(ids)
+    hashes = content_hashes(ids, mask if torch.is_tensor(mask) and mask.shape == ids.shape else None)  # as in the ledger
     given = sample_ids(batch)
     loss_list = losses.tolist() if losses is not None else None
     rows = ids.tolist()

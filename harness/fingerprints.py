@@ -90,3 +90,15 @@ def rng_fingerprints() -> dict[str, str]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["torch_cuda"] = _digest(torch.cuda.get_rng_state().numpy().tobytes())
     return out
+
+
+def scheduler_state(scheduler: Any) -> dict[str, Any] | None:
+    """Where an LR scheduler stands: its step counter (``last_epoch``) and current LR; None without either."""
+    position = getattr(scheduler, "last_epoch", None)
+    if not isinstance(position, int):
+        return None
+    try:
+        lr = float(scheduler.get_last_lr()[0])
+    except Exception:  # noqa: BLE001 - a scheduler without get_last_lr
+        return None
+    return {"last_epoch": position, "lr": lr}

@@ -1,21 +1,7 @@
-"""Content hashes of token rows: stable across processes and runs (xxh3, never Python's ``hash()``)."""
+"""Content hashes of token rows: stable across processes, devices and runs (fixed constants, never Python's ``hash()``)."""
 from __future__ import annotations
 
-import numpy as np
 import torch
-import xxhash
-
-
-def row_hashes(rows: torch.Tensor) -> list[str]:
-    """One 64-bit hex digest per row of a 2-D integer tensor, from its raw bytes as int64.
-
-    The dtype is fixed before hashing so that the same tokens hash alike
-    whether a collator produced int32 or int64.
-    """
-    if rows.dim() == 1:
-        rows = rows.unsqueeze(0)
-    array = np.ascontiguousarray(rows.detach().to("cpu", torch.int64).numpy())
-    return [xxhash.xxh3_64_hexdigest(array[i].tobytes()) for i in range(array.shape[0])]
 
 
 _HASH_SEED = 0x7A3D_5EED
@@ -50,17 +36,22 @@ def device_row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> to
     return (values * _position_weights(ids.device, ids.shape[1])[: ids.shape[1]]).sum(dim=1)
 
 
-def combine_hashes(hashes: torch.Tensor) -> torch.Tensor:
-    """One order-sensitive hash of a 1-D int64 hash tensor (a batch from its rows), on its device."""
-    weights = _position_weights(hashes.device, hashes.shape[0] + 1)[1 : hashes.shape[0] + 1]
-    return (hashes * weights).sum()
-
-
 def combine_row_hashes(hashes: list[int]) -> int:
-    """``combine_hashes`` for row hashes already on the host: the same number, without a device op."""
+    """One order-sensitive 64-bit hash of a batch from its row hashes (read to the host once per step anyway)."""
     weights = _position_weights(torch.device("cpu"), len(hashes) + 1)[1 : len(hashes) + 1].tolist()
     total = sum(h * w for h, w in zip(hashes, weights)) & 0xFFFF_FFFF_FFFF_FFFF
     return total - (1 << 64) if total >= 1 << 63 else total
+
+
+def content_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> list[str]:
+    """``device_row_hashes`` as hex strings: the sample hashes of the ledger, captures and reports (one host read)."""
+    return [hex64(h) for h in device_row_hashes(ids, mask if torch.is_tensor(mask) else None).tolist()]
+
+
+def from_hex64(text: str) -> int:
+    """The signed int64 a ``hex64`` string was made from."""
+    value = int(text, 16)
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def hex64(value: int) -> str:

@@ -43,6 +43,27 @@ def last_attempt(path: Path) -> int:
     return max((r.get("attempt", 0) for r in iter_records(path) if r.get("event") == "start"), default=0)
 
 
+def around_resume(run_dir: Path, rank: int, resume_step: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Earlier attempts' records of one rank around a resume from ``resume_step``.
+
+    Returns (for every step up to the resume, the record of the attempt that
+    trained it last; the records the newest earlier attempt trained after
+    the resume step, i.e. what the interrupted run did next). The attempt now
+    running (the newest start line) is left out.
+    """
+    records = list(iter_records(ledger_path(run_dir, rank)))
+    current = max((r.get("attempt", 0) for r in records if r.get("event") == "start"), default=0)
+    earlier = [r for r in records if r.get("event") is None and r["attempt"] < current]
+    before: dict[tuple[int, int], dict[str, Any]] = {}
+    for record in earlier:
+        key = (record["step"], record["micro_batch"])
+        if record["step"] <= resume_step and (key not in before or before[key]["attempt"] < record["attempt"]):
+            before[key] = record
+    after = [r for r in earlier if r["step"] > resume_step]
+    newest = max((r["attempt"] for r in after), default=None)
+    return list(before.values()), [r for r in after if r["attempt"] == newest]
+
+
 class LedgerWriter:
     """Appends one rank's records; flushes each step, fsyncs every ``fsync_every`` steps."""
 

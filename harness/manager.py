@@ -229,7 +229,7 @@ class HarnessPluginManager:
     def _call_one(
         self, hook: str, plugin_name: str, function: Callable[..., Any], argnames: tuple[str, ...], kwargs: dict[str, Any]
     ) -> Any:
-        self.current_plugin = plugin_name
+        caller, self.current_plugin = self.current_plugin, plugin_name  # hooks nest (report -> decide_action)
         try:
             return function(*[kwargs[a] for a in argnames])
         except HarnessStop as stop:
@@ -241,7 +241,7 @@ class HarnessPluginManager:
             self.record_error(plugin_name, hook, exc)
             return None
         finally:
-            self.current_plugin = None
+            self.current_plugin = caller
 
     def record_error(self, plugin_name: str, hook: str, exc: BaseException) -> None:
         """Count an exception against a plugin (switching it off past the limit) and report it."""

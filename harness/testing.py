@@ -109,6 +109,14 @@ def corrupt_batch(batch: dict[str, Any], rows: list[int] | None, seed: int) -> l
     return chosen
 
 
+def poison_parameter(model: Any) -> str:
+    """Write a NaN into the first attention output projection (a weight gone bad); returns its name."""
+    name, param = next((n, p) for n, p in model.named_parameters() if n.endswith("o_proj.weight"))
+    with torch.no_grad():
+        getattr(param, "ds_tensor", param).view(-1)[0] = float("nan")
+    return name
+
+
 def scale_lr(optimizer: Any, factor: float) -> None:
     """Multiply every param group's LR; the scheduler writes its own value back at its next step."""
     for group in optimizer.param_groups:
@@ -207,10 +215,7 @@ class FaultInjector:
         self._model, self._optimizer = model, optimizer
         o = self.options
         if o.nan_param_at_step == step:
-            name, param = next((n, p) for n, p in model.named_parameters() if n.endswith("o_proj.weight"))
-            with torch.no_grad():
-                getattr(param, "ds_tensor", param).view(-1)[0] = float("nan")
-            (ctx.run_dir / "nan_param.txt").write_text(name, encoding="utf-8")
+            (ctx.run_dir / "nan_param.txt").write_text(poison_parameter(model), encoding="utf-8")
         if step in o.lr_scale_at_steps or (o.lr_scale_from_step is not None and step >= o.lr_scale_from_step):
             scale_lr(optimizer, o.lr_scale)
         if step in self.options.snapshot_steps:

@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.capture import sample_ids
 from harness.distributed import gather_to_main
 from harness.findings import FindingCode, Severity
-from harness.hashing import combine_row_hashes, device_row_hashes, hex64
+from harness.hashing import combine_row_hashes, device_row_hashes, from_hex64, hex64
 from harness.hookspecs import hookimpl
-from harness.ledger import LedgerWriter, iter_records, ledger_path
+from harness.ledger import LedgerWriter, around_resume
 
 DATA_REPEATED = FindingCode(
     "DATA_REPEATED", Severity.WARNING, "Samples were trained on again within the same epoch.", "data#data_repeated"
@@ -115,6 +115,7 @@ class DataHash:
         self.options = DataHashOptions()
         self._writer: LedgerWriter | None = None
         self._pending: list[tuple[int, torch.Tensor, list[Any] | None]] = []
+        self._read: list[int] | None = None
         self._multiplicity: Counter[int] | None = None
         self.fingerprint: dict[str, Any] | None = None
         self._epoch = 0
@@ -200,13 +201,23 @@ class DataHash:
 
     # -- per optimizer step: one read, the ledger, the checks -----------------------------------------------
 
+    @staticmethod
+    def _read_hashes(pending: list[tuple[int, torch.Tensor, list[Any] | None]]) -> list[int]:
+        if not pending:
+            return []
+        return (pending[0][1] if len(pending) == 1 else torch.cat([rows for _, rows, _ in pending])).tolist()
+
+    @hookimpl
+    def on_before_optimizer_step(self) -> None:
+        # read where the step guard syncs anyway, before the update is queued: reading after it would stall the device
+        self._read = self._read_hashes(self._pending)
+
     @hookimpl
     def on_step_end(self, ctx: Any, step: int) -> None:
         pending, self._pending = self._pending, []
-        flat: list[int] = []
-        if pending:
-            rows_all = pending[0][1] if len(pending) == 1 else torch.cat([rows for _, rows, _ in pending])
-            flat = rows_all.tolist()  # the one host sync of this plugin per step
+        flat, self._read = self._read, None
+        if flat is None:
+            flat = self._read_hashes(pending)
         if ctx.world_size > 1 and self.options.check_rank_overlap:
             self._check_overlap(ctx, step, flat)
         if not pending:
@@ -316,25 +327,15 @@ class DataHash:
 
     def _restore_epoch_from_ledger(self, ctx: Any) -> None:
         """What this epoch already trained before the checkpoint, and what the interrupted run trained after it."""
-        resume = ctx.step
-        latest: dict[int, tuple[int, dict[str, Any]]] = {}
-        current = self._writer.attempt if self._writer is not None else None
-        records = [r for r in iter_records(ledger_path(ctx.run_dir, ctx.rank)) if r.get("event") is None and r.get("attempt") != current]
-        for record in records:
-            key = record["step"] * 100_000 + record["micro_batch"]
-            if key not in latest or latest[key][0] < record["attempt"]:
-                latest[key] = (record["attempt"], record)
-        last_attempt = max((r["attempt"] for r in records), default=None)
-        for attempt, record in latest.values():
-            hashes = [int(h, 16) for h in record["sample_hashes"]]
-            signed = [h - (1 << 64) if h >= 1 << 63 else h for h in hashes]
-            if record["step"] <= resume and record["epoch"] == self._epoch:
+        before, after = around_resume(ctx.run_dir, ctx.rank, ctx.step)
+        for record in before:
+            if record["epoch"] == self._epoch:
                 ids = record.get("sample_ids")
-                for i, h in enumerate(signed):
-                    self._seen[ids[i] if ids else h] += 1
-            elif record["step"] > resume and attempt == last_attempt:
-                for h in signed:
-                    self._interrupted.setdefault((record["epoch"], h), record["step"])
+                for i, h in enumerate(record["sample_hashes"]):
+                    self._seen[ids[i] if ids else from_hex64(h)] += 1
+        for record in after:
+            for h in record["sample_hashes"]:
+                self._interrupted.setdefault((record["epoch"], from_hex64(h)), record["step"])
 
     @hookimpl
     def on_run_end(self, ctx: Any) -> None:

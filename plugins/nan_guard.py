@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from harness.capture import sample_ids, write_capture
 from harness.findings import Finding, FindingCode, Severity
+from harness.fingerprints import scheduler_state
 from harness.hookspecs import hookimpl
 
 log = logging.getLogger("harness.nan_guard")
@@ -294,9 +295,8 @@ class NanGuard:
 
 def _scheduler_position(trainer: Any) -> int | None:
     """The scheduler's step counter: it must not move on a skipped step."""
-    scheduler = getattr(trainer, "lr_scheduler", None)
-    position = getattr(scheduler, "last_epoch", None)
-    return int(position) if isinstance(position, int) else None
+    state = scheduler_state(getattr(trainer, "lr_scheduler", None))
+    return state["last_epoch"] if state else None
 
 
 def _as_float(value: Any) -> float | None:

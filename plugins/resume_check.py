@@ -21,11 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from harness.capture import can_recompute, per_sample_loss, recompute_losses
 from harness.findings import Finding, FindingCode, Severity
-from harness.fingerprints import differing, optimizer_tensors, param_tensors, rng_fingerprints, tensor_sums
-from harness.hashing import combine_hashes, device_row_hashes, hex64
+from harness.fingerprints import differing, optimizer_tensors, param_tensors, rng_fingerprints, scheduler_state, tensor_sums
+from harness.hashing import combine_row_hashes, device_row_hashes, hex64
 from harness.hookspecs import hookimpl
 from harness.robust import judge
-from harness.ledger import iter_records, ledger_path
+from harness.ledger import around_resume
 
 
 def _code(code: str, severity: Severity, summary: str) -> FindingCode:
@@ -153,7 +153,7 @@ class ResumeCheck:
             "config": {k: _plain(getattr(trainer.args, k, None)) for k in self.options.config_keys},
             "params": tensor_sums(param_tensors(trainer.model_wrapped, clone=False)),
             "optimizer": tensor_sums(optimizer_tensors(trainer.optimizer, clone=False)),
-            "scheduler": _scheduler_state(scheduler),
+            "scheduler": scheduler_state(scheduler),
             "rng": rng_fingerprints(),
             "loss_window": [v for v in losses if math.isfinite(v)],
         }
@@ -235,7 +235,7 @@ class ResumeCheck:
             )
 
     def _check_scheduler(self, ctx: Any, trainer: Any, state: dict[str, Any]) -> None:
-        saved, now = state.get("scheduler"), _scheduler_state(getattr(trainer, "lr_scheduler", None))
+        saved, now = state.get("scheduler"), scheduler_state(getattr(trainer, "lr_scheduler", None))
         if saved and now and (saved["last_epoch"] != now["last_epoch"] or not math.isclose(saved["lr"], now["lr"], rel_tol=1e-6)):
             ctx.report(
                 RESUME_SCHEDULER_MISMATCH.code,
@@ -278,7 +278,7 @@ class ResumeCheck:
         if want is None:
             return  # the interrupted run did not get this far: nothing to compare with
         mask = batch.get("attention_mask")
-        got = hex64(int(combine_hashes(device_row_hashes(batch["input_ids"], mask if torch.is_tensor(mask) else None))))
+        got = hex64(combine_row_hashes(device_row_hashes(batch["input_ids"], mask if torch.is_tensor(mask) else None).tolist()))
         if got != want:
             self._position_reported = True
             ctx.report(
@@ -300,12 +300,9 @@ class ResumeCheck:
     def _expected_batches(self, ctx: Any) -> dict[tuple[int, int], str]:
         """(step, micro-batch) -> batch hash the interrupted attempt trained after the checkpoint (from data_hash's ledger)."""
         if self._expected is None:
-            records = list(iter_records(ledger_path(ctx.run_dir, ctx.rank)))
-            current = max((r["attempt"] for r in records if r.get("event") == "start"), default=0)
-            resume, last = self._resume_step or 0, (self._resume_step or 0) + self.options.first_steps
-            later = [r for r in records if r.get("event") is None and r["attempt"] < current and resume < r["step"] <= last]
-            newest = max((r["attempt"] for r in later), default=None)
-            self._expected = {(r["step"], r["micro_batch"]): r["batch_hash"] for r in later if r["attempt"] == newest}
+            last = (self._resume_step or 0) + self.options.first_steps
+            _, after = around_resume(ctx.run_dir, ctx.rank, self._resume_step or 0)
+            self._expected = {(r["step"], r["micro_batch"]): r["batch_hash"] for r in after if r["step"] <= last}
         return self._expected
 
     def _check_loss_band(self, ctx: Any, step: int, loss: float) -> None:
@@ -347,17 +344,6 @@ def _read_logged_losses(path: Any) -> dict[int, float]:
     except OSError:
         pass
     return out
-
-
-def _scheduler_state(scheduler: Any) -> dict[str, Any] | None:
-    position = getattr(scheduler, "last_epoch", None)
-    if not isinstance(position, int):
-        return None
-    try:
-        lr = float(scheduler.get_last_lr()[0])
-    except Exception:  # noqa: BLE001 - a scheduler without get_last_lr
-        return None
-    return {"last_epoch": position, "lr": lr}
 
 
 def _plain(value: Any) -> Any:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from harness.capture import CaptureResult, sample_ids, write_capture
 from harness.findings import FindingCode, Severity
-from harness.hashing import row_hashes
+from harness.hashing import content_hashes
 from harness.hookspecs import hookimpl
 from harness.robust import Judgement, judge
 
@@ -332,7 +332,7 @@ class SpikeCapture:
     def _write(self, ctx: Any, step: int, code: str, why: str, current: list[tuple[int, dict[str, Any], torch.Tensor]], weights_moved: bool) -> CaptureResult:
         micro = [(m, b, float(loss.float().mean())) for m, b, loss in current]
         earlier = [
-            {"step": s, "micro_batch": m, "sample_ids": sample_ids(b), "hashes": row_hashes(b["input_ids"]) if torch.is_tensor(b.get("input_ids")) else None}
+            {"step": s, "micro_batch": m, "sample_ids": sample_ids(b), "hashes": content_hashes(b["input_ids"], b.get("attention_mask")) if torch.is_tensor(b.get("input_ids")) else None}
             for s, m, b in self._ring
             if s != step
         ]

@@ -72,7 +72,8 @@ def run_demo(out: str | Path = "runs/demo") -> int:
     f = DEMO_FAULTS
     print(f"  faults injected on purpose: non-finite loss at step {f['nan_step']}, infinite gradients at step {f['inf_grad_step']}, "
           f"all labels masked at step {f['masked_step']}, corrupted batch at step {f['spike_step']}, kill -9 at step "
-          f"{f['crash_step']}, learning rate blown up from step {f['diverge_from_step']}", flush=True)
+          f"{f['crash_step']}, learning rate blown up from step {f['diverge_from_step']}; "
+          "then a resume done wrong", flush=True)
     first = _run(config, resume=False)
     if first == 0:
         print("harness demo: the simulated crash did not happen; nothing to resume")
@@ -82,10 +83,40 @@ def run_demo(out: str | Path = "runs/demo") -> int:
         if second != 0:
             print(f"harness demo: the resumed run failed with exit {second}")
             return second
-    return _summary(out, time.time() - began)
+    broken = _broken_resume(out)
+    return _summary(out, time.time() - began, broken)
 
 
-def _summary(out: Path, seconds: float) -> int:
+BROKEN_RESUME_FROM = 30
+
+
+def _broken_resume(out: Path) -> Path:
+    """Resume checkpoint-30 again the wrong way: optimizer.pt lost and the data position ignored.
+
+    What the harness should make of it: the optimizer and scheduler not
+    restored, the first batch not the one the interrupted run trained next,
+    data repeated; training stops before its first update.
+    """
+    import shutil
+
+    broken = out / "broken-resume"
+    checkpoint = broken / f"checkpoint-{BROKEN_RESUME_FROM}"
+    shutil.copytree(out / checkpoint.name, checkpoint)
+    shutil.copytree(out / "harness" / "ledger", broken / "harness" / "ledger")  # what the first run trained, step by step
+    (checkpoint / "optimizer.pt").unlink()
+    config = demo_config(broken)
+    config["training"]["ignore_data_skip"] = True
+    config["harness"] = {"plugins": ["defaults"]}
+    path = broken / "demo.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    print(f"\nharness demo: resuming checkpoint-{BROKEN_RESUME_FROM} again, the wrong way (optimizer.pt deleted, "
+          f"ignore_data_skip=True), in {broken}", flush=True)
+    command = [sys.executable, "-m", "harness.cli", "run", "pretrain", "--config", str(path), "--resume", str(checkpoint)]
+    subprocess.run(command)
+    return broken
+
+
+def _summary(out: Path, seconds: float, broken: Path) -> int:
     run_dir = out / "harness"
     findings = read_run_findings(run_dir)
     print(f"\nharness demo: finished in {seconds:.0f} s. Findings ({len(findings)}):")
@@ -93,6 +124,10 @@ def _summary(out: Path, seconds: float) -> int:
         print(f"  [{finding.severity.value:<8}] step {finding.step!s:>3}  {finding.code:<22} -> {finding.action or 'continue':<10} {finding.message}")
     counts = Counter(f.code for f in findings)
     print("  by code: " + ", ".join(f"{code} x{n}" for code, n in sorted(counts.items())))
+    wrong = read_run_findings(broken / "harness")
+    print(f"\nthe resume done wrong ({broken}), findings ({len(wrong)}):")
+    for finding in wrong:
+        print(f"  [{finding.severity.value:<8}] step {finding.step!s:>3}  {finding.code:<30} -> {finding.action or 'continue':<10} {finding.message}")
     spikes = [f for f in findings if f.code == "LOSS_SPIKE" and f.evidence.get("capture")]
     if spikes:
         capture = Path(spikes[0].evidence["capture"]).parent

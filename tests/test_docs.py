@@ -60,3 +60,4 @@ def test_every_builtin_plugin_has_its_test_module_and_documented_options() -> No
         model = catalog.option_models[name]
         for key, field in (model.model_fields.items() if model else []):
             assert field.description, f"{name}.{key} has no description"
+            assert re.search(rf"\b{key}\b", README), f"option {name}.{key} is not in README.md"

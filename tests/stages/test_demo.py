@@ -38,3 +38,11 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     # the skipped steps of the killed process were carried through the checkpoint into the run-end summary
     (summary,) = findings_of(out, "SKIPPED_STEPS")
     assert summary["evidence"]["skipped_steps"] == [8, 11] and summary["evidence"]["scheduler_advanced"] == []
+    # the resume done wrong: optimizer.pt deleted and ignore_data_skip, from checkpoint-30 again
+    broken = out / "broken-resume"
+    wrong = {f["code"]: f for f in findings_of(broken)}
+    for code in ("RESUME_OPTIMIZER_NOT_RESTORED", "RESUME_SCHEDULER_MISMATCH", "RESUME_DATA_POSITION", "DATA_REPEATED", "DATA_SKIPPED"):
+        assert code in wrong, code
+    assert wrong["RESUME_DATA_POSITION"]["step"] == 31 and wrong["RESUME_DATA_POSITION"]["plugin"] == "resume_check"
+    assert not (broken / "checkpoint-40").exists()  # it stopped before training on
+    assert "the resume done wrong" in result.stdout
