@@ -187,6 +187,33 @@ def prime(tokenizer: Any, dataset: Any, warmup: int) -> None:
     run_once(tokenizer, dataset, warmup + 3, warmup, False, [])
 
 
+def grad_sync_check_seconds(tokenizer: Any, dataset: Any, repeats: int = 20) -> float:
+    """Median time of one ``grad_sync`` check on the benchmark model, in one process.
+
+    The single-process benchmark never runs a check (there is nothing to
+    compare), so this times the check's own work directly: fingerprints of
+    every weight and gradient, one gather (the identity here; over gloo it
+    moves a few numbers per tensor) and the comparison.
+    """
+    from types import SimpleNamespace
+
+    from harness.plugins.grad_sync import GradSync
+
+    model = build_tiny_llama(tokenizer, seed=SEED, hidden_size=HIDDEN_SIZE, num_layers=NUM_LAYERS, num_heads=NUM_HEADS,
+                             intermediate_size=INTERMEDIATE_SIZE)
+    batch = {k: torch.tensor(dataset[:BATCH_SIZE][k]) for k in ("input_ids", "attention_mask", "labels")}
+    model(**batch).loss.backward()
+    plugin = GradSync()
+    plugin.mode, plugin._described, plugin._params = "ddp", "benchmark", list(model.named_parameters())
+    ctx = SimpleNamespace(is_main=False, rank=0)
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        plugin.on_before_optimizer_step(ctx=ctx, step=plugin.options.every, model=model, optimizer=None)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
 def ms(seconds: float) -> str:
     """Milliseconds, aligned for the table."""
     return f"{seconds * 1e3:8.2f}"
@@ -285,6 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, seconds in plugin_seconds.items():
         per_step = seconds / (args.rounds * args.steps)
         print(f"training-thread time of plugin {name}: {per_step * 1e6:.1f} us per step (logging every {LOGGING_STEPS} steps)")
+    check = grad_sync_check_seconds(tokenizer, dataset)
+    every = 50
+    print(
+        f"grad_sync check (multi-process runs only; timed here in one process): {check * 1e3:.2f} ms, "
+        f"{check / statistics.median(plain.steps) * 100:.1f}% of a step, {check / every / statistics.median(plain.steps) * 100:.2f}% "
+        f"amortised over its default {every} steps"
+    )
     ratio = statistics.median(harnessed.steps) / statistics.median(plain.steps)
     print(RATIO_LINE.format(ratio=ratio) if not baseline_harness else BASELINE_RATIO_LINE.format(ratio=ratio, plugins="+".join(plugins)))
     return 0

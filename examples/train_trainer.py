@@ -9,13 +9,19 @@ these machines are offline.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 from typing import Any, Iterator
 
+import torch
+from datasets import Dataset
 from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import Dataset as TorchDataset
 from transformers import Trainer, TrainingArguments, default_data_collator
 
+from harness.stages.packing import packed_data_collator, packed_lm_dataset
 from harness.tiny import build_tiny_llama, corpus_lines, lm_dataset, train_tokenizer
 
 
@@ -38,6 +44,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="stream the rows through a hand-built DataLoader over an IterableDataset (a common custom-Trainer pattern "
         "that bypasses accelerate's sharding, so every rank reads the same rows)",
     )
+    p.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager"], help="attention implementation of the model")
+    p.add_argument(
+        "--packing", default="none", choices=["none", "position_ids", "mask4d", "mask2d"],
+        help="pack documents into rows: restarting position_ids only; plus a 4D boolean block-diagonal causal mask; or "
+        "plus an all-ones 2D attention_mask (what a padding collator adds)",
+    )
+    p.add_argument("--slow_data_rank", type=int, default=-1, help="this rank's dataset sleeps in every __getitem__ (a straggler)")
+    p.add_argument("--slow_data_seconds", type=float, default=0.0, help="seconds each __getitem__ of --slow_data_rank sleeps")
     # torchrun passes --local-rank only with --use-env off; accept it anyway.
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     return p.parse_args(argv)
@@ -46,8 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tokenizer = train_tokenizer(corpus_lines())
-    model = build_tiny_llama(tokenizer, seed=args.seed, attention_dropout=args.dropout)
-    train_dataset = lm_dataset(tokenizer, seq_len=64)
+    model = build_tiny_llama(tokenizer, seed=args.seed, attention_dropout=args.dropout, attn_implementation=args.attn_implementation)
+    train_dataset: Any = lm_dataset(tokenizer, seq_len=64)
+    collator: Any = default_data_collator
+    if args.packing != "none":
+        train_dataset = packed_lm_dataset(Dataset.from_dict({"text": corpus_lines()}), tokenizer, seq_len=128, keep_doc_ids=True)
+        collator = PackedCollator(args.packing)
+    if args.slow_data_seconds > 0 and int(os.environ.get("RANK", 0)) == args.slow_data_rank:
+        train_dataset = SlowRows(train_dataset, args.slow_data_seconds)
 
     training_args = TrainingArguments(
         output_dir=args.output_dir,
@@ -60,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         save_steps=args.save_steps if args.save_steps > 0 else 500,
         deepspeed=args.deepspeed,
         ignore_data_skip=args.ignore_data_skip,
+        remove_unused_columns=args.packing == "none",  # packed rows carry doc_ids for the collator
         logging_steps=1,
         report_to="none",
         use_cpu=True,
@@ -71,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         args=training_args,
         train_dataset=train_dataset,
         processing_class=tokenizer,
+        data_collator=collator,
     )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     return args.exit_code
@@ -85,6 +107,42 @@ class RowStream(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         while True:
             yield from self.rows
+
+
+class PackedCollator:
+    """Packed rows as three common collators batch them (the documents' ids stay out of the model's inputs)."""
+
+    def __init__(self, form: str) -> None:
+        self.form = form
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = packed_data_collator(features)
+        doc_ids = torch.tensor([f["doc_ids"] for f in features])
+        if self.form == "mask4d":
+            length = doc_ids.shape[1]
+            same = doc_ids[:, :, None] == doc_ids[:, None, :]
+            batch["attention_mask"] = (same & torch.ones(length, length, dtype=torch.bool).tril())[:, None]
+        elif self.form == "mask2d":
+            batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        return batch
+
+
+class SlowRows(TorchDataset):
+    """A dataset whose rows take ``seconds`` each to load in the DataLoader (a slow disk or a heavy transform on one node)."""
+
+    def __init__(self, rows: Any, seconds: float) -> None:
+        self.rows, self.seconds = rows, seconds
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.rows[index]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """What the DataLoader calls per batch: the slow path (a one-off scan through ``__getitem__`` stays fast)."""
+        time.sleep(self.seconds * len(indices))
+        return [self.rows[i] for i in indices]
 
 
 class OwnLoaderTrainer(Trainer):

@@ -19,7 +19,8 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -84,6 +85,11 @@ class Bridge:
         self._grad_norm: Any = None
         self._lr: float | None = None
         self._agreed = Action.CONTINUE
+        self._data_time = 0.0  # seconds this step waited for its batches
+        self._next_data_time = 0.0  # fetched before step_begin, so it belongs to the step about to begin
+        self._model_time = 0.0  # seconds in training_step (forward, backward, and under DeepSpeed the update)
+        self._guard_time = 0.0  # seconds in the step guard outside training_step
+        self._last_step_end: float | None = None
         self._in_training_step = False
         self._in_train = False
         self._stopped = False
@@ -99,6 +105,8 @@ class Bridge:
         trainer.train = self._wrap_train(trainer.train)
         if hasattr(trainer, "_get_grad_norm"):
             trainer._get_grad_norm = self._wrap_grad_norm(trainer._get_grad_norm)
+        if hasattr(trainer, "get_batch_samples"):
+            trainer.get_batch_samples = self._wrap_get_batch_samples(trainer.get_batch_samples)
 
     def _wrap_train(self, train: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(train)
@@ -151,12 +159,14 @@ class Bridge:
                 ctx.recent_batches.append((ctx.step, ctx.micro_step, inputs))
             call("inspect_batch", ctx=ctx, batch=inputs, step=ctx.step, micro_step=ctx.micro_step)
             self._in_training_step = True
+            started = time.perf_counter()
             try:
                 loss = training_step(model, inputs, *args, **kwargs)
                 self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
                 self._micro_batches += 1
                 return loss
             finally:
+                self._model_time += time.perf_counter() - started
                 self._in_training_step = False
                 ctx.micro_step += 1
 
@@ -193,6 +203,15 @@ class Bridge:
         trainer = self.trainer
         return int(getattr(trainer, "current_gradient_accumulation_steps", None) or trainer.args.gradient_accumulation_steps or 1)
 
+    def _wrap_get_batch_samples(self, get_batch_samples: Callable[..., Any]) -> Callable[..., Any]:
+        """Time the data loader: the Trainer fetches a step's micro-batches here, before the step begins."""
+
+        @functools.wraps(get_batch_samples)
+        def harness_get_batch_samples(epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
+            return get_batch_samples(_TimedIterator(epoch_iterator, self), *args, **kwargs)
+
+        return harness_get_batch_samples
+
     def _wrap_grad_norm(self, get_grad_norm: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(get_grad_norm)
         def harness_get_grad_norm(*args: Any, **kwargs: Any) -> Any:
@@ -216,6 +235,15 @@ class Bridge:
     def guard(self, model: Any, optimizer: Any) -> Action:
         """Fire the pre-step hook, agree the action with every rank, remember it for step end."""
         ctx = self.ctx
+        started = time.perf_counter()
+        try:
+            return self._guard(model, optimizer)
+        finally:
+            if not self._in_training_step:  # under DeepSpeed the guard runs inside training_step, already timed
+                self._guard_time += time.perf_counter() - started
+
+    def _guard(self, model: Any, optimizer: Any) -> Action:
+        ctx = self.ctx
         ctx.manager.call(
             "on_before_optimizer_step",
             ctx=ctx,
@@ -238,6 +266,7 @@ class Bridge:
         ctx, trainer = self.ctx, self.trainer
         self.install_step_guard()
         ctx.step = trainer.state.global_step
+        self._last_step_end = time.perf_counter()
         ctx.micro_step = 0  # ctx.step is the last completed step until the first micro-batch arrives
         ctx.manager.call("on_run_start", ctx=ctx, trainer=trainer)
         if trainer.train_dataset is not None:
@@ -260,11 +289,20 @@ class Bridge:
         self._grad_norm = None
         self._lr = None
         self._agreed = Action.CONTINUE
+        self._data_time, self._next_data_time = self._next_data_time, 0.0
+        self._model_time = 0.0
+        self._guard_time = 0.0
+
+    def add_data_time(self, seconds: float) -> None:
+        self._next_data_time += seconds
 
     def step_end(self, state: Any, control: Any) -> Any:
         ctx = self.ctx
         agreed, self._agreed = self._agreed, Action.CONTINUE
         step = state.global_step
+        now = time.perf_counter()
+        step_time = now - self._last_step_end if self._last_step_end is not None else None
+        self._last_step_end = now
         metrics = {
             "loss": self._loss_sum,
             "grad_norm": self._grad_norm,
@@ -273,6 +311,9 @@ class Bridge:
             "optimizer_skipped": self._optimizer_skipped and agreed is Action.CONTINUE,
             "action": agreed.value,
             "micro_batches": self._micro_batches,
+            "step_time": step_time,
+            "data_time": self._data_time,
+            "model_time": self._model_time + self._guard_time,
         }
         if agreed is not Action.CONTINUE and ctx.is_main:
             self._record_action(agreed, step)
@@ -397,6 +438,27 @@ class Bridge:
             evidence={"optimizer": detail},
             plugin="harness",
         )
+
+
+class _TimedIterator:
+    """Wraps the Trainer's epoch iterator to add the time spent in ``next()`` (waiting for data) to the bridge."""
+
+    def __init__(self, inner: Any, bridge: Bridge) -> None:
+        self._inner = inner
+        self._bridge = bridge
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        started = time.perf_counter()
+        try:
+            return next(self._inner)
+        finally:
+            self._bridge.add_data_time(time.perf_counter() - started)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 class HarnessCallback(TrainerCallback):

@@ -180,7 +180,7 @@ def recompute_losses(model: Any, batches: list[dict[str, Any]], rng: dict[str, A
         set_rng_state(saved)
 
 
-def _autocast_dtype(trainer: Any) -> str | None:
+def autocast_dtype(trainer: Any) -> str | None:
     """The dtype the Trainer's forward runs under autocast (accelerate wraps ``model.forward`` for bf16/fp16)."""
     precision = str(getattr(getattr(trainer, "accelerator", None), "mixed_precision", "no") or "no")
     return precision if precision in ("bf16", "fp16") and not getattr(trainer, "is_deepspeed_enabled", False) else None
@@ -307,7 +307,7 @@ def write_capture(
             "attn_implementation": getattr(config, "_attn_implementation", None),
             "training_mode": bool(getattr(model, "training", True)),
             "device_type": param.device.type if param is not None else None,
-            "autocast": _autocast_dtype(trainer),
+            "autocast": autocast_dtype(trainer),
         },
         "tokenizer": getattr(tokenizer, "name_or_path", None),
         "micro_batches": [

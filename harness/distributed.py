@@ -71,3 +71,27 @@ def gather_to_main(obj: Any) -> list[Any] | None:
     out: list[Any] | None = [None] * torch.distributed.get_world_size() if rank == 0 else None
     torch.distributed.gather_object(obj, out, dst=0, group=control_group())
     return out
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on every rank (in rank order), over the CPU control group; ``[obj]`` when alone."""
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj, group=control_group())
+    return out
+
+
+def broadcast_from_main(tensors: list[torch.Tensor]) -> int:
+    """Overwrite ``tensors`` on every rank with rank 0's values, in place; returns how many were sent.
+
+    Device tensors go over the default group (NCCL on GPUs), host tensors
+    over the gloo control group, so that a CPU step counter in an optimizer
+    state does not need a device copy.
+    """
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return 0
+    for tensor in tensors:
+        group = control_group() if tensor.device.type == "cpu" else None
+        torch.distributed.broadcast(tensor, src=0, group=group)
+    return len(tensors)

@@ -65,6 +65,39 @@ def tensor_sums(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
     return {n: [float(a), float(b)] for n, (a, b) in zip(names, sums.tolist())}
 
 
+_BIT_VIEWS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def exact_fingerprints(tensors: list[torch.Tensor | None]) -> list[tuple[int, float, float] | None]:
+    """Per tensor (sum of its bit patterns as integers, float64 sum, float64 sum of squares), one host read.
+
+    The integer sum of the raw bits changes when any one element changes by
+    a single ulp, so replicas that should be bit-identical (data-parallel
+    weights and reduced gradients) compare exactly; the float sums say how
+    large a difference is. ``None`` entries (a missing gradient) stay None.
+    """
+    present = [t.detach().reshape(-1) for t in tensors if t is not None and t.numel()]
+    floats = [t if t.is_floating_point() else t.double() for t in present]
+    if not present:
+        return [None] * len(tensors)
+    bits = torch.stack([
+        (t.view(_BIT_VIEWS[t.element_size()]) if t.is_floating_point() else t).sum(dtype=torch.int64) for t in present
+    ])
+    sums = torch.stack([
+        torch.stack([torch.sum(t, dtype=torch.float64), torch.linalg.vector_norm(t, 2, dtype=torch.float64) ** 2])
+        for t in floats
+    ])
+    values = iter(zip(bits.cpu().tolist(), sums.cpu().tolist()))
+    out: list[tuple[int, float, float] | None] = []
+    for t in tensors:
+        if t is None or not t.numel():
+            out.append(None)
+        else:
+            b, (s, q) = next(values)
+            out.append((int(b), float(s), float(q)))
+    return out
+
+
 def differing(saved: dict[str, list[float]], now: dict[str, list[float]], rel: float = 0.0) -> list[str]:
     """Names whose fingerprints differ (beyond ``rel`` relative tolerance), plus names only one side has."""
     out = [n for n in saved if n not in now]

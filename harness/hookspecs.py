@@ -186,7 +186,13 @@ def on_step_end(ctx: "RunContext", step: int, metrics: "dict[str, Any]") -> None
     (float), ``skipped`` (bool: the harness held the update back),
     ``optimizer_skipped`` (bool: the harness let the update through but the
     optimizer skipped it on its own, as DeepSpeed and fp16 loss scaling do on
-    an overflow), ``action`` (the agreed action name) and ``micro_batches`` (int).
+    an overflow), ``action`` (the agreed action name), ``micro_batches`` (int)
+    and three host-clock durations in seconds: ``step_time`` (since the
+    previous step ended; None for the first step of a ``train()`` call),
+    ``data_time`` (waiting for this step's batches from the data loader) and
+    ``model_time`` (forward, backward and the step guard). Collectives inside
+    the model make fast ranks wait for slow ones there, so ``data_time`` is
+    the part that is each rank's own.
     """
 
 

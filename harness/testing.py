@@ -50,6 +50,16 @@ class FaultOptions(BaseModel):
     kill_at_step: int | None = Field(
         None, description="SIGKILL the process in inspect_batch of this step (once per run directory: a resumed run goes on)."
     )
+    fault_rank: int = Field(1, ge=0, description="Rank that perturb_param_at_step and scale_grad_at_step act on.")
+    perturb_param_at_step: int | None = Field(
+        None, description="After this step's update, move one element of one parameter on fault_rank by one ulp (a replica drifts)."
+    )
+    perturb_param: str = Field("o_proj.weight", description="Suffix of the parameter name perturb_param_at_step changes (the first match).")
+    scale_grad_at_step: int | None = Field(
+        None, description="On fault_rank, multiply this step's gradients by grad_scale after the all-reduce (DDP: a comm hook; "
+        "DeepSpeed ZeRO-1/2: the rank's reduced partition, just before the update)."
+    )
+    grad_scale: float = Field(1.5, description="Factor of scale_grad_at_step.")
     snapshot_steps: list[int] = Field(
         default_factory=list, description="Record whether params and optimizer state changed across these steps."
     )
@@ -123,6 +133,52 @@ def scale_lr(optimizer: Any, factor: float) -> None:
         group["lr"] = group["lr"] * factor
 
 
+def perturb_one_ulp(model: Any, suffix: str) -> str:
+    """Move element 0 of the first parameter whose name ends with ``suffix`` up by one ulp; returns its name."""
+    name, param = next((n, p) for n, p in getattr(model, "module", model).named_parameters() if n.endswith(suffix))
+    with torch.no_grad():
+        flat = param.data.view(-1)
+        flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype, device=flat.device))
+    return name
+
+
+def scale_reduced_gradients(trainer: Any, step: int, factor: float) -> None:
+    """Make this rank's reduced gradients of ``step`` ``factor`` times too large, after the all-reduce.
+
+    DDP: a communication hook that runs the normal all-reduce and scales its
+    result (a buggy custom comm hook). DeepSpeed ZeRO-1/2: the rank's own
+    reduced partition is scaled just before the optimizer steps.
+    """
+    wrapped = trainer.model_wrapped
+    if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def scaling_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects any annotation but GradBucket
+            def scale(fut: Any) -> torch.Tensor:
+                value = fut.value()
+                tensor = value[0] if isinstance(value, list) else value
+                if trainer.state.global_step + 1 == step:
+                    tensor.mul_(factor)
+                return tensor
+
+            return default_hooks.allreduce_hook(None, bucket).then(scale)
+
+        wrapped.register_comm_hook(None, scaling_hook)
+        return
+    optimizer = wrapped.optimizer
+    original = optimizer.step
+
+    def scaled_step(*args: Any, **kwargs: Any) -> Any:
+        if trainer.state.global_step + 1 == step:
+            for param in wrapped.module.parameters():
+                mapping = getattr(param, "_hp_mapping", None)
+                if mapping is not None:
+                    mapping.get_lp_grad_fragment(param._index_in_param_group).mul_(factor)
+        return original(*args, **kwargs)
+
+    optimizer.step = scaled_step
+
+
 def _diff(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> list[str]:
     changed = [k for k in before if k not in after or not torch.equal(before[k], after[k])]
     return changed + [k for k in after if k not in before]
@@ -166,6 +222,8 @@ class FaultInjector:
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         o = self.options
+        if o.scale_grad_at_step is not None and ctx.rank == o.fault_rank:
+            scale_reduced_gradients(trainer, o.scale_grad_at_step, o.grad_scale)
         if not (o.nonfinite_loss_at_steps or o.inf_grad_at_steps):
             return
         self._poison = EmbeddingPoison(trainer.model)
@@ -225,6 +283,9 @@ class FaultInjector:
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
         self._maybe_raise("on_step_end", step)
         self._maybe_report(ctx, "on_step_end", step)
+        if self.options.perturb_param_at_step == step and ctx.rank == self.options.fault_rank:
+            name = perturb_one_ulp(ctx.trainer.model_wrapped, self.options.perturb_param)
+            ctx.path(f"perturbed.rank-{ctx.rank}.txt").write_text(name, encoding="utf-8")
         if step not in self.options.snapshot_steps or not self._before:
             return
         after = {"params": param_tensors(self._model), "optimizer": optimizer_tensors(self._optimizer)}

@@ -20,5 +20,7 @@ BUILTIN_PLUGINS: dict[str, BuiltinPlugin] = {
     "spike_capture": BuiltinPlugin("harness.plugins.spike_capture:SpikeCapture", True),
     "data_hash": BuiltinPlugin("harness.plugins.data_hash:DataHash", True),
     "resume_check": BuiltinPlugin("harness.plugins.resume_check:ResumeCheck", True),
+    "grad_sync": BuiltinPlugin("harness.plugins.grad_sync:GradSync", True),
+    "packing_check": BuiltinPlugin("harness.plugins.packing_check:PackingCheck", True),
     "mlflow": BuiltinPlugin("harness.plugins.mlflow_tracker:MlflowTracker", False),
 }

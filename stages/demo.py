@@ -21,7 +21,12 @@ import yaml
 from harness.findings import read_run_findings
 
 DEMO_STEPS = 60
-DEMO_FAULTS = {"nan_step": 8, "inf_grad_step": 11, "masked_step": 17, "spike_step": 31, "crash_step": 38, "diverge_from_step": 46, "diverge_lr_scale": 300}
+DEMO_FAULTS = {
+    "nan_step": 8, "inf_grad_step": 11, "masked_step": 17, "padding_collator_step": 20, "spike_step": 31, "crash_step": 38,
+    "diverge_from_step": 46, "diverge_lr_scale": 300,
+}
+DESYNC_STEPS = 20
+DESYNC_FAULTS = {"perturb_param_at_step": 7, "scale_grad_at_step": 15}
 
 
 def demo_config(out: Path) -> dict:
@@ -49,6 +54,7 @@ def demo_config(out: Path) -> dict:
             "plugins": ["defaults", "harness.stages.demo_faults:DemoFaults"],
             "demo_faults": DEMO_FAULTS,
             "spike_capture": {"divergence_patience": 8},
+            "packing_check": {"every": 20},
         },
     }
 
@@ -71,9 +77,9 @@ def run_demo(out: str | Path = "runs/demo") -> int:
     print(f"harness demo: pretraining a tiny Llama for {DEMO_STEPS} steps in {out}")
     f = DEMO_FAULTS
     print(f"  faults injected on purpose: non-finite loss at step {f['nan_step']}, infinite gradients at step {f['inf_grad_step']}, "
-          f"all labels masked at step {f['masked_step']}, corrupted batch at step {f['spike_step']}, kill -9 at step "
-          f"{f['crash_step']}, learning rate blown up from step {f['diverge_from_step']}; "
-          "then a resume done wrong", flush=True)
+          f"all labels masked at step {f['masked_step']}, a padding collator's batch at step {f['padding_collator_step']}, "
+          f"corrupted batch at step {f['spike_step']}, kill -9 at step {f['crash_step']}, learning rate blown up from step "
+          f"{f['diverge_from_step']}; then a resume done wrong, and two data-parallel processes that drift apart", flush=True)
     first = _run(config, resume=False)
     if first == 0:
         print("harness demo: the simulated crash did not happen; nothing to resume")
@@ -84,7 +90,8 @@ def run_demo(out: str | Path = "runs/demo") -> int:
             print(f"harness demo: the resumed run failed with exit {second}")
             return second
     broken = _broken_resume(out)
-    return _summary(out, time.time() - began, broken)
+    desync = _desync(out)
+    return _summary(out, time.time() - began, broken, desync)
 
 
 BROKEN_RESUME_FROM = 30
@@ -116,7 +123,44 @@ def _broken_resume(out: Path) -> Path:
     return broken
 
 
-def _summary(out: Path, seconds: float, broken: Path) -> int:
+def _desync(out: Path) -> Path:
+    """Two data-parallel processes (DDP over gloo): a weight drifts on rank 1, then rank 1's reduced gradient is wrong.
+
+    ``grad_sync`` checks every 5 steps and rebroadcasts rank 0's weights after
+    each detection, so each fault is reported once, at the first check after it.
+    """
+    import socket
+
+    run = out / "desync"
+    config = demo_config(run)
+    config["training"].update({"max_steps": DESYNC_STEPS, "save_strategy": "no", "per_device_train_batch_size": 4})
+    config["harness"] = {
+        "plugins": ["defaults", "harness.testing:FaultInjector"],
+        "grad_sync": {"every": 5, "on_desync": "rebroadcast"},
+        "fault_injector": DESYNC_FAULTS,
+    }
+    run.mkdir(parents=True, exist_ok=True)
+    path = run / "demo.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    print(f"\nharness demo: two data-parallel processes (DDP, gloo) for {DESYNC_STEPS} steps in {run}: one weight of rank 1 "
+          f"moved by one ulp after step {DESYNC_FAULTS['perturb_param_at_step']}, rank 1's reduced gradient 1.5x too large at "
+          f"step {DESYNC_FAULTS['scale_grad_at_step']}", flush=True)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    subprocess.run([*launcher, "-m", "harness.cli", "run", "pretrain", "--config", str(path)])
+    return run
+
+
+def _print_findings(title: str, run: Path) -> None:
+    findings = read_run_findings(run / "harness")
+    print(f"\n{title} ({run}), findings ({len(findings)}):")
+    for finding in findings:
+        print(f"  [{finding.severity.value:<8}] step {finding.step!s:>3}  {finding.code:<30} -> {finding.action or 'continue':<10} {finding.message}")
+
+
+def _summary(out: Path, seconds: float, broken: Path, desync: Path) -> int:
     run_dir = out / "harness"
     findings = read_run_findings(run_dir)
     print(f"\nharness demo: finished in {seconds:.0f} s. Findings ({len(findings)}):")
@@ -124,10 +168,8 @@ def _summary(out: Path, seconds: float, broken: Path) -> int:
         print(f"  [{finding.severity.value:<8}] step {finding.step!s:>3}  {finding.code:<22} -> {finding.action or 'continue':<10} {finding.message}")
     counts = Counter(f.code for f in findings)
     print("  by code: " + ", ".join(f"{code} x{n}" for code, n in sorted(counts.items())))
-    wrong = read_run_findings(broken / "harness")
-    print(f"\nthe resume done wrong ({broken}), findings ({len(wrong)}):")
-    for finding in wrong:
-        print(f"  [{finding.severity.value:<8}] step {finding.step!s:>3}  {finding.code:<30} -> {finding.action or 'continue':<10} {finding.message}")
+    _print_findings("the resume done wrong", broken)
+    _print_findings("the data-parallel replicas that drift apart", desync)
     spikes = [f for f in findings if f.code == "LOSS_SPIKE" and f.evidence.get("capture")]
     if spikes:
         capture = Path(spikes[0].evidence["capture"]).parent

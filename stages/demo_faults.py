@@ -4,7 +4,8 @@ Demo-only. It breaks a real training run in the ways the field notes
 describe — a batch that turns the loss non-finite, infinite gradients, a
 batch whose labels are all masked, a corrupted batch that spikes the loss,
 a hard crash (``kill -9``) that forces a resume, a learning rate blown up
-for the rest of the run (divergence) — so that
+for the rest of the run (divergence), a packed batch collated by a padding
+collator (documents see each other, loss on padding) — so that
 the detectors can be seen catching them. Each injection is reported, so the
 demo's summary can name every fault next to what the harness made of it.
 """
@@ -34,6 +35,10 @@ class DemoFaultOptions(BaseModel):
     crash_step: int | None = Field(None, description="Step at which the process kills itself with SIGKILL (once per output dir).")
     diverge_from_step: int | None = Field(None, description="From this step on every update uses the LR times diverge_lr_scale (divergence).")
     diverge_lr_scale: float = Field(30.0, gt=1, description="LR factor of the divergence fault.")
+    padding_collator_step: int | None = Field(
+        None, description="Step whose first micro-batch looks as a padding collator makes it: an all-ones attention_mask "
+        "(which switches the packed mask off) and labels copied from input_ids (loss on padding and document starts).",
+    )
 
 
 class DemoFaults:
@@ -78,6 +83,11 @@ class DemoFaults:
         if step == o.spike_step:  # in the data, as real corruption is: a resumed run that replays the step meets it again
             corrupt_batch(batch, None, seed=step)
             ctx.report(DEMO_FAULT.code, f"demo fault: the batch of step {step} was replaced by random tokens (loss spike)", evidence={"fault": "corrupted_batch"})
+        if step == o.padding_collator_step and torch.is_tensor(batch.get("input_ids")):
+            batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+            batch["labels"] = batch["input_ids"].clone()
+            ctx.report(DEMO_FAULT.code, f"demo fault: the packed batch of step {step} gets an all-ones attention_mask and labels = input_ids "
+                       "(a padding collator instead of the packing one)", evidence={"fault": "padding_collator"})
         marker = ctx.run_dir / "demo_crashed"
         if step == o.crash_step and not marker.exists():
             marker.touch()

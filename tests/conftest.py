@@ -50,7 +50,7 @@ def repetitive_rows(tokenizer: Any) -> Any:
 
 @pytest.fixture
 def make_trainer(tmp_path: Path, tokenizer: Any, lm_rows: Any) -> Callable[..., Any]:
-    """A real ``transformers.Trainer`` on a 2-layer Llama; keyword arguments go to TrainingArguments."""
+    """A real ``transformers.Trainer`` on a 2-layer Llama (or ``model``); other keyword arguments go to TrainingArguments."""
     from transformers import Trainer, TrainingArguments
 
     from harness.tiny import build_tiny_llama
@@ -60,6 +60,8 @@ def make_trainer(tmp_path: Path, tokenizer: Any, lm_rows: Any) -> Callable[..., 
         callbacks: list[Any] | None = None,
         train_dataset: Any = None,
         processing_class: Any = None,
+        model: Any = None,
+        data_collator: Any = None,
         **overrides: Any,
     ) -> Any:
         settings: dict[str, Any] = dict(
@@ -76,13 +78,13 @@ def make_trainer(tmp_path: Path, tokenizer: Any, lm_rows: Any) -> Callable[..., 
             seed=0,
         )
         settings.update(overrides)
-        model = build_tiny_llama(tokenizer, seed=0)
         return Trainer(
-            model=model,
+            model=build_tiny_llama(tokenizer, seed=0) if model is None else model,
             args=TrainingArguments(**settings),
             train_dataset=lm_rows if train_dataset is None else train_dataset,
             processing_class=processing_class,
             callbacks=callbacks,
+            data_collator=data_collator,
         )
 
     return factory

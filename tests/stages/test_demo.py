@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import findings_of, harness_cli
+from conftest import findings_of, harness_cli, read_jsonl
 
 
 def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
@@ -11,13 +11,15 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     result = harness_cli("demo", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = result.stdout[result.stdout.index("harness demo: finished"):]
-    faults = ("makes the loss non-finite", "made infinite", "replaced by random tokens", "is masked (-100)", "kills itself (SIGKILL)", "(divergence)")
+    faults = ("makes the loss non-finite", "made infinite", "replaced by random tokens", "is masked (-100)", "kills itself (SIGKILL)", "(divergence)",
+              "a padding collator instead")
     for fault in faults:
         assert fault in summary
     assert "harness skipped the optimizer update at step 8 after NONFINITE_LOSS" in summary
     assert "mlflow ui --backend-store-uri sqlite:///" in summary
     injected = sorted(f["evidence"]["fault"] for f in findings_of(out, "DEMO_FAULT"))
-    assert injected == ["all_labels_masked", "corrupted_batch", "corrupted_batch", "crash", "divergence", "nonfinite_grad", "nonfinite_loss"]
+    assert injected == ["all_labels_masked", "corrupted_batch", "corrupted_batch", "crash", "divergence", "nonfinite_grad", "nonfinite_loss",
+                        "padding_collator"]
     assert (out / "model.safetensors").exists()  # the resumed run finished
     # the detectors caught what was injected, at the injected steps
     assert [f["step"] for f in findings_of(out, "NONFINITE_LOSS") if f["step"] == 8] == [8]
@@ -46,3 +48,14 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     assert wrong["RESUME_DATA_POSITION"]["step"] == 31 and wrong["RESUME_DATA_POSITION"]["plugin"] == "resume_check"
     assert not (broken / "checkpoint-40").exists()  # it stopped before training on
     assert "the resume done wrong" in result.stdout
+    # the padding collator's batch: documents see each other and padding is trained on; the stage's own packing is clean
+    verdicts = {r["step"]: r["verdict"] for r in read_jsonl(out / "harness" / "packing_check.jsonl")}
+    assert verdicts[1] == "separate" and verdicts[20] == "leak" and verdicts[40] == "separate"
+    (leak,) = findings_of(out, "PACKING_CROSS_DOC_ATTENTION")
+    assert leak["step"] == 20 and leak["severity"] == "error" and "2D attention_mask" in leak["message"]
+    (labels,) = findings_of(out, "PACKING_LOSS_ON_PADDING")
+    assert labels["step"] == 20 and labels["evidence"]["boundary_labels"] > 0 and labels["evidence"]["labelled_padding"] > 0
+    # two DDP processes: the drifted weight at the first check after step 7, the wrong gradient at step 15, each once
+    desync = out / "desync"
+    assert [(f["code"], f["step"]) for f in findings_of(desync) if f["code"].endswith("_DESYNC")] == [("PARAM_DESYNC", 10), ("GRAD_DESYNC", 15)]
+    assert "the data-parallel replicas that drift apart" in result.stdout

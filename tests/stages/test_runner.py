@@ -50,6 +50,10 @@ def test_pretrain_example(tmp_path: Path) -> None:
     assert run_stage("pretrain", config) == 0
     _assert_trained(tmp_path / "pretrain", 30)
     assert (tmp_path / "pretrain" / "model.safetensors").exists()
+    # the stage's own packing passes packing_check's experiment: a packed row of several documents, none leaking
+    (check,) = read_jsonl(tmp_path / "pretrain" / "harness" / "packing_check.jsonl")
+    assert check["step"] == 1 and check["documents"] >= 2 and check["boundaries"] == "position_ids"
+    assert check["mask_form"] == "position_ids only (no attention_mask)" and check["verdict"] == "separate" and check["leak"] == 0.0
 
 
 def test_continue_example_from_a_model_directory(tmp_path: Path) -> None:

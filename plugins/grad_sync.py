@@ -1,0 +1,453 @@
+"""grad_sync: proves that data-parallel replicas stay replicas.
+
+Every ``every`` optimizer steps (and at the first), inside the step guard,
+each rank fingerprints what data parallelism promises is identical on all
+ranks and the ranks compare:
+
+* weights: the parameters the step's forward pass used (bit patterns, so a
+  one-ulp drift in one element of one tensor is seen);
+* reduced gradients: under DDP (and DeepSpeed stage 0) every rank holds the
+  whole averaged gradient, compared bit for bit. Under ZeRO-1/2 each rank
+  owns a slice of it, so nothing is replicated: instead every rank sums its
+  own (local, pre-reduction) gradient over every slice, the ranks add those
+  sums up, and each owner's reduced slice must equal their mean (a linear
+  fingerprint survives the reduction; a tolerance covers rounding);
+* inputs: whether the ranks were fed identical micro-batches;
+* time: how long each rank waited for its data loader (``STRAGGLER_RANK``).
+
+Findings are reported on rank 0 before the update, so ``on_desync: stop``
+keeps the step's update from happening. ZeRO-3 and FSDP shard everything,
+so there is nothing to compare; the plugin says so once and stays idle.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness.distributed import all_gather_objects, broadcast_from_main
+from harness.findings import FindingCode, Severity
+from harness.fingerprints import exact_fingerprints, unwrap_optimizer
+from harness.hashing import device_row_hashes
+from harness.hookspecs import hookimpl
+
+GRAD_DESYNC = FindingCode(
+    "GRAD_DESYNC",
+    Severity.ERROR,
+    "Data-parallel ranks hold different reduced gradients: the gradient all-reduce left a rank out or changed it.",
+    "distributed#grad_desync",
+)
+PARAM_DESYNC = FindingCode(
+    "PARAM_DESYNC", Severity.ERROR, "Data-parallel replicas hold different weights: they are training different models.", "distributed#param_desync"
+)
+RANK_INPUTS_IDENTICAL = FindingCode(
+    "RANK_INPUTS_IDENTICAL",
+    Severity.ERROR,
+    "Every data-parallel rank was fed the same micro-batches: N ranks do the work of one.",
+    "distributed#rank_inputs_identical",
+)
+STRAGGLER_RANK = FindingCode(
+    "STRAGGLER_RANK", Severity.WARNING, "One rank waits for its data far longer than the others, and every rank waits for it.", "distributed#straggler_rank"
+)
+GRAD_SYNC_UNSUPPORTED = FindingCode(
+    "GRAD_SYNC_UNSUPPORTED",
+    Severity.INFO,
+    "The replica check cannot run under this parallelism (nothing is replicated).",
+    "distributed#grad_sync_unsupported",
+)
+DESYNC_CODES = (GRAD_DESYNC.code, PARAM_DESYNC.code)
+_UNIT_ROUNDOFF = {torch.float64: 1.2e-16, torch.float32: 6.0e-8, torch.bfloat16: 3.9e-3, torch.float16: 4.9e-4}
+
+
+class GradSyncOptions(BaseModel):
+    """Options of the ``grad_sync`` plugin."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    every: int = Field(
+        50, ge=1, description="Check every this many optimizer steps (and at step 1). A check reads every weight and gradient "
+        "once on the device and gathers a few numbers per tensor over gloo.",
+    )
+    on_desync: Literal["warn", "stop", "rebroadcast"] = Field(
+        "warn", description="What GRAD_DESYNC/PARAM_DESYNC do: warn; stop (before the step's update); or rebroadcast rank 0's "
+        "weights and optimizer state to every rank after the update (DDP only; under ZeRO-1/2 a parameter desync is "
+        "repaired by the step's own all-gather and a gradient desync stops).",
+    )
+    check_params: bool = Field(True, description="Compare the weights of every rank.")
+    check_grads: bool = Field(True, description="Compare the reduced gradients (DDP: bit for bit; ZeRO-1/2: each slice against the ranks' mean).")
+    check_inputs: bool = Field(True, description="RANK_INPUTS_IDENTICAL when every rank got the same micro-batches.")
+    zero_rtol: float = Field(
+        1e-3, gt=0, description="ZeRO-1/2 slice check: tolerance relative to the slice's L2 norm (plus the reduction dtype's "
+        "rounding over the slice's L1 norm).",
+    )
+    max_tensors: int = Field(5, ge=1, description="Diverging tensors named in a finding (the evidence counts them all).")
+    straggler_fraction: float = Field(
+        0.1, gt=0, description="STRAGGLER_RANK when a rank's data-loader wait per step exceeds the other ranks' median by "
+        "this fraction of the median step time ...",
+    )
+    straggler_min_seconds: float = Field(0.01, ge=0, description="... and by at least this many seconds per step ...")
+    straggler_checks: int = Field(2, ge=1, description="... at this many checks in a row.")
+    max_reports: int = Field(5, ge=1, description="Findings per code per run at most.")
+
+
+def _module(model: Any) -> Any:
+    return getattr(model, "module", model)
+
+
+def _mode(trainer: Any, world_size: int) -> tuple[str, str]:
+    """("ddp" | "zero" | "unsupported" | "single", description of the parallelism)."""
+    if world_size <= 1:
+        return "single", "one process"
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "unsupported", "FSDP shards weights and gradients"
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        engine = trainer.model_wrapped
+        stage = int(engine.zero_optimization_stage()) if hasattr(engine, "zero_optimization_stage") else 0
+        if stage >= 3:
+            return "unsupported", "DeepSpeed ZeRO-3 shards weights and gradients"
+        return ("zero", f"DeepSpeed ZeRO-{stage}") if stage in (1, 2) else ("ddp", "DeepSpeed ZeRO-0")
+    return "ddp", "DistributedDataParallel"
+
+
+class _ZeroSlices:
+    """Who owns which slice of each parameter's gradient under ZeRO-1/2, and the linear checks on those slices.
+
+    Two linear fingerprints per slice (plain sum, alternating-sign sum) are
+    computed on every rank's local gradient by tensor hooks during the check
+    step's backward passes; the mean over ranks must equal the same
+    fingerprints of the owner's reduced slice.
+    """
+
+    def __init__(self, params: list[tuple[str, torch.nn.Parameter]], rank: int) -> None:
+        mine = []
+        for index, (_, param) in enumerate(params):
+            mapping = getattr(param, "_hp_mapping", None)
+            if mapping is not None:
+                address = mapping.lp_fragment_address
+                mine.append((index, int(address.start), int(address.numel)))
+        layout = all_gather_objects(mine)
+        self.pieces = sorted((index, start, numel, owner) for owner, rank_pieces in enumerate(layout) for index, start, numel in rank_pieces)
+        self.by_param: dict[int, list[tuple[int, int, int]]] = {}
+        for k, (index, start, numel, _) in enumerate(self.pieces):
+            self.by_param.setdefault(index, []).append((k, start, numel))
+        self.params = params
+        self.rank = rank
+        self.local: torch.Tensor | None = None
+        self._handles: list[Any] = []
+
+    @staticmethod
+    def linear(values: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.sum(values, dtype=torch.float64), torch.sum(values[0::2], dtype=torch.float64) - torch.sum(values[1::2], dtype=torch.float64)])
+
+    def arm(self) -> None:
+        """Start summing local gradients (for the micro-batches of one check step)."""
+        self.local = None
+        for index, (_, param) in enumerate(self.params):
+            if index in self.by_param and param.requires_grad:
+                self._handles.append(param.register_hook(self._hook(index)))
+
+    def _hook(self, index: int) -> Any:
+        def accumulate(grad: torch.Tensor) -> None:
+            if self.local is None:
+                self.local = torch.zeros(len(self.pieces), 2, dtype=torch.float64, device=grad.device)
+            flat = grad.detach().reshape(-1)
+            for k, start, numel in self.by_param[index]:
+                self.local[k] += self.linear(flat.narrow(0, start, numel))
+        return accumulate
+
+    def disarm(self) -> list[list[float]] | None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        local, self.local = self.local, None
+        return local.cpu().tolist() if local is not None else None
+
+    def owned(self) -> dict[int, list[float]]:
+        """This rank's reduced slices: k -> [sum, alternating sum, L2 norm, L1 norm, unit roundoff]."""
+        rows, keys, units = [], [], []
+        for k, (index, start, numel, owner) in enumerate(self.pieces):
+            if owner != self.rank:
+                continue
+            param = self.params[index][1]
+            fragment = param._hp_mapping.get_lp_grad_fragment(param._index_in_param_group).reshape(-1)
+            if fragment.numel() == param.numel() and fragment.numel() != numel:
+                fragment = fragment.narrow(0, start, numel)  # bf16 keeps a whole accumulation buffer per rank
+            rows.append(torch.cat([
+                self.linear(fragment),
+                torch.stack([torch.linalg.vector_norm(fragment, 2, dtype=torch.float64), torch.sum(fragment.abs(), dtype=torch.float64)]),
+            ]))
+            keys.append(k)
+            units.append(_UNIT_ROUNDOFF.get(fragment.dtype, 6.0e-8))
+        if not rows:
+            return {}
+        values = torch.stack(rows).cpu().tolist()
+        return {k: [*v, u] for k, v, u in zip(keys, values, units)}
+
+
+class GradSync:
+    """Compares weights, reduced gradients, inputs and data-loader waits across data-parallel ranks."""
+
+    name = "grad_sync"
+
+    def __init__(self) -> None:
+        self.options = GradSyncOptions()
+        self.mode = "single"
+        self._params: list[tuple[str, torch.nn.Parameter]] = []
+        self._zero: _ZeroSlices | None = None
+        self._armed_step: int | None = None
+        self._inputs: list[torch.Tensor] = []
+        self._window = [0.0, 0.0, 0]  # data_time, step_time, steps since the last check
+        self._slow_checks: Counter[int] = Counter()
+        self._reports: Counter[str] = Counter()
+        self._rebroadcast = False
+        self._optimizer: Any = None
+
+    @hookimpl
+    def add_config(self) -> type[BaseModel]:
+        return GradSyncOptions
+
+    @hookimpl
+    def declare_codes(self) -> list[FindingCode]:
+        return [GRAD_DESYNC, PARAM_DESYNC, RANK_INPUTS_IDENTICAL, STRAGGLER_RANK, GRAD_SYNC_UNSUPPORTED]
+
+    @hookimpl
+    def configure(self, ctx: Any, options: GradSyncOptions) -> None:
+        self.options = options
+
+    @hookimpl
+    def on_run_start(self, ctx: Any, trainer: Any) -> None:
+        self.mode, described = _mode(trainer, ctx.world_size)
+        self._described = described
+        self._params = list(_module(trainer.model_wrapped).named_parameters())
+        self._zero = None
+        if self.mode == "unsupported" and ctx.is_main:
+            self._report(ctx, GRAD_SYNC_UNSUPPORTED.code, f"grad_sync compares replicas, and under {described} there are none; "
+                         "the check is off for this run (findings of other plugins are unaffected).", evidence={"parallelism": described})
+
+    def _is_check_step(self, step: int) -> bool:
+        return step == 1 or step % self.options.every == 0
+
+    # -- the check step's micro-batches --------------------------------------------------------------------
+
+    @hookimpl
+    def inspect_batch(self, ctx: Any, batch: Any, step: int, micro_step: int) -> None:
+        if self.mode not in ("ddp", "zero") or not self._is_check_step(step):
+            return
+        if micro_step == 0:
+            self._inputs = []
+            if self.mode == "zero" and self.options.check_grads:
+                if self._zero is None:
+                    self._zero = _ZeroSlices(self._params, ctx.rank)  # collective: every rank reaches its first check step
+                self._zero.arm()
+                self._armed_step = step
+        if self.options.check_inputs and isinstance(batch, Mapping) and torch.is_tensor(batch.get("input_ids")):
+            mask = batch.get("attention_mask")
+            self._inputs.append(device_row_hashes(batch["input_ids"], mask if torch.is_tensor(mask) and mask.dim() == 2 else None))
+
+    # -- the comparison, inside the step guard ------------------------------------------------------------
+
+    @hookimpl
+    def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, optimizer: Any) -> None:
+        if self.mode not in ("ddp", "zero") or not self._is_check_step(step):
+            return
+        self._optimizer = optimizer
+        o = self.options
+        tensors = [p for _, p in self._params]
+        mine: dict[str, Any] = {
+            "params": exact_fingerprints(tensors) if o.check_params else None,
+            "grads": exact_fingerprints([p.grad for p in tensors]) if o.check_grads and self.mode == "ddp" else None,
+            "inputs": [h.tolist() for h in self._inputs] if o.check_inputs else None,
+            "timing": list(self._window),
+        }
+        if self._zero is not None and self._armed_step == step:
+            mine["zero_local"] = self._zero.disarm()
+            mine["zero_owned"] = self._zero.owned()
+        self._inputs, self._window, self._armed_step = [], [0.0, 0.0, 0], None
+        gathered = all_gather_objects(mine)
+        desync = False
+        if o.check_params:
+            desync |= self._compare_exact(ctx, step, [g["params"] for g in gathered], PARAM_DESYNC.code, "weights")
+        if o.check_grads and self.mode == "ddp":
+            desync |= self._compare_exact(ctx, step, [g["grads"] for g in gathered], GRAD_DESYNC.code, "reduced gradients")
+        if self._zero is not None and all(g.get("zero_local") is not None for g in gathered):
+            desync |= self._compare_zero(ctx, step, gathered)
+        if o.check_inputs:
+            self._compare_inputs(ctx, step, [g["inputs"] for g in gathered])
+        self._compare_timing(ctx, step, [g["timing"] for g in gathered])
+        self._rebroadcast = desync and o.on_desync == "rebroadcast" and self.mode == "ddp"
+        if ctx.is_main:
+            self._record(ctx, step, gathered, desync)
+
+    def _record(self, ctx: Any, step: int, gathered: list[dict[str, Any]], desync: bool) -> None:
+        """One line per check in ``grad_sync.jsonl``: what was compared and whether the replicas agreed."""
+        record = {
+            "step": step, "parallelism": self._described, "ranks": len(gathered), "in_sync": not desync,
+            "params_compared": len(self._params) if gathered[0]["params"] is not None else 0,
+            "grads_compared": sum(v is not None for v in gathered[0]["grads"]) if gathered[0]["grads"] is not None else 0,
+            "slices_compared": len(self._zero.pieces) if self._zero is not None and gathered[0].get("zero_local") is not None else 0,
+            "data_wait_s": [round(t[0] / t[2], 6) if t[2] else None for t in (g["timing"] for g in gathered)],
+        }
+        with open(ctx.path("grad_sync.jsonl"), "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def _compare_exact(self, ctx: Any, step: int, per_rank: list[list[Any] | None], code: str, what: str) -> bool:
+        if any(r is None for r in per_rank):
+            return False
+        diverging: list[dict[str, Any]] = []
+        ranks: set[int] = set()
+        for index, (name, _) in enumerate(self._params):
+            values = [r[index] for r in per_rank]
+            groups: dict[Any, list[int]] = {}
+            for rank, value in enumerate(values):
+                groups.setdefault(value, []).append(rank)
+            if len(groups) == 1:
+                continue
+            reference = max(groups.items(), key=lambda kv: (len(kv[1]), 0 in kv[1]))
+            odd = sorted(r for r in range(len(values)) if r not in reference[1])
+            ranks.update(odd)
+            ref = reference[0]
+            diverging.append({
+                "tensor": name, "ranks": odd, "reference_rank": reference[1][0],
+                "relative_difference": _relative(ref, [values[r] for r in odd]),
+            })
+        if not diverging:
+            return False
+        shown = diverging[: self.options.max_tensors]
+        names = ", ".join(d["tensor"] for d in shown) + (f" and {len(diverging) - len(shown)} more" if len(diverging) > len(shown) else "")
+        self._report(
+            ctx, code,
+            f"{what} differ across data-parallel ranks at step {step} ({self._described}): rank(s) {sorted(ranks)} disagree with "
+            f"rank {shown[0]['reference_rank']} on {len(diverging)} of {len(self._params)} tensors, first {names}"
+            + (" (these are the weights the step's forward used, after the previous update)." if code == PARAM_DESYNC.code else ".")
+            + self._policy_note(code),
+            step=step,
+            evidence={"ranks": sorted(ranks), "tensors": shown, "diverging_tensors": len(diverging), "checked_tensors": len(self._params),
+                      "parallelism": self._described, "on_desync": self.options.on_desync},
+        )
+        return True
+
+    def _compare_zero(self, ctx: Any, step: int, gathered: list[dict[str, Any]]) -> bool:
+        zero = self._zero
+        assert zero is not None
+        world = len(gathered)
+        owned: dict[int, list[float]] = {}
+        for g in gathered:
+            owned.update({int(k): v for k, v in g["zero_owned"].items()})
+        diverging: list[dict[str, Any]] = []
+        for k, (index, start, numel, owner) in enumerate(zero.pieces):
+            if k not in owned:
+                continue
+            expected = [sum(g["zero_local"][k][j] for g in gathered) / world for j in (0, 1)]
+            total, alternating, l2, l1, unit = owned[k]
+            tolerance = self.options.zero_rtol * l2 + 4 * unit * world * l1 + 1e-30
+            error = max(abs(total - expected[0]), abs(alternating - expected[1]))
+            if error > tolerance:
+                diverging.append({"tensor": self._params[index][0], "ranks": [owner], "slice": [start, start + numel],
+                                  "owner_sum": total, "expected_sum": expected[0], "error": error, "tolerance": tolerance})
+        if not diverging:
+            return False
+        shown = diverging[: self.options.max_tensors]
+        ranks = sorted({r for d in diverging for r in d["ranks"]})
+        names = ", ".join(f"{d['tensor']}[{d['slice'][0]}:{d['slice'][1]}]" for d in shown)
+        self._report(
+            ctx, GRAD_DESYNC.code,
+            f"reduced gradients at step {step} ({self._described}) are not the mean of the ranks' gradients: the slices owned by "
+            f"rank(s) {ranks} differ on {len(diverging)} of {len(zero.pieces)} slices, first {names}." + self._policy_note(GRAD_DESYNC.code),
+            step=step,
+            evidence={"ranks": ranks, "tensors": shown, "diverging_tensors": len(diverging), "checked_slices": len(zero.pieces),
+                      "parallelism": self._described, "on_desync": self.options.on_desync},
+        )
+        return True
+
+    def _policy_note(self, code: str) -> str:
+        policy = self.options.on_desync
+        if policy == "stop" or (policy == "rebroadcast" and self.mode == "zero" and code == GRAD_DESYNC.code):
+            return " Training stops before this step's update."
+        if policy == "rebroadcast" and self.mode == "ddp":
+            return " Rank 0's weights and optimizer state are broadcast to every rank after this step."
+        if policy == "rebroadcast":
+            return " The step's all-gather rewrites every replica from the ZeRO partitions."
+        return ""
+
+    def _compare_inputs(self, ctx: Any, step: int, per_rank: list[list[list[int]] | None]) -> None:
+        if any(not r for r in per_rank) or any(r != per_rank[0] for r in per_rank[1:]):
+            return
+        self._report(
+            ctx, RANK_INPUTS_IDENTICAL.code,
+            f"all {len(per_rank)} data-parallel ranks trained on identical micro-batches at step {step} ({len(per_rank[0])} micro-batches, "
+            f"{sum(len(m) for m in per_rank[0])} rows each): the data is not sharded across ranks, so the effective batch is one "
+            "rank's and the other ranks' compute is wasted.",
+            step=step,
+            evidence={"ranks": list(range(len(per_rank))), "micro_batches": len(per_rank[0]), "rows": sum(len(m) for m in per_rank[0])},
+        )
+
+    def _compare_timing(self, ctx: Any, step: int, per_rank: list[list[float]]) -> None:
+        if len(per_rank) < 2 or any(n == 0 for _, _, n in per_rank):
+            return
+        data = [d / n for d, _, n in per_rank]
+        step_time = statistics.median(s / n for _, s, n in per_rank)
+        margin = max(self.options.straggler_min_seconds, self.options.straggler_fraction * step_time)
+        for rank, wait in enumerate(data):
+            others = statistics.median(data[:rank] + data[rank + 1:])
+            if wait - others <= margin:
+                self._slow_checks[rank] = 0
+                continue
+            self._slow_checks[rank] += 1
+            if self._slow_checks[rank] == self.options.straggler_checks:
+                self._report(
+                    ctx, STRAGGLER_RANK.code,
+                    f"rank {rank} waits {wait * 1000:.0f} ms per step for its data loader, the other ranks {others * 1000:.0f} ms "
+                    f"(median step {step_time * 1000:.0f} ms), at {self._slow_checks[rank]} checks in a row up to step {step}: "
+                    "every rank waits for it at the next collective.",
+                    step=step,
+                    evidence={"rank": rank, "data_wait_s": [round(d, 6) for d in data], "median_step_s": step_time,
+                              "steps_in_window": per_rank[rank][2]},
+                )
+
+    def _report(self, ctx: Any, code: str, message: str, **kwargs: Any) -> None:
+        self._reports[code] += 1
+        if ctx.is_main and self._reports[code] <= self.options.max_reports:
+            ctx.report(code, message, **kwargs)
+
+    @hookimpl
+    def decide_action(self, ctx: Any, finding: Any) -> str | None:
+        if finding.code not in DESYNC_CODES:
+            return None
+        policy = self.options.on_desync
+        if policy == "stop" or (policy == "rebroadcast" and self.mode == "zero" and finding.code == GRAD_DESYNC.code):
+            return "stop"
+        return "continue"
+
+    # -- after the update -----------------------------------------------------------------------------------
+
+    @hookimpl
+    def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        if self.mode not in ("ddp", "zero"):
+            return
+        if metrics.get("step_time") is not None:
+            self._window[0] += float(metrics.get("data_time") or 0.0)
+            self._window[1] += float(metrics["step_time"])
+            self._window[2] += 1
+        if self._rebroadcast:
+            self._rebroadcast = False
+            tensors = [p.data for _, p in self._params]
+            optimizer = unwrap_optimizer(self._optimizer) if self._optimizer is not None else None
+            for state in (getattr(optimizer, "state", None) or {}).values():
+                if isinstance(state, dict):
+                    tensors += [v for v in state.values() if torch.is_tensor(v)]
+            broadcast_from_main(tensors)
+
+
+def _relative(reference: tuple[int, float, float] | None, others: list[tuple[int, float, float] | None]) -> float | None:
+    """Largest relative difference of the float64 sums of squares (how far apart the replicas are)."""
+    if reference is None or any(o is None for o in others):
+        return None
+    base = max(abs(reference[2]), 1e-30)
+    return max(abs(o[2] - reference[2]) / base for o in others if o is not None) if others else 0.0
+
+

@@ -1,0 +1,347 @@
+"""packing_check: measures whether packed documents can see each other, on the run's own model and batches.
+
+Packing several documents into one row is only sound if attention (and the
+loss) stop at document boundaries. Whether they do depends on the attention
+implementation, the mask form the collator produces, the KV-cache setting
+and the library version, and a mistake raises no error: the loss simply
+looks good because the model may read the previous document. So instead of
+trusting a table of known combinations this plugin runs an experiment: at
+the first step and every ``every`` steps it takes a packed row from the real
+batch, changes the tokens of its first document, runs the model twice
+without gradients (same mask, same positions, dropout off) and checks that
+the logits of the row's other documents did not move.
+
+Document boundaries come from the collator's metadata (``doc_ids``,
+``seq_idx``), else from restarting ``position_ids``, else (when the batch
+has a 4D mask, or ``boundaries: eos``) from EOS/BOS tokens. A batch with no
+packing information at all claims no separation (GPT-style concatenation
+is a choice) and is not checked. The same look at the batch also finds labels on padding and labels
+that make the first token of a document a prediction target of the previous
+one (``PACKING_LOSS_ON_PADDING``).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness.capture import autocast_dtype, can_recompute
+from harness.findings import FindingCode, Severity
+from harness.hookspecs import hookimpl
+
+PACKING_CROSS_DOC_ATTENTION = FindingCode(
+    "PACKING_CROSS_DOC_ATTENTION",
+    Severity.ERROR,
+    "In packed rows, changing one document changes the model's output on another: attention crosses document boundaries.",
+    "packing#packing_cross_doc_attention",
+)
+PACKING_LOSS_ON_PADDING = FindingCode(
+    "PACKING_LOSS_ON_PADDING",
+    Severity.WARNING,
+    "Labels train the model on padding, or on predicting a document's first token from the previous document.",
+    "packing#packing_loss_on_padding",
+)
+IGNORE_INDEX = -100
+METADATA_KEYS = ("doc_ids", "seq_idx", "document_ids")
+SEARCH_BATCHES = 8
+MODEL_KEYS = ("input_ids", "position_ids", "attention_mask", "token_type_ids")
+
+
+class PackingCheckOptions(BaseModel):
+    """Options of the ``packing_check`` plugin."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    every: int = Field(
+        500, ge=1, description="Check at step 1 and every this many steps: two extra forward passes of one row, without gradients."
+    )
+    boundaries: Literal["auto", "metadata", "position_ids", "eos"] = Field(
+        "auto", description="Where document boundaries come from. auto: collator metadata (doc_ids/seq_idx), else "
+        "restarting position_ids, else EOS/BOS tokens when the batch has a 4D mask; a batch with none of these claims no "
+        "separation (GPT-style concatenation) and is not checked. eos: always split at EOS/BOS tokens (for models that "
+        "build their own document mask from them).",
+    )
+    tolerance: float | None = Field(
+        None, gt=0, description="Largest change of another document's logits (relative to their largest magnitude) that is "
+        "not a leak; default 1e-3, or 2e-2 when the model runs under bf16/fp16 autocast.",
+    )
+    check_labels: bool = Field(True, description="Also report PACKING_LOSS_ON_PADDING from the batch's labels.")
+    max_reports: int = Field(3, ge=1, description="Findings per code per run at most.")
+
+
+def _segments_from_ids(values: list[int], valid: list[bool]) -> list[tuple[int, int]]:
+    """Runs of equal ids (metadata) over valid positions; negative ids are padding."""
+    out: list[tuple[int, int]] = []
+    start = None
+    for t, (v, ok) in enumerate(zip(values, valid)):
+        if start is not None and (not ok or v < 0 or v != values[start]):
+            out.append((start, t))
+            start = None
+        if start is None and ok and v >= 0:
+            start = t
+    if start is not None:
+        out.append((start, len(values)))
+    return out
+
+
+def _segments_from_positions(positions: list[int], valid: list[bool]) -> list[tuple[int, int]]:
+    """A document starts wherever position ids do not continue by one."""
+    out: list[tuple[int, int]] = []
+    start = None
+    for t, ok in enumerate(valid):
+        if start is not None and (not ok or positions[t] != positions[t - 1] + 1):
+            out.append((start, t))
+            start = None
+        if start is None and ok:
+            start = t
+    if start is not None:
+        out.append((start, len(valid)))
+    return out
+
+
+def _segments_from_tokens(ids: list[int], valid: list[bool], eos: int | None, bos: int | None) -> list[tuple[int, int]]:
+    """A document ends after each EOS and starts at each BOS."""
+    out: list[tuple[int, int]] = []
+    start = None
+    for t, (tok, ok) in enumerate(zip(ids, valid)):
+        if start is not None and (not ok or (bos is not None and tok == bos and t > start)):
+            out.append((start, t))
+            start = None
+        if start is None and ok:
+            start = t
+        if start is not None and eos is not None and tok == eos:
+            out.append((start, t + 1))
+            start = None
+    if start is not None:
+        out.append((start, len(ids)))
+    return out
+
+
+def _mask_form(batch: Mapping[str, Any]) -> str:
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    pos = " + position_ids" if torch.is_tensor(positions) else ""
+    if not torch.is_tensor(mask):
+        return "position_ids only (no attention_mask)" if pos else "no attention_mask, no position_ids"
+    if mask.dim() == 4:
+        return f"4D {'boolean' if mask.dtype == torch.bool else str(mask.dtype).replace('torch.', '')} mask{pos}"
+    return f"2D attention_mask{pos}"
+
+
+class PackingCheck:
+    """Perturbs one document of a packed row and measures how much the others move; checks labels at boundaries."""
+
+    name = "packing_check"
+
+    def __init__(self) -> None:
+        self.options = PackingCheckOptions()
+        self._unable: str | None = None
+        self._due = 0  # micro-batches left to find a packed row in
+        self._reported: set[tuple[str, str]] = set()
+        self._counts: dict[str, int] = {}
+        self.results: list[dict[str, Any]] = []
+
+    @hookimpl
+    def add_config(self) -> type[BaseModel]:
+        return PackingCheckOptions
+
+    @hookimpl
+    def declare_codes(self) -> list[FindingCode]:
+        return [PACKING_CROSS_DOC_ATTENTION, PACKING_LOSS_ON_PADDING]
+
+    @hookimpl
+    def configure(self, ctx: Any, options: PackingCheckOptions) -> None:
+        self.options = options
+
+    @hookimpl
+    def on_run_start(self, ctx: Any, trainer: Any) -> None:
+        self._unable = can_recompute(trainer)
+
+    @hookimpl
+    def inspect_batch(self, ctx: Any, batch: Any, step: int, micro_step: int) -> None:
+        scheduled = micro_step == 0 and (step == 1 or step % self.options.every == 0)
+        if scheduled:
+            self._due = SEARCH_BATCHES  # a due experiment takes the first of the next micro-batches that has a packed row
+        if not self._due or not isinstance(batch, Mapping):
+            return
+        self._due -= 1
+        ids = batch.get("input_ids")
+        if not torch.is_tensor(ids) or ids.dim() != 2:
+            return
+        rows, source = self._documents(ctx, batch)
+        if scheduled and self.options.check_labels:
+            self._check_labels(ctx, step, batch, rows, source)
+        if self._unable is not None or source == "none":  # nothing to measure on, or no packing in this run's batches
+            self._due = 0
+            return
+        row = next((r for r, docs in enumerate(rows) if len(self._real(batch, r, docs)) >= 2), None)
+        if row is not None:
+            self._due = 0
+            self._measure(ctx, step, batch, row, rows[row], source)
+
+    # -- where documents are ----------------------------------------------------------------------------------
+
+    def _special_ids(self, ctx: Any) -> tuple[int | None, int | None, int | None]:
+        tokenizer = getattr(ctx.trainer, "processing_class", None)
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # processors wrap one
+        config = getattr(getattr(ctx.trainer, "model", None), "config", None)
+
+        def pick(name: str) -> int | None:
+            for source in (tokenizer, config):
+                value = getattr(source, name, None)
+                if isinstance(value, int):
+                    return value
+            return None
+
+        return pick("eos_token_id"), pick("bos_token_id"), pick("pad_token_id")
+
+    def _documents(self, ctx: Any, batch: Mapping[str, Any]) -> tuple[list[list[tuple[int, int]]], str]:
+        ids = batch["input_ids"].tolist()
+        mask = batch.get("attention_mask")
+        valid = mask.bool().tolist() if torch.is_tensor(mask) and mask.dim() == 2 else [[True] * len(r) for r in ids]
+        wanted = self.options.boundaries
+        metadata = next((k for k in METADATA_KEYS if torch.is_tensor(batch.get(k)) and batch[k].shape == batch["input_ids"].shape), None)
+        positions = batch.get("position_ids")
+        if wanted in ("auto", "metadata") and metadata is not None:
+            values = batch[metadata].tolist()
+            return [_segments_from_ids(v, ok) for v, ok in zip(values, valid)], metadata
+        if wanted in ("auto", "position_ids") and torch.is_tensor(positions) and positions.dim() == 2:
+            pos = positions.expand_as(batch["input_ids"]).tolist()
+            return [_segments_from_positions(p, ok) for p, ok in zip(pos, valid)], "position_ids"
+        four_d = torch.is_tensor(mask) and mask.dim() == 4
+        if wanted == "eos" or (wanted == "auto" and four_d):  # a 4D mask claims separation; EOS/BOS say where
+            eos, bos, _ = self._special_ids(ctx)
+            return [_segments_from_tokens(r, ok, eos, bos) for r, ok in zip(ids, valid)], "eos"
+        # no packing information: documents (if any) are concatenated on purpose (GPT-style), or this is not packing
+        return [[] for _ in ids], "none"
+
+    def _real(self, batch: Mapping[str, Any], row: int, docs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Documents with something to learn: a labelled token (or, without labels, at least two tokens)."""
+        labels = batch.get("labels")
+        if torch.is_tensor(labels) and labels.shape == batch["input_ids"].shape:
+            labelled = labels[row].ne(IGNORE_INDEX).tolist()
+            return [(s, e) for s, e in docs if any(labelled[s:e])]
+        return [(s, e) for s, e in docs if e - s >= 2]
+
+    # -- the experiment ----------------------------------------------------------------------------------------
+
+    def _measure(self, ctx: Any, step: int, batch: Mapping[str, Any], row: int, docs: list[tuple[int, int]], source: str) -> None:
+        real = self._real(batch, row, docs)
+        if len(real) < 2:
+            return
+        model = ctx.trainer.model
+        eos, bos, pad = self._special_ids(ctx)
+        specials = {t for t in (eos, bos, pad) if t is not None}
+        inputs = {k: batch[k][row : row + 1] for k in MODEL_KEYS if torch.is_tensor(batch.get(k)) and batch[k].dim() >= 2 and batch[k].shape[0] == batch["input_ids"].shape[0]}
+        if "position_ids" in batch and torch.is_tensor(batch["position_ids"]) and batch["position_ids"].shape[0] == 1:
+            inputs["position_ids"] = batch["position_ids"]
+        first_start, first_end = real[0]
+        changed = inputs["input_ids"].clone()
+        vocab = int(getattr(model.config, "vocab_size", 0) or int(changed.max()) + 1)
+        for t in range(first_start, first_end):
+            token = int(changed[0, t])
+            if token in specials:
+                continue
+            for shift in (7, 11, 13, 17):
+                candidate = (token + shift) % vocab
+                if candidate not in specials:
+                    changed[0, t] = candidate
+                    break
+        if torch.equal(changed, inputs["input_ids"]):
+            return
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                before = model(**inputs).logits[0].float()
+                after = model(**{**inputs, "input_ids": changed}).logits[0].float()
+        finally:
+            model.train(was_training)
+        others = torch.zeros(before.shape[0], dtype=torch.bool, device=before.device)
+        for start, end in real[1:]:
+            others[start:end] = True
+        own = (after[first_start:first_end] - before[first_start:first_end]).abs().max().item()
+        delta = (after[others] - before[others]).abs()
+        scale = max(before[others].abs().max().item(), 1e-12)
+        leak_abs = delta.max().item()
+        leak = leak_abs / scale
+        tolerance = self.options.tolerance or (2e-2 if autocast_dtype(ctx.trainer) else 1e-3)
+        per_doc = [round((after[s:e] - before[s:e]).abs().max().item() / scale, 6) for s, e in real[1:]]
+        impl = str(getattr(model.config, "_attn_implementation", None))
+        form = _mask_form(batch)
+        verdict = "inconclusive" if own <= tolerance * scale else ("leak" if leak > tolerance else "separate")
+        result = {"step": step, "rank": ctx.rank, "row": row, "documents": len(real), "boundaries": source, "mask_form": form,
+                  "attn_implementation": impl, "leak": leak, "leak_abs": leak_abs, "perturbed_document_change": own,
+                  "tolerance": tolerance, "verdict": verdict, "per_document_leak": per_doc}
+        self.results.append(result)
+        if ctx.is_main:
+            with open(ctx.path("packing_check.jsonl"), "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(result) + "\n")
+        if verdict != "leak" or (form, impl) in self._reported:
+            return
+        self._reported.add((form, impl))
+        leaking = sum(1 for d in per_doc if d > tolerance)
+        self._report(
+            ctx, PACKING_CROSS_DOC_ATTENTION.code,
+            f"changing document 1 of packed row {row} at step {step} (rank {ctx.rank}) moved the logits of {leaking} of the "
+            f"{len(per_doc)} later documents by up to {leak:.3g} of their magnitude ({leak_abs:.3g} absolute; tolerance {tolerance:g}): "
+            f"with attn_implementation='{impl}' and {form}, tokens attend across document boundaries (boundaries from {source}).",
+            step=step, evidence=result,
+        )
+
+    # -- labels at padding and at boundaries ---------------------------------------------------------------------
+
+    def _check_labels(self, ctx: Any, step: int, batch: Mapping[str, Any], rows: list[list[tuple[int, int]]], source: str) -> None:
+        labels, ids = batch.get("labels"), batch["input_ids"]
+        if not torch.is_tensor(labels) or labels.shape != ids.shape:
+            return
+        labelled = labels.ne(IGNORE_INDEX)
+        mask = batch.get("attention_mask")
+        padding = self._pad_tail(ctx, ids)  # an all-ones mask (a padding collator's) does not make the pad tail text
+        if torch.is_tensor(mask) and mask.dim() == 2:
+            padding = padding | mask.eq(0)
+        on_padding = int((labelled & padding).sum())
+        crossing: list[tuple[int, int]] = []
+        if source in (*METADATA_KEYS, "position_ids"):  # declared boundaries: a document's first token has no context to come from
+            flags = labelled.tolist()
+            for r, docs in enumerate(rows):
+                crossing += [(r, s) for s, _ in docs if s > 0 and flags[r][s]]
+        if not on_padding and not crossing:
+            return
+        parts = []
+        if on_padding:
+            parts.append(f"{on_padding} labelled padding positions (loss on tokens that are not text)")
+        if crossing:
+            parts.append(f"{len(crossing)} document starts whose first token is a label, predicted from the previous document's last token")
+        self._report(
+            ctx, PACKING_LOSS_ON_PADDING.code,
+            f"the labels at step {step} (rank {ctx.rank}) include " + " and ".join(parts) + f" (boundaries from {source}).",
+            step=step,
+            evidence={"labelled_padding": on_padding, "boundary_labels": len(crossing), "examples": [list(c) for c in crossing[:10]],
+                      "boundaries": source, "mask_form": _mask_form(batch)},
+        )
+
+    def _pad_tail(self, ctx: Any, ids: torch.Tensor) -> torch.Tensor:
+        """Without an attention mask: the run of pad tokens at the end of each row (the first one kept when pad is EOS)."""
+        eos, _, pad = self._special_ids(ctx)
+        out = torch.zeros_like(ids, dtype=torch.bool)
+        if pad is None:
+            return out
+        for r, row in enumerate(ids.tolist()):
+            t = len(row)
+            while t > 0 and row[t - 1] == pad:
+                t -= 1
+            if pad == eos and t < len(row):
+                t += 1  # the document's own EOS
+            out[r, t:] = True
+        return out
+
+    def _report(self, ctx: Any, code: str, message: str, **kwargs: Any) -> None:
+        self._counts[code] = self._counts.get(code, 0) + 1
+        if self._counts[code] <= self.options.max_reports:
+            ctx.report(code, message, **kwargs)
+
+
+__all__ = ["PackingCheck", "PackingCheckOptions"]
