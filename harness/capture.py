@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from harness.distributed import model_parallel_sizes
 from harness.hashing import content_hashes
 
 log = logging.getLogger("harness.capture")
@@ -118,6 +119,9 @@ def can_recompute(trainer: Any) -> str | None:
         return "no trainer"
     if getattr(trainer, "is_fsdp_enabled", False):
         return "FSDP shards the parameters: a forward pass on one rank alone would hang"
+    sharded = model_parallel_sizes(trainer)
+    if sharded:
+        return f"model parallelism ({', '.join(f'{k}={v}' for k, v in sharded.items())}) runs collectives inside the forward pass"
     first = next(iter(getattr(getattr(trainer, "model", None), "parameters", lambda: iter(()))()), None)
     if first is not None and type(first).__name__ == "DTensor":
         return "the parameters are distributed tensors (tensor/context parallel): a forward pass on one rank alone would hang"

@@ -82,8 +82,8 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def broadcast_from_main(tensors: list[torch.Tensor]) -> int:
-    """Overwrite ``tensors`` on every rank with rank 0's values, in place; returns how many were sent.
+def broadcast_from(tensors: list[torch.Tensor], src: int = 0) -> int:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s values, in place; returns how many were sent.
 
     Device tensors go over the default group (NCCL on GPUs), host tensors
     over the gloo control group, so that a CPU step counter in an optimizer
@@ -93,5 +93,21 @@ def broadcast_from_main(tensors: list[torch.Tensor]) -> int:
         return 0
     for tensor in tensors:
         group = control_group() if tensor.device.type == "cpu" else None
-        torch.distributed.broadcast(tensor, src=0, group=group)
+        torch.distributed.broadcast(tensor, src=src, group=group)
     return len(tensors)
+
+
+def model_parallel_sizes(trainer: Any) -> dict[str, int]:
+    """Tensor, context or sequence parallel degrees above 1 (accelerate's ParallelismConfig, DeepSpeed AutoTP)."""
+    sizes: dict[str, int] = {}
+    config = getattr(getattr(trainer, "args", None), "parallelism_config", None)
+    for name in ("tp_size", "cp_size", "sp_size"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 1:
+            sizes[name] = value
+    engine = getattr(trainer, "model_wrapped", None)
+    autotp = getattr(getattr(engine, "_config", None), "tensor_parallel_config", None)
+    value = getattr(autotp, "autotp_size", None)
+    if isinstance(value, int) and value > 1:
+        sizes["autotp_size"] = value
+    return sizes

@@ -68,34 +68,47 @@ def tensor_sums(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
 _BIT_VIEWS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
+_CHUNK = 1 << 24  # elements per pass: float64 temporaries stay at 128 MB whatever the tensor's size
+
+
+def _exact_one(tensor: torch.Tensor) -> torch.Tensor:
+    """[bit-pattern sum, float64 sum, float64 sum of squares] of one tensor, on its device, in chunks."""
+    flat = tensor.detach().reshape(-1)
+    floating = flat.is_floating_point()
+    bits = flat.view(_BIT_VIEWS[flat.element_size()]) if floating else flat
+    out = torch.zeros(3, dtype=torch.float64, device=flat.device)
+    bit_sum = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        chunk = flat[start : start + _CHUNK]
+        bit_sum += bits[start : start + _CHUNK].sum(dtype=torch.int64)
+        out[1] += chunk.sum(dtype=torch.float64)
+        if floating:
+            out[2] += chunk.double().square().sum()
+    out[0] = bit_sum.view(torch.float64)  # carried bit for bit, unpacked on the host
+    return out
+
+
 def exact_fingerprints(tensors: list[torch.Tensor | None]) -> list[tuple[int, float, float] | None]:
     """Per tensor (sum of its bit patterns as integers, float64 sum, float64 sum of squares), one host read.
 
     The integer sum of the raw bits changes when any one element changes by
     a single ulp, so replicas that should be bit-identical (data-parallel
     weights and reduced gradients) compare exactly; the float sums say how
-    large a difference is. ``None`` entries (a missing gradient) stay None.
+    large a difference is (the sum of squares is 0 for integer tensors).
+    ``None`` entries (a missing gradient) stay None. Work is chunked, so the
+    memory it needs does not grow with the largest tensor.
     """
-    present = [t.detach().reshape(-1) for t in tensors if t is not None and t.numel()]
-    floats = [t if t.is_floating_point() else t.double() for t in present]
+    present = [t for t in tensors if t is not None and t.numel()]
     if not present:
         return [None] * len(tensors)
-    bits = torch.stack([
-        (t.view(_BIT_VIEWS[t.element_size()]) if t.is_floating_point() else t).sum(dtype=torch.int64) for t in present
-    ])
-    sums = torch.stack([
-        torch.stack([torch.sum(t, dtype=torch.float64), torch.linalg.vector_norm(t, 2, dtype=torch.float64) ** 2])
-        for t in floats
-    ])
-    values = iter(zip(bits.cpu().tolist(), sums.cpu().tolist()))
-    out: list[tuple[int, float, float] | None] = []
-    for t in tensors:
-        if t is None or not t.numel():
-            out.append(None)
-        else:
-            b, (s, q) = next(values)
-            out.append((int(b), float(s), float(q)))
-    return out
+    rows = torch.stack([_exact_one(t).cpu() for t in present]) if len({t.device for t in present}) > 1 else torch.stack([_exact_one(t) for t in present]).cpu()
+    values = iter(zip(rows[:, 0].view(torch.int64).tolist(), rows[:, 1].tolist(), rows[:, 2].tolist()))
+    return [None if t is None or not t.numel() else next(values) for t in tensors]
+
+
+def same_fingerprint_key(value: tuple[int, float, float] | None) -> tuple[int, str, str] | None:
+    """A hashable key under which equal fingerprints compare equal (NaN sums included, by their bits)."""
+    return None if value is None else (value[0], value[1].hex(), value[2].hex())
 
 
 def differing(saved: dict[str, list[float]], now: dict[str, list[float]], rel: float = 0.0) -> list[str]:

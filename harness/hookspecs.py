@@ -188,11 +188,13 @@ def on_step_end(ctx: "RunContext", step: int, metrics: "dict[str, Any]") -> None
     optimizer skipped it on its own, as DeepSpeed and fp16 loss scaling do on
     an overflow), ``action`` (the agreed action name), ``micro_batches`` (int)
     and three host-clock durations in seconds: ``step_time`` (since the
-    previous step ended; None for the first step of a ``train()`` call),
-    ``data_time`` (waiting for this step's batches from the data loader) and
-    ``model_time`` (forward, backward and the step guard). Collectives inside
-    the model make fast ranks wait for slow ones there, so ``data_time`` is
-    the part that is each rank's own.
+    previous step ended; the first step of a ``train()`` call counts from the
+    run start, including the plugins' run-start work), ``data_time`` (waiting
+    for this step's batches from the data loader) and ``model_time``
+    (forward, backward and the step guard). Collectives inside the model make
+    fast ranks wait for slow ones there, so ``data_time`` is usually the part
+    that is each rank's own (not with accelerate's ``dispatch_batches``,
+    where rank 0 loads for everyone, nor at an epoch's first batch).
     """
 
 

@@ -22,6 +22,7 @@ so there is nothing to compare; the plugin says so once and stays idle.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import Counter
 from collections.abc import Mapping
@@ -30,9 +31,10 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.distributed import all_gather_objects, broadcast_from_main
+from harness.core_codes import INTERNAL_PLUGIN_ERROR
+from harness.distributed import all_gather_objects, broadcast_from, model_parallel_sizes
 from harness.findings import FindingCode, Severity
-from harness.fingerprints import exact_fingerprints, unwrap_optimizer
+from harness.fingerprints import exact_fingerprints, same_fingerprint_key, unwrap_optimizer
 from harness.hashing import device_row_hashes
 from harness.hookspecs import hookimpl
 
@@ -61,7 +63,7 @@ GRAD_SYNC_UNSUPPORTED = FindingCode(
     "distributed#grad_sync_unsupported",
 )
 DESYNC_CODES = (GRAD_DESYNC.code, PARAM_DESYNC.code)
-_UNIT_ROUNDOFF = {torch.float64: 1.2e-16, torch.float32: 6.0e-8, torch.bfloat16: 3.9e-3, torch.float16: 4.9e-4}
+_UNIT_ROUNDOFF: dict[Any, float] = {torch.float64: 1.2e-16, torch.float32: 6.0e-8, torch.bfloat16: 3.9e-3, torch.float16: 4.9e-4}
 
 
 class GradSyncOptions(BaseModel):
@@ -82,8 +84,8 @@ class GradSyncOptions(BaseModel):
     check_grads: bool = Field(True, description="Compare the reduced gradients (DDP: bit for bit; ZeRO-1/2: each slice against the ranks' mean).")
     check_inputs: bool = Field(True, description="RANK_INPUTS_IDENTICAL when every rank got the same micro-batches.")
     zero_rtol: float = Field(
-        1e-3, gt=0, description="ZeRO-1/2 slice check: tolerance relative to the slice's L2 norm (plus the reduction dtype's "
-        "rounding over the slice's L1 norm).",
+        1e-3, gt=0, description="ZeRO-1/2 slice check: tolerance relative to the slice's L2 norm, on top of six times the "
+        "rounding of the reduction's dtype (the coarser of the gradient's and DeepSpeed's communication_data_type) per pass.",
     )
     max_tensors: int = Field(5, ge=1, description="Diverging tensors named in a finding (the evidence counts them all).")
     straggler_fraction: float = Field(
@@ -103,6 +105,9 @@ def _mode(trainer: Any, world_size: int) -> tuple[str, str]:
     """("ddp" | "zero" | "unsupported" | "single", description of the parallelism)."""
     if world_size <= 1:
         return "single", "one process"
+    sharded = model_parallel_sizes(trainer)
+    if sharded:
+        return "unsupported", "model parallelism (" + ", ".join(f"{k}={v}" for k, v in sharded.items()) + ") shards weights or feeds ranks the same data"
     if getattr(trainer, "is_fsdp_enabled", False):
         return "unsupported", "FSDP shards weights and gradients"
     if getattr(trainer, "is_deepspeed_enabled", False):
@@ -146,7 +151,7 @@ class _ZeroSlices:
 
     def arm(self) -> None:
         """Start summing local gradients (for the micro-batches of one check step)."""
-        self.local = None
+        self.disarm()
         for index, (_, param) in enumerate(self.params):
             if index in self.by_param and param.requires_grad:
                 self._handles.append(param.register_hook(self._hook(index)))
@@ -167,8 +172,8 @@ class _ZeroSlices:
         local, self.local = self.local, None
         return local.cpu().tolist() if local is not None else None
 
-    def owned(self) -> dict[int, list[float]]:
-        """This rank's reduced slices: k -> [sum, alternating sum, L2 norm, L1 norm, unit roundoff]."""
+    def owned(self, reduce_dtype: torch.dtype | None) -> dict[int, list[float]]:
+        """This rank's reduced slices: k -> [sum, alternating sum, L2 norm, unit roundoff of the reduction]."""
         rows, keys, units = [], [], []
         for k, (index, start, numel, owner) in enumerate(self.pieces):
             if owner != self.rank:
@@ -177,12 +182,9 @@ class _ZeroSlices:
             fragment = param._hp_mapping.get_lp_grad_fragment(param._index_in_param_group).reshape(-1)
             if fragment.numel() == param.numel() and fragment.numel() != numel:
                 fragment = fragment.narrow(0, start, numel)  # bf16 keeps a whole accumulation buffer per rank
-            rows.append(torch.cat([
-                self.linear(fragment),
-                torch.stack([torch.linalg.vector_norm(fragment, 2, dtype=torch.float64), torch.sum(fragment.abs(), dtype=torch.float64)]),
-            ]))
+            rows.append(torch.cat([self.linear(fragment), fragment.double().square().sum().sqrt().reshape(1)]))
             keys.append(k)
-            units.append(_UNIT_ROUNDOFF.get(fragment.dtype, 6.0e-8))
+            units.append(max(_UNIT_ROUNDOFF.get(fragment.dtype, 6.0e-8), _UNIT_ROUNDOFF.get(reduce_dtype, 0.0)))
         if not rows:
             return {}
         values = torch.stack(rows).cpu().tolist()
@@ -204,8 +206,11 @@ class GradSync:
         self._window = [0.0, 0.0, 0]  # data_time, step_time, steps since the last check
         self._slow_checks: Counter[int] = Counter()
         self._reports: Counter[str] = Counter()
-        self._rebroadcast = False
+        self._rebroadcast: int | None = None  # the rank to copy from after this step's update
         self._optimizer: Any = None
+        self._deepspeed = False
+        self._micro_batches = 0
+        self._reference = 0
 
     @hookimpl
     def add_config(self) -> type[BaseModel]:
@@ -223,7 +228,10 @@ class GradSync:
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         self.mode, described = _mode(trainer, ctx.world_size)
         self._described = described
+        self._deepspeed = bool(getattr(trainer, "is_deepspeed_enabled", False))
         self._params = list(_module(trainer.model_wrapped).named_parameters())
+        if self._zero is not None:
+            self._zero.disarm()  # a second train() call: no stale hooks
         self._zero = None
         if self.mode == "unsupported" and ctx.is_main:
             self._report(ctx, GRAD_SYNC_UNSUPPORTED.code, f"grad_sync compares replicas, and under {described} there are none; "
@@ -240,11 +248,13 @@ class GradSync:
             return
         if micro_step == 0:
             self._inputs = []
+            self._micro_batches = 0
             if self.mode == "zero" and self.options.check_grads:
                 if self._zero is None:
                     self._zero = _ZeroSlices(self._params, ctx.rank)  # collective: every rank reaches its first check step
                 self._zero.arm()
                 self._armed_step = step
+        self._micro_batches += 1
         if self.options.check_inputs and isinstance(batch, Mapping) and torch.is_tensor(batch.get("input_ids")):
             mask = batch.get("attention_mask")
             self._inputs.append(device_row_hashes(batch["input_ids"], mask if torch.is_tensor(mask) and mask.dim() == 2 else None))
@@ -256,6 +266,29 @@ class GradSync:
         if self.mode not in ("ddp", "zero") or not self._is_check_step(step):
             return
         self._optimizer = optimizer
+        try:
+            mine = self._local_fingerprints(step, optimizer)
+        except Exception as exc:  # noqa: BLE001 - this rank must still join the gather, or the others wait forever
+            import traceback
+
+            mine = {"error": f"rank {ctx.rank}: {type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        finally:
+            self._inputs, self._window, self._armed_step = [], [0.0, 0.0, 0], None
+        gathered = all_gather_objects(mine)
+        failed = [g for g in gathered if "error" in g]
+        if failed:  # every rank sees it: all stop checking together
+            self.mode = "failed"
+            if ctx.is_main:
+                ctx.report(
+                    INTERNAL_PLUGIN_ERROR.code,
+                    f"grad_sync could not fingerprint at step {step} ({failed[0]['error']}); the replica check is off for the rest "
+                    "of the run on every rank. Training goes on.",
+                    step=step, evidence={"errors": [g["error"] for g in failed], "traceback": failed[0].get("traceback")},
+                )
+            return
+        self._compare(ctx, step, gathered)
+
+    def _local_fingerprints(self, step: int, optimizer: Any) -> dict[str, Any]:
         o = self.options
         tensors = [p for _, p in self._params]
         mine: dict[str, Any] = {
@@ -263,12 +296,15 @@ class GradSync:
             "grads": exact_fingerprints([p.grad for p in tensors]) if o.check_grads and self.mode == "ddp" else None,
             "inputs": [h.tolist() for h in self._inputs] if o.check_inputs else None,
             "timing": list(self._window),
+            "micro_batches": self._micro_batches,
         }
         if self._zero is not None and self._armed_step == step:
             mine["zero_local"] = self._zero.disarm()
-            mine["zero_owned"] = self._zero.owned()
-        self._inputs, self._window, self._armed_step = [], [0.0, 0.0, 0], None
-        gathered = all_gather_objects(mine)
+            mine["zero_owned"] = self._zero.owned(getattr(optimizer, "communication_data_type", None))
+        return mine
+
+    def _compare(self, ctx: Any, step: int, gathered: list[dict[str, Any]]) -> None:
+        o = self.options
         desync = False
         if o.check_params:
             desync |= self._compare_exact(ctx, step, [g["params"] for g in gathered], PARAM_DESYNC.code, "weights")
@@ -279,7 +315,7 @@ class GradSync:
         if o.check_inputs:
             self._compare_inputs(ctx, step, [g["inputs"] for g in gathered])
         self._compare_timing(ctx, step, [g["timing"] for g in gathered])
-        self._rebroadcast = desync and o.on_desync == "rebroadcast" and self.mode == "ddp"
+        self._rebroadcast = self._reference if desync and o.on_desync == "rebroadcast" and self._can_rebroadcast() else None
         if ctx.is_main:
             self._record(ctx, step, gathered, desync)
 
@@ -304,16 +340,16 @@ class GradSync:
             values = [r[index] for r in per_rank]
             groups: dict[Any, list[int]] = {}
             for rank, value in enumerate(values):
-                groups.setdefault(value, []).append(rank)
+                groups.setdefault(same_fingerprint_key(value), []).append(rank)
             if len(groups) == 1:
                 continue
-            reference = max(groups.items(), key=lambda kv: (len(kv[1]), 0 in kv[1]))
-            odd = sorted(r for r in range(len(values)) if r not in reference[1])
+            majority = max(groups.values(), key=lambda ranks_: (len(ranks_), 0 in ranks_))
+            odd = sorted(r for r in range(len(values)) if r not in majority)
             ranks.update(odd)
-            ref = reference[0]
+            self._reference = majority[0]
             diverging.append({
-                "tensor": name, "ranks": odd, "reference_rank": reference[1][0],
-                "relative_difference": _relative(ref, [values[r] for r in odd]),
+                "tensor": name, "ranks": odd, "reference_rank": majority[0],
+                "relative_difference": _relative(values[majority[0]], [values[r] for r in odd]),
             })
         if not diverging:
             return False
@@ -339,12 +375,14 @@ class GradSync:
         for g in gathered:
             owned.update({int(k): v for k, v in g["zero_owned"].items()})
         diverging: list[dict[str, Any]] = []
+        hops = world * max(g.get("micro_batches", 1) for g in gathered)  # roundings each element went through, at most
         for k, (index, start, numel, owner) in enumerate(zero.pieces):
             if k not in owned:
                 continue
             expected = [sum(g["zero_local"][k][j] for g in gathered) / world for j in (0, 1)]
-            total, alternating, l2, l1, unit = owned[k]
-            tolerance = self.options.zero_rtol * l2 + 4 * unit * world * l1 + 1e-30
+            total, alternating, l2, unit = owned[k]
+            # independent roundings of the elements add up like a random walk: about unit * L2 per pass
+            tolerance = (self.options.zero_rtol + 6 * unit * math.sqrt(hops)) * l2 + 1e-30
             error = max(abs(total - expected[0]), abs(alternating - expected[1]))
             if error > tolerance:
                 diverging.append({"tensor": self._params[index][0], "ranks": [owner], "slice": [start, start + numel],
@@ -364,13 +402,26 @@ class GradSync:
         )
         return True
 
-    def _policy_note(self, code: str) -> str:
+    def _can_rebroadcast(self) -> bool:
+        """DDP only: DeepSpeed keeps fp32 master weights (ZeRO-0) or partitions (ZeRO-1/2) that a broadcast of the weights misses."""
+        return self.mode == "ddp" and not self._deepspeed
+
+    def _action_for(self, code: str) -> str:
         policy = self.options.on_desync
-        if policy == "stop" or (policy == "rebroadcast" and self.mode == "zero" and code == GRAD_DESYNC.code):
+        if policy == "stop":
+            return "stop"
+        if policy == "rebroadcast" and not self._can_rebroadcast():
+            # ZeRO-1/2 re-gathers the weights from the partitions at every step; anything else cannot be repaired here
+            return "continue" if self.mode == "zero" and code == PARAM_DESYNC.code else "stop"
+        return "continue"
+
+    def _policy_note(self, code: str) -> str:
+        action = self._action_for(code)
+        if action == "stop":
             return " Training stops before this step's update."
-        if policy == "rebroadcast" and self.mode == "ddp":
-            return " Rank 0's weights and optimizer state are broadcast to every rank after this step."
-        if policy == "rebroadcast":
+        if self.options.on_desync == "rebroadcast" and self._can_rebroadcast():
+            return f" Rank {self._reference}'s weights and optimizer state are broadcast to every rank after this step."
+        if self.options.on_desync == "rebroadcast":
             return " The step's all-gather rewrites every replica from the ZeRO partitions."
         return ""
 
@@ -418,10 +469,7 @@ class GradSync:
     def decide_action(self, ctx: Any, finding: Any) -> str | None:
         if finding.code not in DESYNC_CODES:
             return None
-        policy = self.options.on_desync
-        if policy == "stop" or (policy == "rebroadcast" and self.mode == "zero" and finding.code == GRAD_DESYNC.code):
-            return "stop"
-        return "continue"
+        return self._action_for(finding.code)
 
     # -- after the update -----------------------------------------------------------------------------------
 
@@ -433,14 +481,14 @@ class GradSync:
             self._window[0] += float(metrics.get("data_time") or 0.0)
             self._window[1] += float(metrics["step_time"])
             self._window[2] += 1
-        if self._rebroadcast:
-            self._rebroadcast = False
+        if self._rebroadcast is not None:
+            source, self._rebroadcast = self._rebroadcast, None
             tensors = [p.data for _, p in self._params]
             optimizer = unwrap_optimizer(self._optimizer) if self._optimizer is not None else None
             for state in (getattr(optimizer, "state", None) or {}).values():
                 if isinstance(state, dict):
                     tensors += [v for v in state.values() if torch.is_tensor(v)]
-            broadcast_from_main(tensors)
+            broadcast_from(tensors, source)
 
 
 def _relative(reference: tuple[int, float, float] | None, others: list[tuple[int, float, float] | None]) -> float | None:

@@ -8,14 +8,15 @@ looks good because the model may read the previous document. So instead of
 trusting a table of known combinations this plugin runs an experiment: at
 the first step and every ``every`` steps it takes a packed row from the real
 batch, changes the tokens of its first document, runs the model twice
-without gradients (same mask, same positions, dropout off) and checks that
-the logits of the row's other documents did not move.
+without gradients (the same inputs otherwise, dropout off) and checks that
+the outputs (last hidden states, which the logits are a per-token function
+of) of the row's other documents did not move.
 
 Document boundaries come from the collator's metadata (``doc_ids``,
-``seq_idx``), else from restarting ``position_ids``, else (when the batch
-has a 4D mask, or ``boundaries: eos``) from EOS/BOS tokens. A batch with no
-packing information at all claims no separation (GPT-style concatenation
-is a choice) and is not checked. The same look at the batch also finds labels on padding and labels
+``seq_idx``), else from restarting ``position_ids``, else from the blocks
+of a 4D attention mask (or, with ``boundaries: eos``, from EOS/BOS tokens).
+A batch with no packing information at all claims no separation (GPT-style
+concatenation is a choice) and is not checked. The same look at the batch also finds labels on padding and labels
 that make the first token of a document a prediction target of the previous
 one (``PACKING_LOSS_ON_PADDING``).
 """
@@ -47,7 +48,7 @@ PACKING_LOSS_ON_PADDING = FindingCode(
 IGNORE_INDEX = -100
 METADATA_KEYS = ("doc_ids", "seq_idx", "document_ids")
 SEARCH_BATCHES = 8
-MODEL_KEYS = ("input_ids", "position_ids", "attention_mask", "token_type_ids")
+LOSS_KEYS = ("labels", "num_items_in_batch")
 
 
 class PackingCheckOptions(BaseModel):
@@ -58,14 +59,14 @@ class PackingCheckOptions(BaseModel):
     every: int = Field(
         500, ge=1, description="Check at step 1 and every this many steps: two extra forward passes of one row, without gradients."
     )
-    boundaries: Literal["auto", "metadata", "position_ids", "eos"] = Field(
+    boundaries: Literal["auto", "metadata", "position_ids", "mask", "eos"] = Field(
         "auto", description="Where document boundaries come from. auto: collator metadata (doc_ids/seq_idx), else "
-        "restarting position_ids, else EOS/BOS tokens when the batch has a 4D mask; a batch with none of these claims no "
-        "separation (GPT-style concatenation) and is not checked. eos: always split at EOS/BOS tokens (for models that "
-        "build their own document mask from them).",
+        "restarting position_ids, else the blocks of a 4D attention mask; a batch with none of these claims no separation "
+        "(GPT-style concatenation) and is not checked. eos: split at EOS/BOS tokens (for models that build their own "
+        "document mask from them; in chat data an end-of-turn EOS splits turns of one conversation).",
     )
     tolerance: float | None = Field(
-        None, gt=0, description="Largest change of another document's logits (relative to their largest magnitude) that is "
+        None, gt=0, description="Largest change of another document's outputs (relative to their largest magnitude) that is "
         "not a leak; default 1e-3, or 2e-2 when the model runs under bf16/fp16 autocast.",
     )
     check_labels: bool = Field(True, description="Also report PACKING_LOSS_ON_PADDING from the batch's labels.")
@@ -120,6 +121,24 @@ def _segments_from_tokens(ids: list[int], valid: list[bool], eos: int | None, bo
     return out
 
 
+def _segments_from_mask(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """Blocks of a [L, L] attention mask: a block starts where a token may not see the token before it."""
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    diagonal = allowed.diagonal().tolist()
+    previous = [False, *allowed.diagonal(-1).tolist()]
+    out: list[tuple[int, int]] = []
+    start = None
+    for t, (ok, sees_previous) in enumerate(zip(diagonal, previous)):
+        if start is not None and (not ok or not sees_previous):
+            out.append((start, t))
+            start = None
+        if start is None and ok:
+            start = t
+    if start is not None:
+        out.append((start, len(diagonal)))
+    return out
+
+
 def _mask_form(batch: Mapping[str, Any]) -> str:
     mask, positions = batch.get("attention_mask"), batch.get("position_ids")
     pos = " + position_ids" if torch.is_tensor(positions) else ""
@@ -128,6 +147,29 @@ def _mask_form(batch: Mapping[str, Any]) -> str:
     if mask.dim() == 4:
         return f"4D {'boolean' if mask.dtype == torch.bool else str(mask.dtype).replace('torch.', '')} mask{pos}"
     return f"2D attention_mask{pos}"
+
+
+def _outputs(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    """The last hidden states of one row (hidden size, not vocabulary size, per token); logits when no decoder answers."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is not None and decoder is not model:
+        try:
+            return decoder(**inputs).last_hidden_state[0]
+        except TypeError:  # an input the decoder does not take (the head consumes it): run the whole model
+            pass
+    return model(**inputs).logits[0]
+
+
+def _twice(model: Any, inputs: dict[str, Any], changed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs on the row as it is and with document 1 changed: no gradients, dropout off, every module's mode restored."""
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            return _outputs(model, inputs), _outputs(model, {**inputs, "input_ids": changed})
+    finally:
+        for module, training in modes.items():
+            module.training = training
 
 
 class PackingCheck:
@@ -210,8 +252,10 @@ class PackingCheck:
         if wanted in ("auto", "position_ids") and torch.is_tensor(positions) and positions.dim() == 2:
             pos = positions.expand_as(batch["input_ids"]).tolist()
             return [_segments_from_positions(p, ok) for p, ok in zip(pos, valid)], "position_ids"
-        four_d = torch.is_tensor(mask) and mask.dim() == 4
-        if wanted == "eos" or (wanted == "auto" and four_d):  # a 4D mask claims separation; EOS/BOS say where
+        if wanted in ("auto", "mask") and torch.is_tensor(mask) and mask.dim() == 4:  # the blocks the mask itself draws
+            rows = mask.shape[0]
+            return [_segments_from_mask(mask[r if rows > 1 else 0, 0]) for r in range(len(ids))], "4D mask"
+        if wanted == "eos":
             eos, bos, _ = self._special_ids(ctx)
             return [_segments_from_tokens(r, ok, eos, bos) for r, ok in zip(ids, valid)], "eos"
         # no packing information: documents (if any) are concatenated on purpose (GPT-style), or this is not packing
@@ -234,9 +278,11 @@ class PackingCheck:
         model = ctx.trainer.model
         eos, bos, pad = self._special_ids(ctx)
         specials = {t for t in (eos, bos, pad) if t is not None}
-        inputs = {k: batch[k][row : row + 1] for k in MODEL_KEYS if torch.is_tensor(batch.get(k)) and batch[k].dim() >= 2 and batch[k].shape[0] == batch["input_ids"].shape[0]}
-        if "position_ids" in batch and torch.is_tensor(batch["position_ids"]) and batch["position_ids"].shape[0] == 1:
-            inputs["position_ids"] = batch["position_ids"]
+        size = batch["input_ids"].shape[0]
+        inputs = {  # what the training forward gets, for this row alone (tensors shared by the batch stay whole)
+            k: (v[row : row + 1] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == size and size > 1 else v)
+            for k, v in batch.items() if k not in LOSS_KEYS
+        }
         first_start, first_end = real[0]
         changed = inputs["input_ids"].clone()
         vocab = int(getattr(model.config, "vocab_size", 0) or int(changed.max()) + 1)
@@ -251,24 +297,16 @@ class PackingCheck:
                     break
         if torch.equal(changed, inputs["input_ids"]):
             return
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                before = model(**inputs).logits[0].float()
-                after = model(**{**inputs, "input_ids": changed}).logits[0].float()
-        finally:
-            model.train(was_training)
-        others = torch.zeros(before.shape[0], dtype=torch.bool, device=before.device)
-        for start, end in real[1:]:
-            others[start:end] = True
+        before, after = _twice(model, inputs, changed)
+        others = real[1:]
         own = (after[first_start:first_end] - before[first_start:first_end]).abs().max().item()
-        delta = (after[others] - before[others]).abs()
-        scale = max(before[others].abs().max().item(), 1e-12)
-        leak_abs = delta.max().item()
+        scale = max(max(before[s:e].abs().max().item() for s, e in others), 1e-12)
+        changes = [(after[s:e] - before[s:e]).abs().max().item() for s, e in others]
+        del before, after
+        leak_abs = max(changes)
         leak = leak_abs / scale
         tolerance = self.options.tolerance or (2e-2 if autocast_dtype(ctx.trainer) else 1e-3)
-        per_doc = [round((after[s:e] - before[s:e]).abs().max().item() / scale, 6) for s, e in real[1:]]
+        per_doc = [round(c / scale, 6) for c in changes]
         impl = str(getattr(model.config, "_attn_implementation", None))
         form = _mask_form(batch)
         verdict = "inconclusive" if own <= tolerance * scale else ("leak" if leak > tolerance else "separate")
@@ -285,7 +323,7 @@ class PackingCheck:
         leaking = sum(1 for d in per_doc if d > tolerance)
         self._report(
             ctx, PACKING_CROSS_DOC_ATTENTION.code,
-            f"changing document 1 of packed row {row} at step {step} (rank {ctx.rank}) moved the logits of {leaking} of the "
+            f"changing document 1 of packed row {row} at step {step} (rank {ctx.rank}) moved the outputs of {leaking} of the "
             f"{len(per_doc)} later documents by up to {leak:.3g} of their magnitude ({leak_abs:.3g} absolute; tolerance {tolerance:g}): "
             f"with attn_implementation='{impl}' and {form}, tokens attend across document boundaries (boundaries from {source}).",
             step=step, evidence=result,
@@ -299,9 +337,10 @@ class PackingCheck:
             return
         labelled = labels.ne(IGNORE_INDEX)
         mask = batch.get("attention_mask")
-        padding = self._pad_tail(ctx, ids)  # an all-ones mask (a padding collator's) does not make the pad tail text
-        if torch.is_tensor(mask) and mask.dim() == 2:
-            padding = padding | mask.eq(0)
+        if torch.is_tensor(mask) and mask.dim() == 2 and not bool(mask.all()):
+            padding = mask.eq(0)
+        else:  # no mask, or an all-ones one (a padding collator's): the pad-token tail is the padding
+            padding = self._pad_tail(ctx, ids)
         on_padding = int((labelled & padding).sum())
         crossing: list[tuple[int, int]] = []
         if source in (*METADATA_KEYS, "position_ids"):  # declared boundaries: a document's first token has no context to come from

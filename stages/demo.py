@@ -90,8 +90,8 @@ def run_demo(out: str | Path = "runs/demo") -> int:
             print(f"harness demo: the resumed run failed with exit {second}")
             return second
     broken = _broken_resume(out)
-    desync = _desync(out)
-    return _summary(out, time.time() - began, broken, desync)
+    desync, desync_code = _desync(out)
+    return _summary(out, time.time() - began, broken, desync) or desync_code
 
 
 BROKEN_RESUME_FROM = 30
@@ -123,7 +123,7 @@ def _broken_resume(out: Path) -> Path:
     return broken
 
 
-def _desync(out: Path) -> Path:
+def _desync(out: Path) -> tuple[Path, int]:
     """Two data-parallel processes (DDP over gloo): a weight drifts on rank 1, then rank 1's reduced gradient is wrong.
 
     ``grad_sync`` checks every 5 steps and rebroadcasts rank 0's weights after
@@ -149,8 +149,10 @@ def _desync(out: Path) -> Path:
           f"moved by one ulp after step {DESYNC_FAULTS['perturb_param_at_step']}, rank 1's reduced gradient 1.5x too large at "
           f"step {DESYNC_FAULTS['scale_grad_at_step']}", flush=True)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port)]
-    subprocess.run([*launcher, "-m", "harness.cli", "run", "pretrain", "--config", str(path)])
-    return run
+    code = subprocess.run([*launcher, "-m", "harness.cli", "run", "pretrain", "--config", str(path)]).returncode
+    if code != 0:
+        print(f"harness demo: the two-process run failed with exit {code}; its findings so far are below")
+    return run, code
 
 
 def _print_findings(title: str, run: Path) -> None:

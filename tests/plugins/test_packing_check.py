@@ -120,3 +120,20 @@ def test_concatenated_documents_are_checked_only_when_boundaries_are_declared(ma
     assert result["boundaries"] == "eos" and result["verdict"] == "leak" and result["mask_form"] == "2D attention_mask"
     (finding,) = findings_of(out.parent / "declared", "PACKING_CROSS_DOC_ATTENTION")
     assert finding["severity"] == "error"
+
+
+class MaskOnly(PackedCollator):
+    """A 4D block-diagonal mask and no position_ids: the boundaries are the mask's own blocks."""
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = super().__call__(features)
+        del batch["position_ids"]
+        return batch
+
+
+@pytest.mark.parametrize("impl,leaks", [("sdpa", False), ("eager", True)])
+def test_boundaries_from_the_blocks_of_a_4d_mask(make_trainer: Any, tokenizer: Any, packed_rows: Dataset, impl: str, leaks: bool) -> None:
+    out = _train(make_trainer, tokenizer, packed_rows, impl, MaskOnly("mask4d"))
+    (result,) = _verdicts(out)
+    assert result["boundaries"] == "4D mask" and result["mask_form"] == "4D boolean mask" and result["documents"] >= 2
+    assert result["verdict"] == ("leak" if leaks else "separate")
