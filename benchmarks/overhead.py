@@ -46,11 +46,13 @@ INTERMEDIATE_SIZE = 1024
 SEQ_LEN = 64
 BATCH_SIZE = 4
 SEED = 0
-LOGGING_STEPS = 10  # same in both runs; keeps on_log in the measured path
+LOGGING_STEPS = 10
+EVAL_EXAMPLES = 500  # same in both runs; keeps on_log in the measured path
 
 BENCHMARK_MODEL = (
     f"tiny Llama: {NUM_LAYERS} layers, hidden {HIDDEN_SIZE}, {NUM_HEADS} heads, "
-    f"intermediate {INTERMEDIATE_SIZE}, vocab {VOCAB_SIZE}, seq len {SEQ_LEN}, batch {BATCH_SIZE}"
+    f"intermediate {INTERMEDIATE_SIZE}, vocab {VOCAB_SIZE}, seq len {SEQ_LEN}, batch {BATCH_SIZE}; "
+    f"an eval_dataset of {EVAL_EXAMPLES} rows that the contamination plugin watches for"
 )
 
 RATIO_LINE = "overhead ratio (harness/plain median step time): {ratio:.3f}x"
@@ -127,6 +129,16 @@ def training_args(output_dir: str, steps: int) -> TrainingArguments:
     )
 
 
+def eval_rows() -> Any:
+    """An eval dataset on both sides (never evaluated: eval_strategy is "no"), so that the default ``contamination``
+    plugin indexes it and checks every training micro-batch against it, as in a real run with an eval split."""
+    from datasets import Dataset
+
+    generator = torch.Generator().manual_seed(SEED + 1)
+    ids = torch.randint(0, VOCAB_SIZE, (EVAL_EXAMPLES, SEQ_LEN), generator=generator)
+    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+
+
 def run_once(tokenizer: Any, dataset: Any, steps: int, warmup: int, with_harness: bool, plugins: list[str]) -> StepTimer:
     """Train a fresh, identically seeded model for ``steps`` steps; harness attached or not.
 
@@ -143,7 +155,7 @@ def run_once(tokenizer: Any, dataset: Any, steps: int, warmup: int, with_harness
             num_heads=NUM_HEADS,
             intermediate_size=INTERMEDIATE_SIZE,
         )
-        trainer = Trainer(model=model, args=training_args(out, steps), train_dataset=dataset, callbacks=[timer])
+        trainer = Trainer(model=model, args=training_args(out, steps), train_dataset=dataset, callbacks=[timer], eval_dataset=eval_rows())
         trainer.remove_callback(PrinterCallback)  # its log dicts would bury the table; removed on both sides
         ctx = harness.attach(trainer, config=None, plugins=plugins or None) if with_harness else None
         if ctx is not None:

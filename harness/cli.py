@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -61,6 +62,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return print_replay(Path(args.capture_dir), checkpoint, args.rank, args.device, args.tolerance)
 
 
+def _cmd_scan(args: argparse.Namespace) -> int:
+    from harness.scan import ScanOptions, print_scan
+
+    options = ScanOptions(n=args.n, dirty_fraction=args.dirty_fraction, partial_fraction=args.partial_fraction,
+                          template_min_examples=args.template_min_examples, near_dup=args.near_dup,
+                          near_dup_threshold=args.near_dup_threshold)
+    return print_scan(args.train, args.eval, args.field, args.tokenizer, args.out, args.workers, options, args.id_field, args.eval_field)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harness", description="Monitoring and diagnostics harness around the Hugging Face Trainer."
@@ -112,6 +122,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="max |diff| that counts as reproduced (default: 1e-4 in fp32, 2e-2 under bf16/fp16)",
     )
     replay.set_defaults(func=_cmd_replay)
+
+    scan = sub.add_parser(
+        "scan",
+        help="find eval examples in training data (n-gram overlap, before training)",
+        description="Index the eval sets' n-grams, stream the training data through them and write, per eval example, "
+        "the matched fraction, coverage, longest matched span, training documents hit and a status (clean/partial/dirty).",
+    )
+    scan.add_argument("--train", nargs="+", required=True, metavar="PATH", help=".txt (a document per line), .jsonl, .parquet files, folders of them, or `datasets` folders")
+    scan.add_argument("--eval", nargs="+", required=True, metavar="PATH", help="eval sets, in the same formats (one example per line/record)")
+    scan.add_argument("--field", default="text", help="the text field of .jsonl/.parquet/datasets records (default: text)")
+    scan.add_argument("--eval-field", default=None, help="the eval sets' text field when it differs from --field")
+    scan.add_argument("--id-field", default="id", help="the id field when records have one (default: id; else file:line)")
+    scan.add_argument("--tokenizer", default=None, metavar="DIR", help="compare token ids of this tokenizer (default: normalised words)")
+    scan.add_argument("--out", default="contamination", metavar="DIR", help="where the report and id lists go (default: contamination)")
+    scan.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes scanning the training data (default: cpu count)")
+    scan.add_argument("-n", type=int, default=13, help="n-gram length in words or tokens (default: 13)")
+    scan.add_argument("--dirty-fraction", type=float, default=0.5, help="dirty from this matched fraction of an example's n-grams (default: 0.5)")
+    scan.add_argument("--partial-fraction", type=float, default=0.0, help="partial above this matched fraction (default: 0: any match)")
+    scan.add_argument("--template-min-examples", type=int, default=10, help="leave out n-grams shared by this many eval examples (templates; default 10, 0 keeps all)")
+    scan.add_argument("--near-dup", action="store_true", help="also find training documents that are lightly edited copies of an eval example (MinHash LSH over word 5-grams, confirmed by exact Jaccard)")
+    scan.add_argument("--near-dup-threshold", type=float, default=0.8, help="Jaccard similarity of a near duplicate (default: 0.8)")
+    scan.set_defaults(func=_cmd_scan)
 
     plugins = sub.add_parser("plugins", help="list available plugins, their options or their finding codes")
     plugins.add_argument("--config-reference", action="store_true", help="print every config option with type, default and description")

@@ -1,6 +1,8 @@
 """Content hashes of token rows: stable across processes, devices and runs (fixed constants, never Python's ``hash()``)."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -57,3 +59,44 @@ def from_hex64(text: str) -> int:
 def hex64(value: int) -> str:
     """An int64 hash as 16 hex digits (two's complement, so negative values print alike everywhere)."""
     return f"{value & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+
+
+def dataset_rows(dataset: Any, key: str, indices: range | list[int]) -> list[list[int]] | None:
+    """Token rows of a map-style dataset (None when it does not hold ``key``)."""
+    try:
+        if hasattr(dataset, "column_names") and hasattr(dataset, "select"):
+            if key not in dataset.column_names:
+                return None
+            return [list(r) for r in dataset.select(indices)[key]]
+        return [list(dataset[i][key]) for i in indices]
+    except (KeyError, TypeError, IndexError):
+        return None
+
+
+def hash_token_rows(rows: list[list[int]]) -> list[int]:
+    """``device_row_hashes`` of plain token lists (no padding counted): the same hash a batch row gets."""
+    if not rows:
+        return []
+    width = max(len(r) for r in rows) or 1
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    mask = torch.zeros(len(rows), width, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.int64)
+        mask[i, : len(row)] = 1
+    return device_row_hashes(ids, mask).tolist()
+
+
+_LAST_DATASET: list[Any] = []  # (dataset, key, size, hashes) of the last call: data_hash and contamination share one pass
+
+
+def dataset_hashes(dataset: Any, key: str, size: int, chunk: int = 1000) -> list[int] | None:
+    """Content hashes of the first ``size`` rows of a map-style dataset, read ``chunk`` rows at a time (None without ``key``)."""
+    if _LAST_DATASET and _LAST_DATASET[0] is dataset and _LAST_DATASET[1:3] == [key, size]:
+        return _LAST_DATASET[3]
+    if dataset_rows(dataset, key, range(min(1, size))) is None:
+        return None
+    hashes: list[int] = []
+    for start in range(0, size, chunk):
+        hashes += hash_token_rows(dataset_rows(dataset, key, range(start, min(size, start + chunk))) or [])
+    _LAST_DATASET[:] = [dataset, key, size, hashes]
+    return hashes

@@ -22,5 +22,6 @@ BUILTIN_PLUGINS: dict[str, BuiltinPlugin] = {
     "resume_check": BuiltinPlugin("harness.plugins.resume_check:ResumeCheck", True),
     "grad_sync": BuiltinPlugin("harness.plugins.grad_sync:GradSync", True),
     "packing_check": BuiltinPlugin("harness.plugins.packing_check:PackingCheck", True),
+    "contamination": BuiltinPlugin("harness.plugins.contamination:Contamination", True),
     "mlflow": BuiltinPlugin("harness.plugins.mlflow_tracker:MlflowTracker", False),
 }

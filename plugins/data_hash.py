@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.capture import sample_ids
 from harness.distributed import gather_to_main
 from harness.findings import FindingCode, Severity
-from harness.hashing import combine_row_hashes, device_row_hashes, from_hex64, hex64
+from harness.hashing import combine_row_hashes, dataset_hashes, dataset_rows, device_row_hashes, from_hex64, hash_token_rows, hex64
 from harness.hookspecs import hookimpl
 from harness.ledger import LedgerWriter, around_resume
 
@@ -82,30 +82,6 @@ def _hash_key(batch: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _dataset_rows(dataset: Any, key: str, indices: range | list[int]) -> list[list[int]] | None:
-    """Token rows of a map-style dataset (None when it does not hold ``key``)."""
-    try:
-        if hasattr(dataset, "column_names") and hasattr(dataset, "select"):
-            if key not in dataset.column_names:
-                return None
-            return [list(r) for r in dataset.select(indices)[key]]
-        return [list(dataset[i][key]) for i in indices]
-    except (KeyError, TypeError, IndexError):
-        return None
-
-
-def _hash_rows(rows: list[list[int]]) -> list[int]:
-    if not rows:
-        return []
-    width = max(len(r) for r in rows) or 1
-    ids = torch.zeros(len(rows), width, dtype=torch.int64)
-    mask = torch.zeros(len(rows), width, dtype=torch.int64)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.int64)
-        mask[i, : len(row)] = 1
-    return device_row_hashes(ids, mask).tolist()
-
-
 class DataHash:
     """Writes the data ledger and reports repeated, skipped, duplicated and rank-overlapping samples."""
 
@@ -155,18 +131,16 @@ class DataHash:
         if split != "train" or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             return
         size = len(dataset)
-        key = next((k for k in HASH_KEYS if _dataset_rows(dataset, k, range(min(1, size))) is not None), None)
+        key = next((k for k in HASH_KEYS if dataset_rows(dataset, k, range(min(1, size))) is not None), None)
         if key is None or size == 0:
             return
         indexed = size <= self.options.index_max_rows
         if indexed:
-            hashes: list[int] = []
-            for start in range(0, size, 1000):
-                hashes += _hash_rows(_dataset_rows(dataset, key, range(start, min(size, start + 1000))) or [])
+            hashes = dataset_hashes(dataset, key, size) or []
             self._multiplicity = Counter(hashes)
         else:
             step = size / self.options.fingerprint_rows
-            hashes = _hash_rows(_dataset_rows(dataset, key, sorted({int(i * step) for i in range(self.options.fingerprint_rows)})) or [])
+            hashes = hash_token_rows(dataset_rows(dataset, key, sorted({int(i * step) for i in range(self.options.fingerprint_rows)})) or [])
         digest = xxhash.xxh3_64()
         digest.update(str(size).encode())
         for value in hashes:

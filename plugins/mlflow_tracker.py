@@ -39,7 +39,7 @@ TRACKING_DEGRADED = FindingCode(
     "tracking#tracking_degraded",
 )
 ARTIFACT_FILES = ("findings.jsonl", "config.yaml", "metrics.jsonl", "report.md", "report.html", "run_card.json")
-ARTIFACT_DIRS = ("captures",)
+ARTIFACT_DIRS = ("captures", "contamination")
 
 
 class MlflowOptions(BaseModel):

@@ -55,6 +55,7 @@ def demo_config(out: Path) -> dict:
             "demo_faults": DEMO_FAULTS,
             "spike_capture": {"divergence_patience": 8},
             "packing_check": {"every": 20},
+            "contamination": {"eval_sets": [{"path": str(out / "demo_eval.jsonl"), "field": "question", "name": "demo_quiz"}], "max_reports": 5},
         },
     }
 
@@ -73,13 +74,15 @@ def run_demo(out: str | Path = "runs/demo") -> int:
     out.mkdir(parents=True)
     config = out / "demo.yaml"
     config.write_text(yaml.safe_dump(demo_config(out), sort_keys=False), encoding="utf-8")
+    _contaminated_eval_set(out / "demo_eval.jsonl")
     began = time.time()
     print(f"harness demo: pretraining a tiny Llama for {DEMO_STEPS} steps in {out}")
     f = DEMO_FAULTS
     print(f"  faults injected on purpose: non-finite loss at step {f['nan_step']}, infinite gradients at step {f['inf_grad_step']}, "
           f"all labels masked at step {f['masked_step']}, a padding collator's batch at step {f['padding_collator_step']}, "
           f"corrupted batch at step {f['spike_step']}, kill -9 at step {f['crash_step']}, learning rate blown up from step "
-          f"{f['diverge_from_step']}; then a resume done wrong, and two data-parallel processes that drift apart", flush=True)
+          f"{f['diverge_from_step']}, and an eval set that holds {CONTAMINATED_LINES} lines of the training corpus; then a resume "
+          "done wrong, and two data-parallel processes that drift apart", flush=True)
     first = _run(config, resume=False)
     if first == 0:
         print("harness demo: the simulated crash did not happen; nothing to resume")
@@ -92,6 +95,25 @@ def run_demo(out: str | Path = "runs/demo") -> int:
     broken = _broken_resume(out)
     desync, desync_code = _desync(out)
     return _summary(out, time.time() - began, broken, desync) or desync_code
+
+
+CONTAMINATED_LINES = 40  # corpus lines copied into the demo's eval set (the training data holds them)
+
+
+def _contaminated_eval_set(path: Path) -> None:
+    """An eval set of made-up questions plus lines of the training corpus: the leak the contamination plugin must see."""
+    import json
+    import random
+
+    from harness.tiny import corpus_lines
+
+    rng = random.Random(0)
+    made_up = [" ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 9))) for _ in range(20))
+               for _ in range(10)]
+    leaked = corpus_lines()[:CONTAMINATED_LINES]
+    records = [{"id": f"made-up-{i}", "question": q} for i, q in enumerate(made_up)]
+    records += [{"id": f"leaked-{i}", "question": q} for i, q in enumerate(leaked)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
 
 
 BROKEN_RESUME_FROM = 30

@@ -62,6 +62,7 @@ def make_trainer(tmp_path: Path, tokenizer: Any, lm_rows: Any) -> Callable[..., 
         processing_class: Any = None,
         model: Any = None,
         data_collator: Any = None,
+        eval_dataset: Any = None,
         **overrides: Any,
     ) -> Any:
         settings: dict[str, Any] = dict(
@@ -85,6 +86,7 @@ def make_trainer(tmp_path: Path, tokenizer: Any, lm_rows: Any) -> Callable[..., 
             processing_class=processing_class,
             callbacks=callbacks,
             data_collator=data_collator,
+            eval_dataset=eval_dataset,
         )
 
     return factory

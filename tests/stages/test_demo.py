@@ -59,3 +59,8 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     desync = out / "desync"
     assert [(f["code"], f["step"]) for f in findings_of(desync) if f["code"].endswith("_DESYNC")] == [("PARAM_DESYNC", 10), ("GRAD_DESYNC", 15)]
     assert "the data-parallel replicas that drift apart" in result.stdout
+    # the contaminated eval set: lines of the training corpus are found in training batches, made-up questions never
+    leaks = findings_of(out, "CONTAMINATION")
+    assert leaks and all(f["evidence"]["example_id"].startswith("leaked-") for f in leaks)
+    dirty = (out / "harness" / "contamination" / "dirty_ids.rank-0.txt").read_text()
+    assert "leaked-" in dirty and "made-up" not in dirty

@@ -1,0 +1,227 @@
+"""One n-gram index for contamination checks, fed by two front ends (token ids, normalised words).
+
+An eval example becomes a sequence of 64-bit units: token ids, or hashes of
+its normalised words. Every window of ``n`` units gets a 64-bit polynomial
+rolling hash with a fixed base (never Python's ``hash()``, so indexes agree
+across processes and runs), computed for all windows at once from one
+prefix sum. The index keeps the hashes sorted, with the example and offset
+each came from, and a packed bitmap over the hashes' top bits as a
+prefilter: most training windows are rejected by one lookup. A window that passes the prefilter and a
+binary search is compared unit for unit with the eval example's window, so a
+hash collision never becomes a reported match. Examples shorter than ``n``
+are indexed as one window of their own length.
+"""
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplication by it is a bijection mod 2^64
+_THREE, _SEVEN = np.uint64(3), np.uint64(7)
+_PUNCTUATION = re.compile(r"[\W_]+", re.UNICODE)
+
+
+_CHUNK = 1 << 20  # units hashed per pass: bounds the temporaries (a few arrays of 8 MB)
+_POWERS: dict[str, np.ndarray] = {}
+
+
+def _inverse(odd: int) -> int:
+    """Multiplicative inverse of an odd number modulo 2^64 (Newton's iteration)."""
+    x = odd
+    for _ in range(6):
+        x = (x * (2 - odd * x)) % (1 << 64)
+    return x
+
+
+def _powers(length: int) -> tuple[np.ndarray, np.ndarray]:
+    """BASE^m and BASE^-m for m < length (mod 2^64), cached and grown on demand."""
+    if "forward" not in _POWERS or len(_POWERS["forward"]) < length:
+        size = max(length, _CHUNK + 64)
+        with np.errstate(over="ignore"):
+            forward = np.cumprod(np.full(size, BASE, dtype=np.uint64))
+            backward = np.cumprod(np.full(size, np.uint64(_inverse(int(BASE))), dtype=np.uint64))
+        _POWERS["forward"] = np.concatenate([np.ones(1, dtype=np.uint64), forward[:-1]])
+        _POWERS["backward"] = np.concatenate([np.ones(1, dtype=np.uint64), backward[:-1]])
+    return _POWERS["forward"], _POWERS["backward"]
+
+
+def _window_hashes(units: np.ndarray, n: int, out: np.ndarray) -> None:
+    """Hashes sum((u+1) * BASE^(n-1-j)) of every window into ``out``, from one prefix sum (five passes, any n)."""
+    count = len(units) - n + 1
+    values = np.add(units.view(np.uint64) if units.dtype == np.int64 else units.astype(np.uint64), np.uint64(1))  # id 0 counts
+    forward, backward = _powers(len(values))
+    prefix = np.zeros(len(values) + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        np.multiply(values, backward[: len(values)], out=values)
+        np.cumsum(values, out=prefix[1:])
+        np.subtract(prefix[n:], prefix[:count], out=out)
+        np.multiply(out, forward[n - 1 : n - 1 + count], out=out)  # window i then carries BASE^(i+n-1-m) for its unit m
+
+
+def window_hashes(units: np.ndarray, n: int) -> np.ndarray:
+    """Polynomial hashes (mod 2^64, fixed base) of every window of ``n`` consecutive units; empty when fewer units.
+
+    Every output bit depends on every unit of the window, the top bits (the
+    prefilter's) included, through the multiplications' carries. Long inputs
+    are hashed in chunks that overlap by n-1 units, so every window is hashed
+    exactly once and the temporaries stay small.
+    """
+    count = len(units) - n + 1
+    out = np.empty(max(count, 0), dtype=np.uint64)
+    if count <= 0 or n <= 0:
+        return out
+    for start in range(0, count, _CHUNK):
+        stop = min(start + _CHUNK, count)
+        _window_hashes(units[start : stop + n - 1], n, out[start:stop])
+    return out
+
+
+def normalise_words(text: str) -> list[str]:
+    """Unicode-normalised (NFKC), lower-cased words with punctuation stripped and whitespace collapsed."""
+    return _PUNCTUATION.sub(" ", unicodedata.normalize("NFKC", text).lower()).split()
+
+
+def word_units(words: list[str]) -> np.ndarray:
+    """Each word as a fixed 64-bit hash (xxh3), the text front end's units."""
+    return np.fromiter((xxhash.xxh3_64_intdigest(w.encode()) for w in words), dtype=np.uint64, count=len(words))
+
+
+@dataclass
+class EvalExample:
+    """One eval example: where it comes from and its unit sequences (one per tokenisation variant)."""
+
+    eval_set: str
+    example_id: str
+    text: str | None
+    variants: list[np.ndarray]
+
+    @property
+    def length(self) -> int:
+        return max((len(v) for v in self.variants), default=0)
+
+
+@dataclass
+class Hit:
+    """A training window equal, unit for unit, to a window of an eval example."""
+
+    example: int
+    variant: int
+    offset: int
+    length: int
+    position: int
+    row: int = 0
+
+
+@dataclass
+class _Table:
+    """All indexed windows of one length: sorted hashes and, aligned, where each came from."""
+
+    hashes: np.ndarray
+    examples: np.ndarray
+    variants: np.ndarray
+    offsets: np.ndarray
+
+
+@dataclass
+class NgramIndex:
+    """Sorted window hashes of a set of eval examples, with a bitmap prefilter and exact confirmation."""
+
+    n: int
+    examples: list[EvalExample]
+    tables: dict[int, _Table] = field(default_factory=dict)
+    templates_dropped: int = 0
+    bitmap_bits: int = 24
+    _bitmap: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.uint8), repr=False)
+
+    @classmethod
+    def build(cls, examples: list[EvalExample], n: int = 13, template_min_examples: int = 10, min_length: int = 1) -> "NgramIndex":
+        """Index every window of every example (examples shorter than ``n``: one window of their own length).
+
+        A window shared by ``template_min_examples`` or more distinct examples is
+        boilerplate of the eval set (a prompt template) and is left out.
+        """
+        index = cls(n=n, examples=examples)
+        by_length: dict[int, list[tuple[np.ndarray, int, int]]] = {}
+        for e, example in enumerate(examples):
+            for v, units in enumerate(example.variants):
+                if len(units) < min_length:
+                    continue
+                length = min(n, len(units))
+                by_length.setdefault(length, []).append((window_hashes(units, length), e, v))
+        total = sum(len(h) for parts in by_length.values() for h, _, _ in parts)
+        index.bitmap_bits = int(min(32, max(16, np.ceil(np.log2(max(total, 1) * 64)))))  # about 1 bit in 64 set
+        for length, parts in by_length.items():
+            hashes = np.concatenate([h for h, _, _ in parts])
+            owners = np.concatenate([np.full(len(h), e, dtype=np.int64) for h, e, _ in parts])
+            variants = np.concatenate([np.full(len(h), v, dtype=np.int16) for h, _, v in parts])
+            offsets = np.concatenate([np.arange(len(h), dtype=np.int64) for h, _, _ in parts])
+            if template_min_examples > 0 and len(hashes):
+                keep = _not_templates(hashes, owners, template_min_examples)
+                index.templates_dropped += int((~keep).sum())
+                hashes, owners, variants, offsets = hashes[keep], owners[keep], variants[keep], offsets[keep]
+            order = np.argsort(hashes, kind="stable")
+            index.tables[length] = _Table(hashes[order], owners[order], variants[order], offsets[order])
+        index._bitmap = np.zeros(1 << (index.bitmap_bits - 3), dtype=np.uint8)  # packed bits: fits in cache longer
+        for table in index.tables.values():
+            slots = table.hashes >> np.uint64(64 - index.bitmap_bits)
+            np.bitwise_or.at(index._bitmap, slots >> _THREE, np.left_shift(1, (slots & _SEVEN).astype(np.uint8)).astype(np.uint8))
+        return index
+
+    def _maybe(self, hashes: np.ndarray) -> np.ndarray:
+        """Positions whose hash may be indexed: its top bits' slot is set in the bitmap (one lookup, no false negatives)."""
+        slots = hashes >> np.uint64(64 - self.bitmap_bits)
+        bits = self._bitmap[slots >> _THREE] >> (slots & _SEVEN).astype(np.uint8)
+        return np.flatnonzero(bits & 1)
+
+    @property
+    def windows(self) -> int:
+        return sum(len(t.hashes) for t in self.tables.values())
+
+    def windows_of(self, example: int, variant: int) -> int:
+        """How many windows of one example's variant exist (what a matched fraction is out of)."""
+        units = self.examples[example].variants[variant]
+        return max(len(units) - min(self.n, len(units)) + 1, 0) if len(units) else 0
+
+    def query(self, units: np.ndarray) -> list[Hit]:
+        """Every window of ``units`` that equals an indexed eval window (confirmed unit for unit)."""
+        return self.query_rows(np.asarray(units).reshape(1, -1))
+
+    def query_rows(self, rows: np.ndarray) -> list[Hit]:
+        """``query`` for a [rows, length] batch at once (windows never span two rows); ``Hit.row`` says which row."""
+        hits: list[Hit] = []
+        if rows.ndim != 2 or rows.size == 0:
+            return hits
+        width = rows.shape[1]
+        flat = np.ascontiguousarray(rows).reshape(-1)
+        for length, table in self.tables.items():
+            if width < length:
+                continue
+            hashes = window_hashes(flat, length)
+            candidates = self._maybe(hashes)
+            candidates = candidates[candidates % width <= width - length]  # a window inside one row
+            if not len(candidates):
+                continue
+            wanted = hashes[candidates]
+            left = np.searchsorted(table.hashes, wanted, side="left")
+            right = np.searchsorted(table.hashes, wanted, side="right")
+            found = right > left
+            for start, lo, hi in zip(candidates[found].tolist(), left[found].tolist(), right[found].tolist()):
+                window = flat[start : start + length]
+                for k in range(lo, hi):
+                    example, variant, offset = int(table.examples[k]), int(table.variants[k]), int(table.offsets[k])
+                    source = self.examples[example].variants[variant][offset : offset + length]
+                    if np.array_equal(window, source):  # a hash collision stops here
+                        hits.append(Hit(example, variant, offset, length, start % width, start // width))
+        return hits
+
+
+def _not_templates(hashes: np.ndarray, owners: np.ndarray, limit: int) -> np.ndarray:
+    """Mask of windows whose hash occurs in fewer than ``limit`` distinct examples."""
+    pairs = np.unique(np.stack([hashes, owners.astype(np.uint64)], axis=1), axis=0)
+    distinct, counts = np.unique(pairs[:, 0], return_counts=True)
+    common = distinct[counts >= limit]
+    return ~np.isin(hashes, common) if len(common) else np.ones(len(hashes), dtype=np.bool_)

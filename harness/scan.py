@@ -1,0 +1,473 @@
+"""`harness scan`: which eval examples appear in the training data, found before training starts.
+
+Eval examples are indexed once (``harness.ngrams``); the training data is
+streamed, in chunks of documents, through worker processes that each hold
+the index, so memory grows with the eval sets, not with the training data.
+Every eval example gets: the fraction of its n-grams found in training data,
+the fraction of its units covered by them, the longest matched span, how many
+training documents contain a match (with the first few locations and
+snippets) and a status, ``clean``, ``partial`` or ``dirty``. The results go
+to a table (CSV, Parquet, markdown) and to lists of clean and dirty ids, so
+an evaluation can be rerun on the clean subset.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from harness.errors import HarnessError
+from harness.ngrams import EvalExample, Hit, NgramIndex, normalise_words, word_units
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+
+
+class ScanError(HarnessError):
+    """Bad scan input: names the file, the field and the fix."""
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    """How matches are counted and judged (the same thresholds the `contamination` plugin uses)."""
+
+    n: int = 13
+    template_min_examples: int = 10
+    dirty_fraction: float = 0.5
+    partial_fraction: float = 0.0
+    max_locations: int = 5
+    snippet_chars: int = 160
+    min_length: int = 4
+    near_dup: bool = False
+    near_dup_threshold: float = 0.8
+    shingle: int = 5
+    num_perm: int = 128
+
+
+# -- reading documents -------------------------------------------------------------------------------
+
+
+def _files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise ScanError(f"harness scan: {path} does not exist. Fix: pass an existing file or folder.")
+    if path.is_file():
+        return [path]
+    if (path / "dataset_info.json").exists() or (path / "state.json").exists():
+        return [path]  # a `datasets` folder saved with save_to_disk
+    found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+    if not found:
+        raise ScanError(f"harness scan: {path} holds no {', '.join(TEXT_SUFFIXES)} files and is no `datasets` folder. Fix: point at the data files.")
+    return found
+
+
+def iter_documents(path: Path | str, field: str = "text", id_field: str = "id") -> Iterator[tuple[str, str]]:
+    """(id, text) of every document under ``path``: .txt (one per line), .jsonl/.json, .parquet, `datasets` folders.
+
+    Streams: .txt and .jsonl line by line, .parquet by record batch, datasets
+    memory-mapped. A file that lacks ``field`` is an error naming file and field.
+    """
+    for file in _files(Path(path)):
+        yield from _read(file, field, id_field)
+
+
+def _read(file: Path, field: str, id_field: str) -> Iterator[tuple[str, str]]:
+    if file.is_dir():
+        yield from _read_datasets(file, field, id_field)
+    elif file.suffix == ".txt":
+        with open(file, encoding="utf-8", errors="replace") as handle:
+            for line_number, line in enumerate(handle, 1):
+                if line.strip():
+                    yield f"{file.name}:{line_number}", line.rstrip("\n")
+    elif file.suffix in (".jsonl", ".json"):
+        yield from _read_jsonl(file, field, id_field)
+    elif file.suffix == ".parquet":
+        yield from _read_parquet(file, field, id_field)
+
+
+def _missing(file: Path, field: str, keys: list[str]) -> ScanError:
+    return ScanError(f"harness scan: {file} has no field '{field}' (it has: {', '.join(map(str, keys)) or 'nothing'}). "
+                     "Fix: pass --field with the name of the text field.")
+
+
+def _read_jsonl(file: Path, field: str, id_field: str) -> Iterator[tuple[str, str]]:
+    with open(file, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ScanError(f"harness scan: {file} line {line_number} is not JSON ({exc.msg}). Fix: one JSON object per line.") from exc
+            if not isinstance(record, dict) or field not in record:
+                raise _missing(file, field, list(record) if isinstance(record, dict) else [])
+            text = record[field]
+            if isinstance(text, str) and text.strip():
+                yield str(record.get(id_field, f"{file.name}:{line_number}")), text
+
+
+def _read_parquet(file: Path, field: str, id_field: str) -> Iterator[tuple[str, str]]:
+    import pyarrow.parquet as pq
+
+    reader = pq.ParquetFile(file)
+    names = reader.schema_arrow.names
+    if field not in names:
+        raise _missing(file, field, names)
+    row = 0
+    columns = [field] + ([id_field] if id_field in names else [])
+    for batch in reader.iter_batches(columns=columns, batch_size=4096):
+        data = batch.to_pydict()
+        for i, text in enumerate(data[field]):
+            row += 1
+            if isinstance(text, str) and text.strip():
+                yield (str(data[id_field][i]) if id_field in data else f"{file.name}:{row}"), text
+
+
+def _read_datasets(folder: Path, field: str, id_field: str) -> Iterator[tuple[str, str]]:
+    from datasets import load_from_disk
+
+    data = load_from_disk(str(folder))
+    if hasattr(data, "keys") and not hasattr(data, "column_names"):  # a DatasetDict: every split
+        splits = [(name, data[name]) for name in data.keys()]
+    else:
+        splits = [("", data)]
+    for name, split in splits:
+        if field not in split.column_names:
+            raise _missing(folder, field, split.column_names)
+        for start in range(0, len(split), 4096):
+            chunk = split[start : start + 4096]
+            for i, text in enumerate(chunk[field]):
+                if isinstance(text, str) and text.strip():
+                    default = f"{folder.name}{'/' + name if name else ''}:{start + i + 1}"
+                    yield (str(chunk[id_field][i]) if id_field in chunk else default), text
+
+
+# -- front ends: text -> units ---------------------------------------------------------------------------
+
+
+class FrontEnd:
+    """Turns text into unit sequences: normalised words (no tokenizer) or the run's token ids."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self.kind = "tokens" if tokenizer is not None else "words"
+
+    def eval_variants(self, text: str) -> list[np.ndarray]:
+        """Token ids as the text starts a document and as it follows a space mid-document; or its words."""
+        if self.tokenizer is None:
+            return [word_units(normalise_words(text))]
+        plain = self._ids(text)
+        spaced = self._ids(" " + text.lstrip())
+        return [plain] if np.array_equal(plain, spaced) else [plain, spaced]
+
+    def document(self, text: str) -> tuple[np.ndarray, list[str] | None]:
+        if self.tokenizer is None:
+            words = normalise_words(text)
+            return word_units(words), words
+        return self._ids(text), None
+
+    def _ids(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+
+def load_eval_examples(paths: list[str], field: str, front: FrontEnd, id_field: str = "id") -> list[EvalExample]:
+    """Every eval example of every path; an eval set without usable text is an error naming the file and field."""
+    examples: list[EvalExample] = []
+    for path in paths:
+        before = len(examples)
+        name = Path(path).stem
+        for example_id, text in iter_documents(path, field, id_field):
+            examples.append(EvalExample(name, example_id, text, front.eval_variants(text)))
+        if len(examples) == before:
+            raise ScanError(f"harness scan: the eval set {path} has no example with text in field '{field}'. "
+                            "Fix: check the file and --field.")
+    return examples
+
+
+# -- matching: per-example tallies -------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """What the training data matched of one eval example."""
+
+    matched: dict[int, set[int]] = field(default_factory=dict)  # variant -> matched window offsets
+    documents: set[str] = field(default_factory=set)
+    locations: list[dict[str, Any]] = field(default_factory=list)
+    near: list[dict[str, Any]] = field(default_factory=list)  # training documents that are near-duplicates of the example
+
+    def add(self, hit: Hit, document: str, snippet: str, max_locations: int) -> None:
+        self.matched.setdefault(hit.variant, set()).add(hit.offset)
+        if document not in self.documents:
+            self.documents.add(document)
+            if len(self.locations) < max_locations:
+                self.locations.append({"document": document, "position": hit.position, "snippet": snippet})
+
+
+def judge(index: NgramIndex, e: int, tally: Tally | None, options: ScanOptions) -> dict[str, Any]:
+    """The report row of one eval example: fractions, longest span, documents, status."""
+    example = index.examples[e]
+    best = {"fraction": 0.0, "coverage": 0.0, "longest": 0}
+    for v, units in enumerate(example.variants):
+        offsets = sorted((tally.matched.get(v) or set()) if tally else set())
+        total = index.windows_of(e, v)
+        if not total or not offsets:
+            continue
+        window = min(index.n, len(units))
+        covered = np.zeros(len(units), dtype=bool)
+        for o in offsets:
+            covered[o : o + window] = True
+        run = longest = 0
+        previous = None
+        for o in offsets:
+            run = run + 1 if previous is not None and o == previous + 1 else 1
+            longest = max(longest, run)
+            previous = o
+        candidate = {"fraction": len(offsets) / total, "coverage": float(covered.mean()), "longest": longest + window - 1}
+        if candidate["fraction"] > best["fraction"]:
+            best = candidate
+    near = sorted(tally.near, key=lambda d: -d["jaccard"]) if tally else []
+    if example.length < options.min_length and not near:
+        status = "too_short"
+    elif best["fraction"] >= options.dirty_fraction or near:
+        status = "dirty"
+    elif best["fraction"] > options.partial_fraction:
+        status = "partial"
+    else:
+        status = "clean"
+    return {
+        "eval_set": example.eval_set, "id": example.example_id, "status": status, "units": example.length,
+        "matched_fraction": round(best["fraction"], 6), "coverage": round(best["coverage"], 6), "longest_span": best["longest"],
+        "documents_hit": len(tally.documents) if tally else 0, "locations": tally.locations if tally else [],
+        "near_duplicates": len(near), "near_duplicate_jaccard": near[0]["jaccard"] if near else None,
+        "near_duplicate_documents": near[: options.max_locations],
+    }
+
+
+# -- near duplicates: MinHash LSH, confirmed by exact Jaccard ------------------------------------------------------
+
+
+def shingles(text: str, size: int) -> set[str]:
+    """Word ``size``-grams of the normalised text (the whole text when shorter)."""
+    words = normalise_words(text)
+    if len(words) <= size:
+        return {" ".join(words)} if words else set()
+    return {" ".join(words[i : i + size]) for i in range(len(words) - size + 1)}
+
+
+class NearDuplicates:
+    """Eval examples in a MinHash LSH; a training document's candidates are confirmed by exact Jaccard similarity."""
+
+    def __init__(self, examples: list[EvalExample], options: ScanOptions) -> None:
+        from datasketch import MinHash, MinHashLSH
+
+        self.options = options
+        # the LSH proposes from a lower similarity than the one that counts, so that a true near duplicate just above
+        # the threshold is rarely missed (LSH recall near its own threshold is only about one half); Jaccard decides
+        self.lsh = MinHashLSH(threshold=0.7 * options.near_dup_threshold, num_perm=options.num_perm)
+        self.sets: dict[int, set[str]] = {}
+        for e, example in enumerate(examples):
+            grams = shingles(example.text or "", options.shingle)
+            if not grams:
+                continue
+            self.sets[e] = grams
+            self.lsh.insert(str(e), self._minhash(grams, MinHash))
+
+    def _minhash(self, grams: set[str], factory: Any) -> Any:
+        sketch = factory(num_perm=self.options.num_perm, seed=1)
+        sketch.update_batch([g.encode() for g in grams])
+        return sketch
+
+    def query(self, text: str) -> list[tuple[int, float]]:
+        from datasketch import MinHash
+
+        grams = shingles(text, self.options.shingle)
+        if not grams:
+            return []
+        out = []
+        for key in self.lsh.query(self._minhash(grams, MinHash)):
+            e = int(key)
+            jaccard = len(grams & self.sets[e]) / len(grams | self.sets[e])
+            if jaccard >= self.options.near_dup_threshold:  # the sketch only proposes; the sets decide
+                out.append((e, round(jaccard, 4)))
+        return out
+
+
+# -- the scan ------------------------------------------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(index: NgramIndex, front: FrontEnd, options: ScanOptions, near: NearDuplicates | None = None) -> None:
+    _WORKER.update(index=index, front=front, options=options, near=near)
+
+
+Found = tuple[list[tuple[int, Hit, str, str]], list[tuple[int, str, float]]]
+
+
+def _scan_chunk(documents: list[tuple[str, str]]) -> tuple[int, int, Found]:
+    """Documents and units scanned, n-gram hits (example, hit, document id, snippet) and near duplicates
+    (example, document id, Jaccard similarity) of one chunk of training documents."""
+    index: NgramIndex = _WORKER["index"]
+    front: FrontEnd = _WORKER["front"]
+    options: ScanOptions = _WORKER["options"]
+    near: NearDuplicates | None = _WORKER.get("near")
+    units_scanned, found, near_found = 0, [], []
+    for document_id, text in documents:
+        units, words = front.document(text)
+        units_scanned += len(units)
+        for hit in index.query(units):
+            found.append((hit.example, hit, document_id, _snippet(front, units, words, hit, options.snippet_chars)))
+        near_found += [(example, document_id, jaccard) for example, jaccard in (near.query(text) if near is not None else [])]
+    return len(documents), units_scanned, (found, near_found)
+
+
+def _snippet(front: FrontEnd, units: np.ndarray, words: list[str] | None, hit: Hit, chars: int) -> str:
+    if words is not None:
+        text = " ".join(words[hit.position : hit.position + hit.length])
+    else:
+        text = front.tokenizer.decode(units[hit.position : hit.position + hit.length].tolist())
+    return text[:chars]
+
+
+def _chunks(paths: list[str], field: str, id_field: str, size: int) -> Iterator[list[tuple[str, str]]]:
+    chunk: list[tuple[str, str]] = []
+    for path in paths:
+        for document in iter_documents(path, field, id_field):
+            chunk.append(document)
+            if len(chunk) >= size:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
+
+
+@dataclass
+class ScanResult:
+    rows: list[dict[str, Any]]
+    documents: int
+    units: int
+    index_windows: int
+    templates_dropped: int
+    front_end: str
+
+    def frame(self) -> Any:
+        import pandas as pd
+
+        return pd.DataFrame([{k: v for k, v in r.items() if k not in ("locations", "near_duplicate_documents")} for r in self.rows])
+
+
+def scan(train: list[str], evals: list[str], field: str = "text", tokenizer: Any = None, workers: int = 1,
+         options: ScanOptions | None = None, id_field: str = "id", chunk_size: int = 256, progress: bool = True,
+         eval_field: str | None = None) -> ScanResult:
+    """Scan every training document (text in ``field``) against every eval example (in ``eval_field``, default ``field``)."""
+    options = options or ScanOptions()
+    front = FrontEnd(tokenizer)
+    for path in train:
+        _files(Path(path))  # a missing path fails before any work
+    examples = load_eval_examples(evals, eval_field or field, front, id_field)
+    index = NgramIndex.build(examples, options.n, options.template_min_examples, options.min_length)
+    near = NearDuplicates(examples, options) if options.near_dup else None
+    tallies: dict[int, Tally] = {}
+    documents = units = 0
+    chunks = _chunks(train, field, id_field, chunk_size)
+    with _progress(progress) as bar:
+        task = bar.add_task("scanning training documents", total=None)
+        if workers > 1:
+            context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+            with context.Pool(workers, initializer=_init_worker, initargs=(index, front, options, near)) as pool:
+                results = pool.imap(_scan_chunk, chunks)
+                for counted, scanned, found in results:
+                    documents, units = _merge(tallies, found, options, documents + counted, units + scanned)
+                    bar.update(task, completed=documents, description=f"scanning training documents ({units:,} units)")
+        else:
+            _init_worker(index, front, options, near)
+            for chunk in chunks:
+                counted, scanned, found = _scan_chunk(chunk)
+                documents, units = _merge(tallies, found, options, documents + counted, units + scanned)
+                bar.update(task, completed=documents, description=f"scanning training documents ({units:,} units)")
+    rows = [judge(index, e, tallies.get(e), options) for e in range(len(examples))]
+    return ScanResult(rows, documents, units, index.windows, index.templates_dropped, front.kind)
+
+
+def _merge(tallies: dict[int, Tally], found: Found, options: ScanOptions, documents: int, units: int) -> tuple[int, int]:
+    hits, near = found
+    for example, hit, document, snippet in hits:
+        tallies.setdefault(example, Tally()).add(hit, document, snippet, options.max_locations)
+    for example, document, jaccard in near:
+        tallies.setdefault(example, Tally()).near.append({"document": document, "jaccard": jaccard})
+    return documents, units
+
+
+def _progress(enabled: bool) -> Any:
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,} documents"),
+                    TimeElapsedColumn(), disable=not enabled, transient=False)
+
+
+def write_outputs(result: ScanResult, out: Path | str) -> dict[str, Path]:
+    """report.csv / report.parquet / report.md, details.jsonl, clean_ids.txt, partial_ids.txt, dirty_ids.txt."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    frame = result.frame()
+    paths = {"csv": out / "report.csv", "parquet": out / "report.parquet", "markdown": out / "report.md", "details": out / "details.jsonl"}
+    frame.to_csv(paths["csv"], index=False)
+    frame.to_parquet(paths["parquet"], index=False)
+    with open(paths["details"], "w", encoding="utf-8") as handle:
+        for row in result.rows:
+            handle.write(json.dumps(row) + "\n")
+    for status in ("clean", "partial", "dirty"):
+        paths[status] = out / f"{status}_ids.txt"
+        paths[status].write_text("".join(f"{r['id']}\n" for r in result.rows if r["status"] == status), encoding="utf-8")
+    summary = frame.groupby(["eval_set", "status"]).size().unstack(fill_value=0).reset_index() if len(frame) else frame
+    worst = frame.sort_values("matched_fraction", ascending=False).head(20)
+    paths["markdown"].write_text(
+        f"# Contamination scan\n\n{result.documents:,} training documents ({result.units:,} {result.front_end}) against "
+        f"{len(result.rows):,} eval examples ({result.index_windows:,} indexed n-grams, {result.templates_dropped:,} template "
+        f"n-grams left out).\n\n## Per eval set\n\n{markdown_table(summary)}\n\n## Most contaminated\n\n"
+        f"{markdown_table(worst)}\n",
+        encoding="utf-8",
+    )
+    return paths
+
+
+def markdown_table(frame: Any) -> str:
+    """A pandas frame as a GitHub markdown table (pandas' own needs the optional `tabulate`)."""
+    columns = [str(c) for c in frame.columns]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in frame.itertuples(index=False):
+        lines.append("| " + " | ".join(str(v).replace("|", "\\|") for v in row) + " |")
+    return "\n".join(lines)
+
+
+def print_scan(train: list[str], evals: list[str], field: str, tokenizer_dir: str | None, out: str, workers: int,
+               options: ScanOptions, id_field: str = "id", eval_field: str | None = None) -> int:
+    """`harness scan`: run, write the outputs, print the per-set summary; exit 1 when an eval example is dirty."""
+    from rich.console import Console
+    from rich.table import Table
+
+    tokenizer = None
+    if tokenizer_dir:
+        if not Path(tokenizer_dir).exists():
+            raise ScanError(f"harness scan: --tokenizer {tokenizer_dir} does not exist. Fix: pass a tokenizer directory.")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    result = scan(train, evals, field, tokenizer, workers, options, id_field, eval_field=eval_field)
+    paths = write_outputs(result, out)
+    frame = result.frame()
+    table = Table(title=f"contamination: {result.documents:,} training documents, {len(frame):,} eval examples ({result.front_end})")
+    for column in ("eval set", "examples", "clean", "partial", "dirty", "too short"):
+        table.add_column(column)
+    for name, group in frame.groupby("eval_set"):
+        counts = group["status"].value_counts()
+        table.add_row(str(name), str(len(group)), *(str(int(counts.get(s, 0))) for s in ("clean", "partial", "dirty", "too_short")))
+    console = Console()
+    console.print(table)
+    console.print(f"report: {paths['markdown']}  table: {paths['csv']}  clean ids: {paths['clean']}  dirty ids: {paths['dirty']}")
+    return 1 if (frame["status"] == "dirty").any() else 0

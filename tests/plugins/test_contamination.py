@@ -1,0 +1,96 @@
+"""contamination: a planted eval example is found at the step whose batch holds it, through attach and through wrap."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import harness
+from conftest import findings_of, wrapped_example, write_yaml
+from harness.hashing import hash_token_rows, hex64
+from harness.ledger import read_ledger
+from harness.tiny import corpus_lines, lm_dataset, train_tokenizer
+
+CODES = ("CONTAMINATION", "EVAL_SPLIT_OVERLAP", "CONTAMINATION_UNCHECKED")
+
+
+def _made_up(count: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 9))) for _ in range(25)) for _ in range(count)]
+
+
+def _eval_file(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"id": f"ex{i}", "question": t}) + "\n" for i, t in enumerate(texts)), encoding="utf-8")
+    return path
+
+
+def _steps_of(output_dir: Path, row: list[int]) -> list[int]:
+    """The steps at which the ledger (data_hash) saw this exact row."""
+    ledger = read_ledger(output_dir)
+    return sorted(ledger[ledger["sample_hash"] == hex64(hash_token_rows([row])[0])]["step"].unique().tolist())
+
+
+def test_planted_eval_example_is_found_at_its_step_and_the_split_overlap(make_trainer: Any, tokenizer: Any, lm_rows: Any, tmp_path: Path) -> None:
+    planted = lm_rows[7]["input_ids"]
+    texts = _made_up(6) + [tokenizer.decode(planted)]
+    trainer = make_trainer(max_steps=24, eval_dataset=lm_rows.select([40]), processing_class=tokenizer)
+    config = {"contamination": {"eval_sets": [{"path": str(_eval_file(tmp_path / "eval.jsonl", texts)), "field": "question", "name": "quiz"}]}}
+    harness.attach(trainer, config=config)
+    trainer.train()
+    out = Path(trainer.args.output_dir)
+    found = findings_of(out, "CONTAMINATION")
+    quiz = [f for f in found if f["evidence"]["eval_set"] == "quiz"]
+    assert [f["evidence"]["example_id"] for f in quiz] == ["ex6"]  # the made-up examples stay clean
+    assert quiz[0]["step"] == _steps_of(out, planted)[0] and quiz[0]["evidence"]["matched_ngrams"] > 0
+    # the Trainer's own eval row 40 is a training row too: found where it was trained, and before training as a split overlap
+    own = [f for f in found if f["evidence"]["eval_set"] == "eval_dataset"]
+    assert own and own[0]["step"] == _steps_of(out, lm_rows[40]["input_ids"])[0]
+    (overlap,) = findings_of(out, "EVAL_SPLIT_OVERLAP")
+    assert overlap["evidence"]["shared_rows"] == 1 and overlap["step"] == 0
+    summary = json.loads((out / "harness" / "contamination" / "summary.rank-0.json").read_text())
+    assert summary["eval_sets"]["quiz"]["clean"] == 6 and summary["checked_tokens"] == 24 * 4 * 32
+    dirty = (out / "harness" / "contamination" / "dirty_ids.rank-0.txt").read_text().splitlines()
+    assert "quiz\tex6" in dirty and not any(line.startswith("quiz\tex0") for line in dirty)
+
+
+def test_clean_run_is_silent(make_trainer: Any, tokenizer: Any, tmp_path: Path) -> None:
+    trainer = make_trainer(max_steps=6, processing_class=tokenizer)
+    harness.attach(trainer, config={"contamination": {"eval_sets": [{"path": str(_eval_file(tmp_path / "e.jsonl", _made_up(20))), "field": "question"}]}})
+    trainer.train()
+    out = Path(trainer.args.output_dir)
+    assert [f for f in findings_of(out) if f["code"] in CODES] == []
+    summary = json.loads((out / "harness" / "contamination" / "summary.rank-0.json").read_text())
+    assert summary["eval_sets"] == {"e": {"clean": 20}} and summary["checked_tokens"] == 6 * 4 * 32
+
+
+def test_a_bad_eval_set_is_reported_and_training_goes_on(make_trainer: Any, tokenizer: Any, tmp_path: Path) -> None:
+    trainer = make_trainer(max_steps=2, processing_class=tokenizer)
+    harness.attach(trainer, config={"contamination": {"eval_sets": [
+        {"path": str(tmp_path / "missing.jsonl")},
+        {"path": str(_eval_file(tmp_path / "e.jsonl", ["a b c"])), "field": "prompt"},
+    ]}})
+    trainer.train()
+    messages = [f["message"] for f in findings_of(trainer.args.output_dir, "CONTAMINATION_UNCHECKED")]
+    assert len(messages) == 2 and "missing.jsonl does not exist" in messages[0]
+    assert "e.jsonl has no field 'prompt' (it has: id, question)" in messages[1] and "Fix:" in messages[1]
+
+
+def test_planted_eval_examples_through_wrap(tmp_path: Path) -> None:
+    """Twenty training rows of the example script become eval examples: each one trained is found by its step.
+
+    The example's corpus repeats some sentences, so an example may be found earlier, in another row with the same text."""
+    tokenizer = train_tokenizer(corpus_lines())
+    rows = lm_dataset(tokenizer, seq_len=64)["input_ids"]  # the example script's training rows
+    planted = rows[:20]
+    eval_path = _eval_file(tmp_path / "eval.jsonl", _made_up(4) + [tokenizer.decode(r) for r in planted])
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {"contamination": {"eval_sets": [{"path": str(eval_path), "field": "question"}]}})
+    result = wrapped_example(out, config, steps=30, save_steps=0)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = {f["evidence"]["example_id"]: f["step"] for f in findings_of(out, "CONTAMINATION")}
+    trained = {f"ex{4 + i}": _steps_of(out, row) for i, row in enumerate(planted)}
+    expected = {example: steps[0] for example, steps in trained.items() if steps}
+    assert expected and set(expected) <= set(found)  # every planted row that was trained is found ...
+    assert all(found[example] <= step for example, step in expected.items())  # ... at its step or at an earlier row sharing its text
+    assert not {"ex0", "ex1", "ex2", "ex3"} & set(found)  # the made-up examples never
