@@ -380,8 +380,7 @@ def scan(train: list[str], evals: list[str], field: str = "text", tokenizer: Any
         if workers > 1:
             context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
             with context.Pool(workers, initializer=_init_worker, initargs=(index, front, options, near)) as pool:
-                results = pool.imap(_scan_chunk, chunks)
-                for counted, scanned, found in results:
+                for counted, scanned, found in _bounded(pool, chunks, ahead=4 * workers):
                     documents, units = _merge(tallies, found, options, documents + counted, units + scanned)
                     bar.update(task, completed=documents, description=f"scanning training documents ({units:,} units)")
         else:
@@ -392,6 +391,19 @@ def scan(train: list[str], evals: list[str], field: str = "text", tokenizer: Any
                 bar.update(task, completed=documents, description=f"scanning training documents ({units:,} units)")
     rows = [judge(index, e, tallies.get(e), options) for e in range(len(examples))]
     return ScanResult(rows, documents, units, index.windows, index.templates_dropped, front.kind)
+
+
+def _bounded(pool: Any, chunks: Iterator[list[tuple[str, str]]], ahead: int) -> Iterator[tuple[int, int, Found]]:
+    """Results in order, with at most ``ahead`` chunks read and in flight (``Pool.imap`` would read the whole input)."""
+    from collections import deque
+
+    pending: deque[Any] = deque()
+    for chunk in chunks:
+        pending.append(pool.apply_async(_scan_chunk, (chunk,)))
+        if len(pending) >= ahead:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 def _merge(tallies: dict[int, Tally], found: Found, options: ScanOptions, documents: int, units: int) -> tuple[int, int]:

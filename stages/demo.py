@@ -92,8 +92,11 @@ def run_demo(out: str | Path = "runs/demo") -> int:
         if second != 0:
             print(f"harness demo: the resumed run failed with exit {second}")
             return second
+    desync, process = _start_desync(out)  # runs while the resume done wrong does: the two are independent
     broken = _broken_resume(out)
-    desync, desync_code = _desync(out)
+    desync_code = process.wait()
+    if desync_code != 0:
+        print(f"harness demo: the two-process run failed with exit {desync_code}; see {desync / 'train.log'}")
     return _summary(out, time.time() - began, broken, desync) or desync_code
 
 
@@ -145,11 +148,12 @@ def _broken_resume(out: Path) -> Path:
     return broken
 
 
-def _desync(out: Path) -> tuple[Path, int]:
-    """Two data-parallel processes (DDP over gloo): a weight drifts on rank 1, then rank 1's reduced gradient is wrong.
+def _start_desync(out: Path) -> tuple[Path, subprocess.Popen[bytes]]:
+    """Start two data-parallel processes (DDP over gloo): a weight drifts on rank 1, then rank 1's reduced gradient is wrong.
 
     ``grad_sync`` checks every 5 steps and rebroadcasts rank 0's weights after
     each detection, so each fault is reported once, at the first check after it.
+    Its output goes to ``desync/train.log``.
     """
     import socket
 
@@ -169,12 +173,11 @@ def _desync(out: Path) -> tuple[Path, int]:
         port = sock.getsockname()[1]
     print(f"\nharness demo: two data-parallel processes (DDP, gloo) for {DESYNC_STEPS} steps in {run}: one weight of rank 1 "
           f"moved by one ulp after step {DESYNC_FAULTS['perturb_param_at_step']}, rank 1's reduced gradient 1.5x too large at "
-          f"step {DESYNC_FAULTS['scale_grad_at_step']}", flush=True)
+          f"step {DESYNC_FAULTS['scale_grad_at_step']} (its output: {run / 'train.log'})", flush=True)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port)]
-    code = subprocess.run([*launcher, "-m", "harness.cli", "run", "pretrain", "--config", str(path)]).returncode
-    if code != 0:
-        print(f"harness demo: the two-process run failed with exit {code}; its findings so far are below")
-    return run, code
+    with open(run / "train.log", "wb") as log:
+        process = subprocess.Popen([*launcher, "-m", "harness.cli", "run", "pretrain", "--config", str(path)], stdout=log, stderr=subprocess.STDOUT)
+    return run, process
 
 
 def _print_findings(title: str, run: Path) -> None:

@@ -207,3 +207,14 @@ def test_near_duplicates_of_lightly_edited_eval_items(tmp_path: Path) -> None:
     assert row["status"] == "dirty" and row["near_duplicates"] == 1 and row["near_duplicate_documents"][0]["document"] == "train.txt:78"
     assert 0.5 <= row["near_duplicate_jaccard"] < 1
     assert [r["status"] for i, r in enumerate(result.rows) if i != 4] == ["clean"] * 29
+
+
+def test_datasets_folders_read_like_jsonl(corpus: dict[str, Any], tmp_path: Path) -> None:
+    from datasets import Dataset
+
+    root = corpus["root"]
+    Dataset.from_list(corpus["evals"]).save_to_disk(str(tmp_path / "eval_ds"))
+    from_folder = scan([str(root / "train" / "a.jsonl")], [str(tmp_path / "eval_ds")], eval_field="question", progress=False)
+    from_jsonl = scan([str(root / "train" / "a.jsonl")], [str(root / "eval.jsonl")], eval_field="question", progress=False)
+    assert [r["status"] for r in from_folder.rows] == [r["status"] for r in from_jsonl.rows]
+    assert [r["id"] for r in from_folder.rows] == [r["id"] for r in from_jsonl.rows]  # the id field is read

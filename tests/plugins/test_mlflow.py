@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 
 import harness
-from conftest import EXAMPLE, FAULTS, findings_of, free_port, harness_cli, read_jsonl, torchrun
+from conftest import EXAMPLE, FAULTS, findings_of, free_port, harness_cli, read_jsonl, torchrun, write_yaml
 from harness import hookimpl
 
 PY = sys.executable
@@ -44,8 +44,10 @@ def _logged_steps(output_dir: Path) -> list[int]:
 
 def test_wrap_logs_a_complete_run_to_the_default_store(tmp_path: Path) -> None:
     out = tmp_path / "run"
+    (tmp_path / "quiz.txt").write_text("zqx vlorp mendaq tive kraspo ulm\nfrobnitz quell azimuth dorrow plen\n")
+    config = write_yaml(tmp_path / "h.yaml", {"contamination": {"eval_sets": [{"path": str(tmp_path / "quiz.txt")}], "min_length": 2}})
     result = harness_cli(
-        "wrap", "--plugins", f"mlflow,{FAULTS}", "--", PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "6",
+        "wrap", "--config", str(config), "--plugins", f"mlflow,{FAULTS}", "--", PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "6",
         env={"HARNESS_CONFIG": ""},
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -59,7 +61,9 @@ def test_wrap_logs_a_complete_run_to_the_default_store(tmp_path: Path) -> None:
     assert run.data.params["trainer.max_steps"] == "6" and "harness.plugins" in run.data.params
     assert run.data.params["model.num_hidden_layers"] == "2"
     paths = [a.path for a in _client(uri).list_artifacts(run.info.run_id, "harness")]
-    assert {"harness/findings.jsonl", "harness/config.yaml", "harness/metrics.jsonl"} <= set(paths)
+    assert {"harness/findings.jsonl", "harness/config.yaml", "harness/metrics.jsonl", "harness/contamination"} <= set(paths)
+    lists = {a.path for a in _client(uri).list_artifacts(run.info.run_id, "harness/contamination")}
+    assert {"harness/contamination/clean_ids.rank-0.txt", "harness/contamination/dirty_ids.rank-0.txt"} <= lists  # the clean/dirty lists
 
 
 class _Emitter:

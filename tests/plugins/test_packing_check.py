@@ -70,12 +70,21 @@ def test_mask_cases_through_attach(make_trainer: Any, tokenizer: Any, packed_row
     assert findings_of(out, "PACKING_LOSS_ON_PADDING") == []
 
 
-@pytest.mark.parametrize("impl,form,leaks", CASES)
-def test_mask_cases_through_wrap(tmp_path: Path, impl: str, form: str, leaks: bool) -> None:
-    out = tmp_path / "run"
-    result = wrapped_example(out, write_yaml(tmp_path / "h.yaml", {}), "--packing", form, "--attn_implementation", impl, steps=1, save_steps=0)
-    assert result.returncode == 0, result.stderr[-3000:]
-    _assert_verdict(out, impl, leaks)
+def test_mask_cases_through_wrap(tmp_path: Path) -> None:
+    """The four cases as four unmodified script runs under `harness wrap` (two at a time: they are independent)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = write_yaml(tmp_path / "h.yaml", {})
+
+    def run(case: tuple[str, str, bool]) -> Any:
+        impl, form, _ = case
+        return wrapped_example(tmp_path / f"{impl}-{form}", config, "--packing", form, "--attn_implementation", impl, steps=1, save_steps=0)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(run, CASES))
+    for (impl, form, leaks), result in zip(CASES, results):
+        assert result.returncode == 0, result.stderr[-3000:]
+        _assert_verdict(tmp_path / f"{impl}-{form}", impl, leaks)
 
 
 def test_all_ones_attention_mask_disables_the_packed_mask(make_trainer: Any, tokenizer: Any, packed_rows: Dataset) -> None:

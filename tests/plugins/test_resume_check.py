@@ -162,13 +162,21 @@ def test_a_killed_run_resumed_through_wrap(tmp_path: Path) -> None:
     killed = tmp_path / "killed"
     config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults", FAULTS], "fault_injector": {"kill_at_step": 13}})
     assert _wrapped(killed, config).returncode != 0 and (killed / "checkpoint-10").is_dir()
-    for what, expected in EXPECTED.items():
+    from concurrent.futures import ThreadPoolExecutor
+
+    def resume(what: str) -> Any:
         out = tmp_path / what
         shutil.copytree(killed, out)
         shutil.rmtree(out / "harness" / "ranks", ignore_errors=True)
         _break(out / "checkpoint-10", what)
         flags = ["--ignore_data_skip"] if what == "ignore_data_skip" else []
-        resumed = _wrapped(out, config, "--resume_from_checkpoint", str(out / "checkpoint-10"), *flags)
+        return _wrapped(out, config, "--resume_from_checkpoint", str(out / "checkpoint-10"), *flags)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # independent single-process runs: two at a time on two cores
+        results = dict(zip(EXPECTED, pool.map(resume, EXPECTED)))
+    for what, expected in EXPECTED.items():
+        out = tmp_path / what
+        resumed = results[what]
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert sorted({c for c, _ in _resume_codes(out)}) == expected, what
         if what == "nothing":  # the ledger keeps what the killed process trained past the checkpoint
@@ -186,11 +194,18 @@ def test_deepspeed_zero2_two_processes(tmp_path: Path) -> None:
     killed = tmp_path / "killed"
     config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults", FAULTS], "fault_injector": {"kill_at_step": 13}})
     assert _wrapped(killed, config, *ZERO2, launcher=torchrun()).returncode != 0 and (killed / "checkpoint-10").is_dir()
-    for ignore_data_skip in (False, True):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def resume(ignore_data_skip: bool) -> Any:
         out = tmp_path / f"ignore_data_skip={ignore_data_skip}"
         shutil.copytree(killed, out)
         extra = ["--resume_from_checkpoint", str(out / "checkpoint-10"), *(["--ignore_data_skip"] if ignore_data_skip else [])]
-        resumed = _wrapped(out, config, *ZERO2, *extra, launcher=torchrun())
+        return _wrapped(out, config, *ZERO2, *extra, launcher=torchrun())
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # the two resumes are independent jobs
+        results = list(pool.map(resume, (False, True)))
+    for ignore_data_skip, resumed in zip((False, True), results):
+        out = tmp_path / f"ignore_data_skip={ignore_data_skip}"
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         if ignore_data_skip:
             positions = findings_of(out, "RESUME_DATA_POSITION")
