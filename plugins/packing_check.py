@@ -73,27 +73,12 @@ class PackingCheckOptions(BaseModel):
     max_reports: int = Field(3, ge=1, description="Findings per code per run at most.")
 
 
-def _segments_from_ids(values: list[int], valid: list[bool]) -> list[tuple[int, int]]:
-    """Runs of equal ids (metadata) over valid positions; negative ids are padding."""
-    out: list[tuple[int, int]] = []
-    start = None
-    for t, (v, ok) in enumerate(zip(values, valid)):
-        if start is not None and (not ok or v < 0 or v != values[start]):
-            out.append((start, t))
-            start = None
-        if start is None and ok and v >= 0:
-            start = t
-    if start is not None:
-        out.append((start, len(values)))
-    return out
-
-
-def _segments_from_positions(positions: list[int], valid: list[bool]) -> list[tuple[int, int]]:
-    """A document starts wherever position ids do not continue by one."""
+def _runs(valid: list[bool], starts: list[bool]) -> list[tuple[int, int]]:
+    """Documents as [start, end) runs of valid positions; ``starts[t]`` says a new document begins at t."""
     out: list[tuple[int, int]] = []
     start = None
     for t, ok in enumerate(valid):
-        if start is not None and (not ok or positions[t] != positions[t - 1] + 1):
+        if start is not None and (not ok or starts[t]):
             out.append((start, t))
             start = None
         if start is None and ok:
@@ -103,40 +88,25 @@ def _segments_from_positions(positions: list[int], valid: list[bool]) -> list[tu
     return out
 
 
+def _segments_from_ids(values: list[int], valid: list[bool]) -> list[tuple[int, int]]:
+    """Runs of equal ids (metadata); negative ids are padding."""
+    return _runs([ok and v >= 0 for v, ok in zip(values, valid)], [t > 0 and v != values[t - 1] for t, v in enumerate(values)])
+
+
+def _segments_from_positions(positions: list[int], valid: list[bool]) -> list[tuple[int, int]]:
+    """A document starts wherever position ids do not continue by one."""
+    return _runs(valid, [t > 0 and p != positions[t - 1] + 1 for t, p in enumerate(positions)])
+
+
 def _segments_from_tokens(ids: list[int], valid: list[bool], eos: int | None, bos: int | None) -> list[tuple[int, int]]:
     """A document ends after each EOS and starts at each BOS."""
-    out: list[tuple[int, int]] = []
-    start = None
-    for t, (tok, ok) in enumerate(zip(ids, valid)):
-        if start is not None and (not ok or (bos is not None and tok == bos and t > start)):
-            out.append((start, t))
-            start = None
-        if start is None and ok:
-            start = t
-        if start is not None and eos is not None and tok == eos:
-            out.append((start, t + 1))
-            start = None
-    if start is not None:
-        out.append((start, len(ids)))
-    return out
+    return _runs(valid, [t > 0 and ((bos is not None and tok == bos) or (eos is not None and ids[t - 1] == eos)) for t, tok in enumerate(ids)])
 
 
 def _segments_from_mask(mask: torch.Tensor) -> list[tuple[int, int]]:
     """Blocks of a [L, L] attention mask: a block starts where a token may not see the token before it."""
     allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    diagonal = allowed.diagonal().tolist()
-    previous = [False, *allowed.diagonal(-1).tolist()]
-    out: list[tuple[int, int]] = []
-    start = None
-    for t, (ok, sees_previous) in enumerate(zip(diagonal, previous)):
-        if start is not None and (not ok or not sees_previous):
-            out.append((start, t))
-            start = None
-        if start is None and ok:
-            start = t
-    if start is not None:
-        out.append((start, len(diagonal)))
-    return out
+    return _runs(allowed.diagonal().tolist(), [True, *(not seen for seen in allowed.diagonal(-1).tolist())])
 
 
 def _mask_form(batch: Mapping[str, Any]) -> str:

@@ -41,7 +41,7 @@ def test_rank1_finding_lands_once_and_all_ranks_skip_together(tmp_path: Path, la
     config = write_yaml(
         tmp_path / "h.yaml",
         {
-            "plugins": ["metrics_log", FAULTS],
+            "plugins": ["metrics_log", "grad_sync", FAULTS],
             "fault_injector": {"report_at_step": 3, "report_on_rank": 1, "action": "skip_step", "snapshot_steps": [2, 3, 4]},
         },
     )
@@ -55,6 +55,13 @@ def test_rank1_finding_lands_once_and_all_ranks_skip_together(tmp_path: Path, la
     (taken,) = findings_of(out, "ACTION_TAKEN")
     assert taken["step"] == 3 and "on rank 1" in taken["message"]
     assert [f["code"] for f in read_jsonl(out / "harness" / "ranks" / "findings.rank-1.jsonl")] == ["TEST_FAULT"]
+    # grad_sync: under ZeRO-3 it says plainly that there are no replicas to compare; elsewhere it compares them
+    unsupported = findings_of(out, "GRAD_SYNC_UNSUPPORTED")
+    if launcher == "torchrun-zero3":
+        assert len(unsupported) == 1 and unsupported[0]["evidence"]["parallelism"] == "DeepSpeed ZeRO-3 shards weights and gradients"
+        assert not (out / "harness" / "grad_sync.jsonl").exists()
+    else:
+        assert unsupported == [] and (out / "harness" / "grad_sync.jsonl").exists()
 
     for rank in (0, 1):
         snaps = {r["step"]: r for r in read_jsonl(out / "harness" / f"fault_injector.rank-{rank}.jsonl")}
