@@ -32,6 +32,7 @@ from harness.context import RunContext
 from harness.core_codes import ACTION_TAKEN, INTERNAL_PLUGIN_ERROR, PLUGIN_DISABLED, PLUGIN_STOP, SKIP_NOT_APPLIED
 from harness.distributed import DistInfo
 from harness.manager import HarnessPluginManager
+from harness.runinfo import end_attempt, run_facts, start_attempt
 
 log = logging.getLogger("harness")
 STATE_DIR = "harness_state"
@@ -135,8 +136,26 @@ class Bridge:
                 status = "stopped"
             self.ctx.status = status
             self.ctx.manager.call("on_run_end", ctx=self.ctx, status=status, error=error)
+            self._finish_run(status, error)
             if status == "crashed":
                 log.error("harness: training crashed; findings are in %s", self.ctx.run_dir / "findings.jsonl")
+
+    def _finish_run(self, status: str, error: BaseException | None) -> None:
+        """Rank 0: record how this train() call ended, write the report, hand it to ``on_report``."""
+        ctx = self.ctx
+        if not ctx.is_main:
+            return
+        files = None
+        try:
+            end_attempt(ctx.run_dir, status, int(self.trainer.state.global_step), error)
+            if ctx.options.report:
+                from harness.report import write_report
+
+                files = write_report(ctx.run_dir, ctx.manager, ctx.config, plots=ctx.options.report_plots)
+                log.info("harness: report written to %s (%s)", files.html, files.report.verdict.line())
+        except Exception:  # noqa: BLE001 - the report must never turn a finished run into a crash
+            log.exception("harness: the report could not be written; rebuild it with `harness report %s`", ctx.run_dir.parent)
+        ctx.manager.call("on_report", ctx=ctx, report=files)
 
     def _resume_dir(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Path | None:
         resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
@@ -268,6 +287,11 @@ class Bridge:
         ctx.step = trainer.state.global_step
         self._last_step_end = time.perf_counter()
         ctx.micro_step = 0  # ctx.step is the last completed step until the first micro-batch arrives
+        if ctx.is_main:
+            resumed = str(ctx.resumed_from) if ctx.resumed_from is not None else None
+            facts = run_facts(trainer, ctx.world_size, ctx.stage)
+            facts["plugin_classes"] = {name: _class_path(ctx.manager.plugin(name)) for name in ctx.manager.names}
+            start_attempt(ctx.run_dir, facts, resumed, int(trainer.state.global_step))
         ctx.manager.call("on_run_start", ctx=ctx, trainer=trainer)
         if trainer.train_dataset is not None:
             ctx.manager.call("inspect_dataset", ctx=ctx, dataset=trainer.train_dataset, split="train")
@@ -600,6 +624,11 @@ def _step_with_forced_overflow(optimizer: Any, original: Callable[..., Any], arg
             optimizer.check_grad_overflow = saved_flag
         if hasattr(optimizer, "_global_grad_norm"):
             optimizer._global_grad_norm = None  # not inf: the harness skipped, the gradients were not infinite
+
+
+def _class_path(plugin: Any) -> str:
+    """``module:Class`` of a plugin, so that ``harness report`` can rebuild plugins that were given as objects."""
+    return f"{type(plugin).__module__}:{type(plugin).__qualname__}"
 
 
 def _current_lr(trainer: Any) -> float | None:

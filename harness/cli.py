@@ -71,6 +71,28 @@ def _cmd_scan(args: argparse.Namespace) -> int:
     return print_scan(args.train, args.eval, args.field, args.tokenizer, args.out, args.workers, options, args.id_field, args.eval_field)
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from harness.explain import print_report
+
+    return print_report(Path(args.output_dir), plots=not args.no_plots)
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from harness.explain import print_explain
+
+    return print_explain(Path(args.output_dir))
+
+
+def _cmd_playbook(args: argparse.Namespace) -> int:
+    from harness.explain import print_playbook
+
+    return print_playbook(args.key)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harness", description="Monitoring and diagnostics harness around the Hugging Face Trainer."
@@ -145,6 +167,32 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument("--near-dup-threshold", type=float, default=0.8, help="Jaccard similarity of a near duplicate (default: 0.8)")
     scan.set_defaults(func=_cmd_scan)
 
+    report = sub.add_parser(
+        "report",
+        help="rebuild report.md and report.html of a run from its run directory alone (also after kill -9)",
+        description="Rebuild <output_dir>/harness/report.md and report.html from the files the harness wrote during the run "
+        "(findings, step records, run.json, evidence). Runs nested below OUTPUT_DIR (the demo's) are rebuilt too.",
+    )
+    report.add_argument("output_dir", help="the training run's output_dir (the folder holding harness/)")
+    report.add_argument("--no-plots", action="store_true", help="skip the plots (faster; the tables stay)")
+    report.set_defaults(func=_cmd_report)
+
+    explain = sub.add_parser(
+        "explain",
+        help="print a run's verdict and, for each finding, the next step from its playbook",
+        description="Read OUTPUT_DIR's run directory and print the verdict, then each finding code with its numbers and the "
+        "first confirm step of its playbook section. Runs nested below OUTPUT_DIR are explained too.",
+    )
+    explain.add_argument("output_dir", help="the training run's output_dir (the folder holding harness/)")
+    explain.set_defaults(func=_cmd_explain)
+
+    playbook = sub.add_parser(
+        "playbook",
+        help="list the troubleshooting playbooks, or print one (a finding code's section, or a topic such as oom)",
+    )
+    playbook.add_argument("key", nargs="?", default=None, metavar="CODE|TOPIC", help="a finding code or a playbook name; none lists them")
+    playbook.set_defaults(func=_cmd_playbook)
+
     plugins = sub.add_parser("plugins", help="list available plugins, their options or their finding codes")
     plugins.add_argument("--config-reference", action="store_true", help="print every config option with type, default and description")
     plugins.add_argument("--codes", action="store_true", help="print every finding code with severity and owner")
@@ -160,6 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HarnessError as exc:
         sys.stderr.write(f"harness: {exc}\n")
         return 2
+    except BrokenPipeError:  # `harness explain run | head`: the reader left; not an error
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

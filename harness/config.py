@@ -22,6 +22,7 @@ from harness.manager import HarnessPluginManager, PluginEntry, discover, entry_f
 
 CONFIG_ENV = "HARNESS_CONFIG"
 PLUGINS_ENV = "HARNESS_PLUGINS"
+REPORT_PLOTS_ENV = "HARNESS_REPORT_PLOTS"
 REFERENCE_HINT = "see `harness plugins --config-reference`"
 
 
@@ -49,6 +50,15 @@ class CoreOptions(BaseModel):
     )
     max_plugin_errors: int = Field(
         10, ge=1, description="After this many exceptions a plugin is switched off for the rest of the run."
+    )
+    report: bool = Field(
+        True, description="Write report.md and report.html into the run directory at the end of every train() call "
+        "(rank 0; also after a crash or a stop). `harness report <output_dir>` rebuilds them at any time.",
+    )
+    report_plots: bool = Field(
+        default_factory=lambda: os.environ.get(REPORT_PLOTS_ENV, "1") != "0",
+        description="Draw the report's plots (loss per token, grad norm, LR, throughput; about a second of matplotlib at run end). "
+        f"Default true; {REPORT_PLOTS_ENV}=0 in the environment makes the default false (the test suite does, for speed).",
     )
     recent_batches: int = Field(
         4, ge=0, description="Micro-batches kept by reference in the run context's ring buffer (no copies)."

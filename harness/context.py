@@ -79,6 +79,7 @@ class RunContext:
         self.findings: list[Finding] = []
         self.pending_action = Action.CONTINUE
         self.status = "running"
+        self.stage: str | None = None  # set by the stage runner; otherwise inferred from the trainer class
         self._hub = FindingsHub(self.run_dir, dist)
         self._in_on_finding = False
 

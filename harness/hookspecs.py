@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from harness.actions import Action
     from harness.context import RunContext
     from harness.findings import Finding, FindingCode
+    from harness.report import ReportFiles, ReportSection, RunRecord
 
 PROJECT = "harness"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -113,6 +114,34 @@ def on_run_end(ctx: "RunContext", status: str, error: "BaseException | None") ->
     exception in training (then ``error`` is the exception, which is re-raised
     after this hook). Flush and close files here. No collectives: other ranks
     may be gone.
+    """
+
+
+@hookspec
+def report_sections(run: "RunRecord", options: "BaseModel | None") -> "ReportSection | list[ReportSection] | None":
+    """Return this plugin's sections of the run report (:class:`harness.report.ReportSection`), or None.
+
+    Fires: on rank 0 whenever a report is built: at the end of every
+    ``train()`` call (after every ``on_run_end``), and again whenever
+    ``harness report <output_dir>`` rebuilds it, possibly on another machine
+    long after the run (then the plugin instance is fresh and was never
+    configured). So build the section from the run directory alone:
+    ``run`` is a :class:`harness.report.RunRecord` (``run.run_dir``, its
+    findings, step records, logged metrics, config), ``options`` this
+    plugin's options from the run's config.yaml. Relative links in the
+    markdown are relative to the run directory. An exception costs only this
+    section (the report notes it).
+    """
+
+
+@hookspec
+def on_report(ctx: "RunContext", report: "ReportFiles | None") -> None:
+    """The run's report was written (``report.markdown``, ``report.html``, ``report.report.verdict``).
+
+    Fires: on rank 0 only, once per ``train()`` call, after every
+    ``on_run_end`` and the report; ``report`` is None when the report is
+    switched off (``report: false``) or could not be built. Trackers upload
+    it and close here: nothing is written to the run directory after this.
     """
 
 

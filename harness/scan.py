@@ -450,11 +450,9 @@ def write_outputs(result: ScanResult, out: Path | str) -> dict[str, Path]:
 
 def markdown_table(frame: Any) -> str:
     """A pandas frame as a GitHub markdown table (pandas' own needs the optional `tabulate`)."""
-    columns = [str(c) for c in frame.columns]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in frame.itertuples(index=False):
-        lines.append("| " + " | ".join(str(v).replace("|", "\\|") for v in row) + " |")
-    return "\n".join(lines)
+    from harness.report.model import md_table
+
+    return md_table([str(c) for c in frame.columns], frame.itertuples(index=False), limit=10_000)
 
 
 def print_scan(train: list[str], evals: list[str], field: str, tokenizer_dir: str | None, out: str, workers: int,

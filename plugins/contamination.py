@@ -197,7 +197,7 @@ class Contamination:
                     continue
                 self._reported.add(example)
                 self._reports += 1
-                self._report_hit(ctx, step, micro, rank, ids, hit, rows, sum(h.example == example for h in hits))
+                self._report_hit(ctx, step, micro, rank, ids, hit, rows, len({h.offset for h in hits if h.example == example and h.variant == hit.variant}))
 
     def _report_hit(self, ctx: Any, step: int, micro: int, rank: int, ids: list[Any] | None, hit: Hit, rows: np.ndarray, windows: int) -> None:
         assert self.index is not None
@@ -274,6 +274,42 @@ class Contamination:
                 "".join(f"{r['eval_set']}\t{r['id']}\n" for r in rows if r["status"] == status), encoding="utf-8")
         for name, counts in per_set.items():
             ctx.log_metrics({f"contamination/{name}/{status}": counts.get(status, 0) for status in ("clean", "partial", "dirty")})
+
+
+    @hookimpl
+    def report_sections(self, run: Any) -> Any:
+        """Per eval set: examples clean/partial/dirty (worst over ranks), the dirtiest ones, the id lists."""
+        from harness.report.model import Raw, ReportSection, md_table
+
+        summaries = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(run.run_dir.glob("contamination/summary.rank-*.json"))]
+        if not summaries:
+            return None
+        order = {"clean": 0, "partial": 1, "dirty": 2}
+        worst: dict[tuple[str, str], dict[str, Any]] = {}
+        totals: dict[str, int] = {}
+        for summary in summaries:
+            for name, counts in summary.get("eval_sets", {}).items():
+                totals[name] = max(totals.get(name, 0), sum(counts.values()))
+            for example in summary.get("examples", []):
+                key = (example["eval_set"], str(example["id"]))
+                if key not in worst or order[example["status"]] > order[worst[key]["status"]]:
+                    worst[key] = example
+        rows = []
+        for name, total in totals.items():
+            hit = Counter(e["status"] for (s, _), e in worst.items() if s == name)
+            rows.append([name, total, total - hit["partial"] - hit["dirty"], hit["partial"], hit["dirty"]])
+        text = (f"Eval examples met in the training batches of this run ({sum(s.get('checked_tokens', 0) for s in summaries):,} "
+                "training tokens checked; an example counts at its worst over ranks).\n\n")
+        text += md_table(["eval set", "examples", "clean", "partial", "dirty"], rows) + "\n\n"
+        dirtiest = sorted(worst.values(), key=lambda e: (-order[e["status"]], -float(e.get("matched_fraction") or 0)))[:10]
+        if dirtiest:
+            text += md_table(["eval set", "example", "status", "matched fraction", "longest span", "training documents hit"],
+                             [[e["eval_set"], e["id"], e["status"], e.get("matched_fraction"), e.get("longest_span"), e.get("documents_hit")] for e in dirtiest])
+            text += "\n\n"
+        lists = sorted(run.run_dir.glob("contamination/*_ids.rank-*.txt"))
+        if lists:
+            text += "Id lists (eval set, tab, id): " + ", ".join(Raw(f"[{p.name}](contamination/{p.name})").markdown for p in lists) + ".\n"
+        return ReportSection("Contamination", text)
 
 
 def _trainer_eval_examples(dataset: Any) -> list[EvalExample]:

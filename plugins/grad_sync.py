@@ -490,6 +490,26 @@ class GradSync:
                     tensors += [v for v in state.values() if torch.is_tensor(v)]
             broadcast_from(tensors, source)
 
+    @hookimpl
+    def report_sections(self, run: Any) -> Any:
+        """The replica checks of ``grad_sync.jsonl``: how many, how many in sync, the steps that were not."""
+        from harness.report.model import ReportSection, md_table
+        from harness.report.record import read_jsonl
+
+        checks = list(read_jsonl(run.run_dir / "grad_sync.jsonl"))
+        if not checks:
+            return None
+        bad = [c for c in checks if not c.get("in_sync", True)]
+        first = checks[0]
+        text = (f"{len(checks)} cross-rank checks ({first.get('parallelism')}, {first.get('ranks')} ranks) between steps "
+                f"{checks[0].get('step')} and {checks[-1].get('step')}: {len(checks) - len(bad)} in sync, {len(bad)} not. "
+                "One line per check in [grad_sync.jsonl](grad_sync.jsonl).\n\n")
+        if bad:
+            text += md_table(["step", "weights compared", "gradients compared", "ZeRO slices compared"],
+                             [[c.get("step"), c.get("params_compared"), c.get("grads_compared"), c.get("slices_compared")] for c in bad[:20]])
+            text += "\n"
+        return ReportSection("Replica consistency (grad_sync)", text)
+
 
 def _relative(reference: tuple[int, float, float] | None, others: list[tuple[int, float, float] | None]) -> float | None:
     """Largest relative difference of the float64 sums of squares (how far apart the replicas are)."""

@@ -1,33 +1,137 @@
-"""metrics_log: keeps every metric the Trainer logs in ``metrics.jsonl``, so reports need only the run directory."""
+"""metrics_log: keeps the run's numbers on disk, so reports need only the run directory.
+
+Two files on rank 0: ``metrics.jsonl`` (what the Trainer logs: loss, grad
+norm, LR, eval metrics, at ``logging_steps``) and ``steps.jsonl`` (one line
+per optimizer step: loss, grad norm, LR, skips, tokens processed, step and
+data time). The step loss is a device tensor; reading it every step would
+sync the device, so step records wait in a short buffer and are written when
+the Trainer logs (it has just synced), at checkpoints, at the end, or every
+``flush_every`` steps.
+"""
 from __future__ import annotations
 
 import json
+import math
 from typing import IO, Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from harness.hookspecs import hookimpl
 
 
+class MetricsLogOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    flush_every: int = Field(
+        10, ge=1,
+        description="Write buffered per-step records to steps.jsonl at least every this many steps (each write reads the "
+        "buffered device losses, one device sync); a kill -9 loses at most the records since the last write.",
+    )
+
+
 class MetricsLog:
-    """Appends the Trainer's logged metrics (loss, grad norm, LR, eval) to harness/metrics.jsonl on rank 0."""
+    """Appends logged metrics to harness/metrics.jsonl and per-step records to harness/steps.jsonl on rank 0."""
 
     name = "metrics_log"
 
     def __init__(self) -> None:
-        self._handle: IO[str] | None = None
+        self.options = MetricsLogOptions()
+        self._logged: IO[str] | None = None
+        self._steps: IO[str] | None = None
+        self._pending: list[dict[str, Any]] = []
+        self._tokens = 0  # token positions processed by all ranks (rank 0's count x world size), restored at resume
+        self._step_tokens = 0
+
+    @hookimpl
+    def add_config(self) -> type[BaseModel]:
+        return MetricsLogOptions
+
+    @hookimpl
+    def configure(self, ctx: Any, options: MetricsLogOptions) -> None:
+        self.options = options
 
     @hookimpl
     def on_run_start(self, ctx: Any) -> None:
         if ctx.is_main:
-            self._handle = open(ctx.path("metrics.jsonl"), "a", encoding="utf-8")
+            self._logged = open(ctx.path("metrics.jsonl"), "a", encoding="utf-8")
+            self._steps = open(ctx.path("steps.jsonl"), "a", encoding="utf-8")
+        self._tokens = 0
+        self._pending = []
+
+    @hookimpl
+    def on_resume(self, state: dict[str, Any] | None) -> None:
+        if state:
+            self._tokens = int(state.get("tokens", 0))
+
+    @hookimpl
+    def inspect_batch(self, ctx: Any, batch: dict[str, Any]) -> None:
+        if self._steps is not None:
+            self._step_tokens += _token_positions(batch)
+
+    @hookimpl
+    def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        if self._steps is None:
+            return
+        self._tokens += self._step_tokens * ctx.world_size
+        self._pending.append({
+            "step": step,
+            "tokens": self._tokens,
+            "step_tokens": self._step_tokens * ctx.world_size,
+            "loss": metrics.get("loss"),
+            "grad_norm": metrics.get("grad_norm"),
+            "lr": metrics.get("lr"),
+            "skipped": bool(metrics.get("skipped")),
+            "optimizer_skipped": bool(metrics.get("optimizer_skipped")),
+            "step_time": metrics.get("step_time"),
+            "data_time": metrics.get("data_time"),
+        })
+        self._step_tokens = 0
+        if len(self._pending) >= self.options.flush_every:
+            self._flush()
 
     @hookimpl
     def on_log(self, ctx: Any, step: int, logs: dict[str, float]) -> None:
-        if self._handle is not None:
-            self._handle.write(json.dumps({"step": step, **logs}, default=float) + "\n")
-            self._handle.flush()
+        if self._logged is not None:
+            self._logged.write(json.dumps({"step": step, **logs}, default=float) + "\n")
+            self._logged.flush()
+        self._flush()
 
     @hookimpl
+    def checkpoint_state(self, ctx: Any, step: int) -> dict[str, Any]:
+        self._flush()
+        return {"tokens": self._tokens}
+
+    @hookimpl(tryfirst=True)
     def on_run_end(self, ctx: Any) -> None:
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        self._flush()
+        for handle in (self._logged, self._steps):
+            if handle is not None:
+                handle.close()
+        self._logged = self._steps = None
+
+    def _flush(self) -> None:
+        if self._steps is None or not self._pending:
+            return
+        lines = [json.dumps({k: _host(v) for k, v in record.items()}) for record in self._pending]
+        self._pending = []
+        self._steps.write("\n".join(lines) + "\n")
+        self._steps.flush()
+
+
+def _token_positions(batch: Any) -> int:
+    """Token positions in a micro-batch (padding included), from tensor shapes only: no device sync."""
+    if not isinstance(batch, dict):
+        return 0
+    return sum(int(v.numel()) for k, v in batch.items() if k.endswith("input_ids") and hasattr(v, "numel"))
+
+
+def _host(value: Any) -> Any:
+    """A JSON-ready host value; non-finite floats become strings JSON can hold ("nan", "inf")."""
+    if hasattr(value, "item"):
+        try:
+            value = value.detach().float().item() if hasattr(value, "detach") else value.item()
+        except Exception:  # noqa: BLE001 - a value that cannot be read is left out, not fatal
+            return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

@@ -38,8 +38,8 @@ TRACKING_DEGRADED = FindingCode(
     "The tracker was unreachable or refused records; training went on and records were kept locally.",
     "tracking#tracking_degraded",
 )
-ARTIFACT_FILES = ("findings.jsonl", "config.yaml", "metrics.jsonl", "report.md", "report.html", "run_card.json")
-ARTIFACT_DIRS = ("captures", "contamination")
+ARTIFACT_FILES = ("findings.jsonl", "config.yaml", "metrics.jsonl", "steps.jsonl", "run.json", "report.md", "report.html", "run_card.json")
+ARTIFACT_DIRS = ("captures", "contamination", "report")
 
 
 class MlflowOptions(BaseModel):
@@ -92,6 +92,7 @@ class MlflowTracker:
         self._skipped_keys: set[str] = set()
         self._trainer: Any = None
         self._tracking_uri = ""
+        self._status = "crashed"
 
     @hookimpl
     def add_config(self) -> type[BaseModel]:
@@ -268,12 +269,17 @@ class MlflowTracker:
         return {"run_id": self.writer.target.run_id, "tracking_uri": self._tracking_uri}
 
     @hookimpl
-    def on_run_end(self, ctx: Any, status: str) -> None:
+    def on_run_end(self, status: str) -> None:
+        self._status = status
+
+    @hookimpl
+    def on_report(self, ctx: Any) -> None:
+        """The report exists now: upload it with the other artifacts, then finish the MLflow run."""
         writer = self.writer
         if writer is None:
             return
         self._queue_artifacts(ctx)
-        writer.put({"k": "status", "status": {"completed": "FINISHED", "stopped": "FINISHED"}.get(status, "FAILED")})
+        writer.put({"k": "status", "status": {"completed": "FINISHED", "stopped": "FINISHED"}.get(self._status, "FAILED")})
         unsent = writer.close(self.options.final_flush_timeout_s)
         self._report_events(ctx)
         if unsent:

@@ -352,5 +352,22 @@ class PackingCheck:
         if self._counts[code] <= self.options.max_reports:
             ctx.report(code, message, **kwargs)
 
+    @hookimpl
+    def report_sections(self, run: Any) -> Any:
+        """The packing experiments of ``packing_check.jsonl``, one row each."""
+        from harness.report.model import ReportSection, md_table
+        from harness.report.record import read_jsonl
+
+        experiments = list(read_jsonl(run.run_dir / "packing_check.jsonl"))
+        if not experiments:
+            return None
+        leaks = sum(1 for e in experiments if e.get("verdict") == "leak")
+        text = (f"{len(experiments)} experiment(s) changed one document of a packed row and measured the others: "
+                f"{leaks} leaked across documents. Details in [packing_check.jsonl](packing_check.jsonl).\n\n")
+        rows = [[e.get("step"), e.get("rank"), e.get("documents"), e.get("attn_implementation"), e.get("mask_form"),
+                 e.get("boundaries"), e.get("leak"), e.get("verdict")] for e in experiments[:30]]
+        text += md_table(["step", "rank", "documents", "attention", "mask form", "boundaries from", "leak (relative)", "verdict"], rows)
+        return ReportSection("Packing experiments (packing_check)", text + "\n")
+
 
 __all__ = ["PackingCheck", "PackingCheckOptions"]

@@ -19,6 +19,8 @@ from pathlib import Path
 import yaml
 
 from harness.findings import read_run_findings
+from harness.report.record import RunRecord
+from harness.report.verdict import verdict_of
 
 DEMO_STEPS = 60
 DEMO_FAULTS = {
@@ -52,6 +54,7 @@ def demo_config(out: Path) -> dict:
         },
         "harness": {
             "plugins": ["defaults", "harness.stages.demo_faults:DemoFaults"],
+            "report_plots": True,  # the demo's reports always show the curves
             "demo_faults": DEMO_FAULTS,
             "spike_capture": {"divergence_patience": 8},
             "packing_check": {"every": 20},
@@ -138,7 +141,7 @@ def _broken_resume(out: Path) -> Path:
     (checkpoint / "optimizer.pt").unlink()
     config = demo_config(broken)
     config["training"]["ignore_data_skip"] = True
-    config["harness"] = {"plugins": ["defaults"]}
+    config["harness"] = {"plugins": ["defaults"], "report_plots": True}
     path = broken / "demo.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     print(f"\nharness demo: resuming checkpoint-{BROKEN_RESUME_FROM} again, the wrong way (optimizer.pt deleted, "
@@ -162,6 +165,7 @@ def _start_desync(out: Path) -> tuple[Path, subprocess.Popen[bytes]]:
     config["training"].update({"max_steps": DESYNC_STEPS, "save_strategy": "no", "per_device_train_batch_size": 4})
     config["harness"] = {
         "plugins": ["defaults", "harness.testing:FaultInjector"],
+        "report_plots": True,
         "grad_sync": {"every": 5, "on_desync": "rebroadcast"},
         "fault_injector": DESYNC_FAULTS,
     }
@@ -202,8 +206,13 @@ def _summary(out: Path, seconds: float, broken: Path, desync: Path) -> int:
         capture = Path(spikes[0].evidence["capture"]).parent
         print(f"\nthe batch behind the first loss spike, most suspect sample first: {capture / 'summary.rank-0.md'}")
         print(f"recompute its per-sample losses on checkpoint-{spikes[0].step - 1}: harness replay {capture}")
+    print("\nreports (verdict first, each finding linked to its playbook section):")
+    for run in (out, broken, desync):
+        verdict = verdict_of(RunRecord.load(run / "harness"))
+        print(f"  {run / 'harness' / 'report.html'}\n    {verdict.line()}")
+    print(f"the next step for every finding: harness explain {out}")
     store = run_dir / "mlflow" / "mlflow.db"
-    print(f"\nrun directory: {run_dir}  (findings.jsonl, metrics.jsonl, config.yaml, mlflow/)")
+    print(f"\nrun directory: {run_dir}  (findings.jsonl, steps.jsonl, run.json, report.md, config.yaml, mlflow/)")
     print(f"MLflow store:  sqlite:///{store}")
     print(f"open the MLflow UI: mlflow ui --backend-store-uri sqlite:///{store} --port 5000")
     return 0

@@ -282,6 +282,7 @@ def run_stage(stage: str, config_path: str | Path, resume: str | bool | None = N
     trainer._harness_rollback = rollback
     trainer.add_callback(_ScaleLearningRate(rollback))
     ctx = harness.attach(trainer, config=harness_config, plugins=["mlflow"])
+    ctx.stage = stage
     if resume is True:
         from transformers.trainer_utils import get_last_checkpoint
 

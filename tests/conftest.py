@@ -16,6 +16,7 @@ for _key, _value in {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "DS_ACCELERATOR": "cpu",
+    "HARNESS_REPORT_PLOTS": "0",  # a second of matplotlib per run end; the report's own tests and the demo turn plots on
 }.items():
     os.environ.setdefault(_key, _value)
 for _key in ("HARNESS_CONFIG", "HARNESS_PLUGINS", "HARNESS_WRAP"):
@@ -136,3 +137,68 @@ def write_yaml(path: Path, data: dict[str, Any]) -> Path:
 
     path.write_text(yaml.safe_dump(data), encoding="utf-8")
     return path
+
+
+def broken_report_links(run_dir: Path) -> list[str]:
+    """Every link of a run's report.md, report.html and the playbooks copied beside them that does not resolve.
+
+    Relative file links must name an existing file; ``file.md#anchor`` needs a
+    ``#``-heading with that anchor (GitHub's slug) in the file; ``#id`` in the
+    HTML needs an element with that id. External links are errors: reports
+    are read offline.
+    """
+    import re
+    from html.parser import HTMLParser
+    from urllib.parse import unquote
+
+    def slug(heading: str) -> str:
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+    def anchors_of(path: Path) -> set[str]:
+        return {slug(h) for h in re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), flags=re.M)}
+
+    broken: list[str] = []
+
+    def check(source: Path, target: str, ids: set[str] | None = None) -> None:
+        if target.startswith(("http:", "https:", "//")):
+            broken.append(f"{source.name}: external link {target}")
+            return
+        if target.startswith("data:"):
+            return
+        path, _, anchor = unquote(target).partition("#")
+        if not path:
+            if ids is None or anchor not in ids:
+                broken.append(f"{source.name}: #{anchor} has no element")
+            return
+        resolved = (source.parent / path).resolve()
+        if not resolved.is_file():
+            broken.append(f"{source.name}: {path} does not exist")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors_of(resolved):
+            broken.append(f"{source.name}: {path}#{anchor} has no such heading")
+
+    markdown_files = [run_dir / "report.md", *sorted((run_dir / "report" / "playbooks").glob("*.md"))]
+    for source in markdown_files:
+        text = re.sub(r"`[^`\n]*`", "", source.read_text(encoding="utf-8"))  # code spans hold no links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            check(source, target)
+
+    class Links(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ids: set[str] = set()
+            self.targets: list[str] = []
+
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            values = dict(attrs)
+            if values.get("id"):
+                self.ids.add(str(values["id"]))
+            for key in ("href", "src"):
+                if values.get(key):
+                    self.targets.append(str(values[key]))
+
+    html = run_dir / "report.html"
+    parser = Links()
+    parser.feed(html.read_text(encoding="utf-8"))
+    for target in parser.targets:
+        check(html, target, parser.ids)
+    return broken

@@ -10,7 +10,7 @@ from transformers import TrainerCallback
 
 import harness
 from conftest import FAULTS, findings_of, read_jsonl
-from harness import hookimpl
+from harness import FindingCode, Severity, hookimpl
 from harness.testing import FaultInjector
 
 
@@ -195,6 +195,9 @@ def test_run_end_fires_after_a_crash_and_findings_survive(make_trainer: Any) -> 
         trainer.train()
     assert recorder.calls["on_run_end"] == [("crashed", "RuntimeError")]
     assert len(findings_of(trainer.args.output_dir, "TEST_FAULT")) == 1
+    report = (Path(trainer.args.output_dir) / "harness" / "report.md").read_text(encoding="utf-8")  # written after the crash too
+    assert "**Verdict: failed.** training crashed at step 2 with RuntimeError: the training loop itself failed" in report
+    assert "| [TEST_FAULT](report/playbooks/harness-core.md#test_fault) | 1 | 1 |" in report
 
 
 def test_severity_override_and_attach_is_idempotent(make_trainer: Any) -> None:
@@ -333,3 +336,62 @@ def test_engine_optimizer_skip_is_verified(make_trainer: Any, optimizer_cls: typ
     assert (not_applied == []) is held
     if not held:
         assert not_applied[0]["severity"] == "critical" and "_StubbornSGD" in not_applied[0]["message"]
+
+
+class _HookRecorder:
+    """Implements the hooks no detector in this suite leans on, and records what they got."""
+
+    name = "hook_recorder"
+
+    def __init__(self) -> None:
+        from pydantic import BaseModel, ConfigDict, Field
+
+        class Options(BaseModel):
+            model_config = ConfigDict(extra="forbid")
+            label: str = Field("x", description="a label")
+
+        self.model = Options
+        self.options: Any = None
+        self.metrics: list[tuple[int, dict[str, Any]]] = []
+        self.evaluations: list[tuple[int, dict[str, float]]] = []
+        self.findings: list[Any] = []
+
+    @hookimpl
+    def add_config(self) -> Any:
+        return self.model
+
+    @hookimpl
+    def configure(self, options: Any) -> None:
+        self.options = options
+
+    @hookimpl
+    def declare_codes(self) -> list[FindingCode]:
+        return [FindingCode("RECORDER_SAW_EVAL", Severity.INFO, "an evaluation happened", "harness-core#test_fault")]
+
+    @hookimpl
+    def on_step_end(self, ctx: Any, step: int) -> None:
+        ctx.log_metrics({"recorder/step": step})
+
+    @hookimpl
+    def on_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        self.metrics.append((step, dict(metrics)))
+
+    @hookimpl
+    def on_evaluate(self, ctx: Any, step: int, metrics: dict[str, float]) -> None:
+        self.evaluations.append((step, dict(metrics)))
+        ctx.report("RECORDER_SAW_EVAL", f"eval loss {metrics.get('eval_loss')}", step=step)
+
+    @hookimpl
+    def on_finding(self, finding: Any) -> None:
+        self.findings.append(finding)
+
+
+def test_config_metrics_evaluate_and_finding_hooks_fire_with_what_they_promise(make_trainer: Any, lm_rows: Any) -> None:
+    recorder = _HookRecorder()
+    trainer = make_trainer(max_steps=4, eval_strategy="steps", eval_steps=2, eval_dataset=lm_rows.select(range(8)))
+    harness.attach(trainer, config={"plugins": ["metrics_log"], "hook_recorder": {"label": "y"}}, plugins=[recorder])
+    trainer.train()
+    assert recorder.options.label == "y"  # add_config's model validated the YAML section, configure got the instance
+    assert recorder.metrics == [(s, {"recorder/step": s}) for s in (1, 2, 3, 4)]
+    assert [s for s, _ in recorder.evaluations] == [2, 4] and all("eval_loss" in m for _, m in recorder.evaluations)
+    assert [(f.code, f.step, f.plugin) for f in recorder.findings] == [("RECORDER_SAW_EVAL", 2, "hook_recorder"), ("RECORDER_SAW_EVAL", 4, "hook_recorder")]

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import FAULTS, harness_cli, write_yaml
 from harness.actions import Action
+from harness.hookspecs import hookimpl
 from harness.config import Catalog, load_config
 from harness.errors import ConfigError
 
@@ -101,6 +102,15 @@ def test_cli_lists_plugins_and_codes() -> None:
     assert "INTERNAL_PLUGIN_ERROR" in codes.stdout
 
 
+class _NoOptions:
+    name = "no_options"
+
+    @hookimpl
+    def on_log(self) -> None:
+        pass
+
+
 def test_a_section_for_a_plugin_without_options(tmp_path: Path, catalog: Catalog) -> None:
-    message = _error(tmp_path, catalog, {"metrics_log": {"every": 2}})
-    assert "plugin 'metrics_log'): this plugin has no options" in message
+    catalog.add(_NoOptions())
+    message = _error(tmp_path, catalog, {"no_options": {"every": 2}})
+    assert "plugin 'no_options'): this plugin has no options" in message

@@ -61,7 +61,10 @@ def test_wrap_logs_a_complete_run_to_the_default_store(tmp_path: Path) -> None:
     assert run.data.params["trainer.max_steps"] == "6" and "harness.plugins" in run.data.params
     assert run.data.params["model.num_hidden_layers"] == "2"
     paths = [a.path for a in _client(uri).list_artifacts(run.info.run_id, "harness")]
-    assert {"harness/findings.jsonl", "harness/config.yaml", "harness/metrics.jsonl", "harness/contamination"} <= set(paths)
+    assert {"harness/findings.jsonl", "harness/config.yaml", "harness/metrics.jsonl", "harness/contamination", "harness/report.md",
+            "harness/report.html", "harness/steps.jsonl", "harness/run.json", "harness/report"} <= set(paths)
+    plots = {a.path for a in _client(uri).list_artifacts(run.info.run_id, "harness/report/plots")}
+    assert "harness/report/plots/loss.png" in plots  # what report.md links to travels with it
     lists = {a.path for a in _client(uri).list_artifacts(run.info.run_id, "harness/contamination")}
     assert {"harness/contamination/clean_ids.rank-0.txt", "harness/contamination/dirty_ids.rank-0.txt"} <= lists  # the clean/dirty lists
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import findings_of, harness_cli, read_jsonl
+from conftest import broken_report_links, findings_of, harness_cli, read_jsonl
+from harness.playbook import find_section
 
 
 def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
@@ -64,3 +65,26 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     assert leaks and all(f["evidence"]["example_id"].startswith("leaked-") for f in leaks)
     dirty = (out / "harness" / "contamination" / "dirty_ids.rank-0.txt").read_text()
     assert "leaked-" in dirty and "made-up" not in dirty
+    # every run ends with a report whose findings link to their own playbook section, and explain names the next step
+    for run in (out, broken, desync):
+        assert f"{run / 'harness' / 'report.html'}" in result.stdout
+        assert broken_report_links(run / "harness") == [], run
+        report = (run / "harness" / "report.md").read_text(encoding="utf-8")
+        for code in {f["code"] for f in findings_of(run)}:
+            section = find_section(code)
+            assert f"| [{code}](report/playbooks/{section.link}) |" in report, (run, code)
+    assert "**Verdict: needs attention.**" in (out / "harness" / "report.md").read_text(encoding="utf-8")
+    assert "**Verdict: failed.** the harness stopped training at step 31 after RESUME_DATA_POSITION" in (broken / "harness" / "report.md").read_text(encoding="utf-8")
+    main_report = (out / "harness" / "report.md").read_text(encoding="utf-8")
+    for section in ("## Captured batches", "## Packing experiments (packing_check)", "## Contamination", "![Loss per token processed](report/plots/loss.png)"):
+        assert section in main_report, section
+    assert "| demo_quiz | 50 |" in main_report and "## Replica consistency (grad_sync)" in (desync / "harness" / "report.md").read_text(encoding="utf-8")
+    assert f"harness explain {out}" in result.stdout
+    explained = harness_cli("explain", str(out))
+    assert explained.returncode == 0, explained.stderr[-2000:]
+    for run in (out, broken, desync):
+        block = explained.stdout[explained.stdout.index(f"== {run / 'harness'}"):]
+        block = block.split("\n== ", 1)[0]
+        for code in {f["code"] for f in findings_of(run)}:
+            next_step = " ".join(find_section(code).next_step.replace("<output_dir>", str(run)).split()).split("<")[0][:60]
+            assert f"] {code} x" in block and "next: " + next_step in " ".join(block.split()), (run, code)

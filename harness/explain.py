@@ -1,0 +1,106 @@
+"""``harness report``, ``harness explain`` and ``harness playbook``: the run directory and the playbooks, in a terminal."""
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+from harness.errors import HarnessError, did_you_mean
+from harness.playbook import find_section, load_library
+
+
+def run_dirs_or_fail(path: Path) -> list[Path]:
+    from harness.report import find_run_dirs
+
+    if not path.exists():
+        raise HarnessError(f"'{path}' does not exist. Fix: pass the training run's output_dir (the folder that holds harness/).")
+    found = find_run_dirs(path)
+    if not found:
+        raise HarnessError(
+            f"no harness run directory in '{path}': expected '{path / 'harness'}' with findings.jsonl, run.json or "
+            "config.yaml. Fix: pass the Trainer's output_dir of a run that had the harness attached."
+        )
+    return found
+
+
+def print_report(path: Path, plots: bool) -> int:
+    """Rebuild the report of every run under ``path``; print where it went and the verdict."""
+    from harness.report import write_report
+
+    for run_dir in run_dirs_or_fail(path):
+        files = write_report(run_dir, plots=plots)
+        print(f"{run_dir}: {files.report.verdict.line()}")
+        print(f"  {files.html}\n  {files.markdown}")
+    return 0
+
+
+def print_explain(path: Path, width: int = 100) -> int:
+    """The verdict and, for each finding code, what happened and the first step of its playbook."""
+    from harness.report.build import group_findings, next_step
+    from harness.report.record import RunRecord
+    from harness.report.verdict import symptoms_of, verdict_of
+
+    for n, run_dir in enumerate(run_dirs_or_fail(path)):
+        run = RunRecord.load(run_dir)
+        if n:
+            print()
+        print(f"== {run_dir}")
+        print(textwrap.fill(f"Verdict: {verdict_of(run).line()}", width, subsequent_indent="  "))
+        groups = group_findings(run)
+        for group in groups:
+            print()
+            head = f"[{group.severity.value}] {group.code} x{group.count} (step {group.step_range}): {group.message}"
+            print(textwrap.fill(head, width, subsequent_indent="    "))
+            print(_fill(f"next: {next_step(group, run.output_dir)}", width))
+            if group.playbook is not None:
+                print(f"  more: harness playbook {group.code}   (playbooks/{group.playbook.link})")
+        for symptom in symptoms_of(run):
+            section = find_section(symptom.topic)
+            print()
+            print(textwrap.fill(f"[worth a look] {symptom.topic}: {symptom.why}", width, subsequent_indent="    "))
+            if section is not None and section.next_step:
+                print(_fill(f"next: {section.next_step.replace('<output_dir>', str(run.output_dir))}", width))
+                print(f"  more: harness playbook {symptom.topic}")
+        if not groups:
+            print("No findings.")
+    return 0
+
+
+def _fill(text: str, width: int) -> str:
+    """Wrapped at spaces only: paths and commands stay whole, so they can be copied."""
+    return textwrap.fill(text, width, initial_indent="  ", subsequent_indent="        ", break_long_words=False, break_on_hyphens=False)
+
+
+def print_playbook(key: str | None) -> int:
+    """List the playbooks, or print one code's section / one topic."""
+    books = load_library()
+    if key is None:
+        for book in books.values():
+            kind = "topic" if book.is_topic else "codes"
+            codes = "" if book.is_topic else ": " + ", ".join(s.key for s in book.sections)
+            print(f"{book.name:<24} {kind:<5} {book.title}{codes}")
+        print("\nharness playbook CODE prints a finding code's section; harness playbook TOPIC prints a file.")
+        return 0
+    section = find_section(key)
+    if section is not None:
+        _print_markdown(section.text)
+        return 0
+    book = books.get(key.lower())
+    if book is not None:
+        _print_markdown(book.text)
+        return 0
+    choices = [s.key for b in books.values() for s in b.sections] + list(books)
+    raise HarnessError(
+        f"no playbook for '{key}'.{did_you_mean(key.upper(), choices) or did_you_mean(key.lower(), choices)} "
+        "Fix: use a finding code (harness plugins --codes) or a playbook name (harness playbook, no argument)."
+    )
+
+
+def _print_markdown(text: str) -> None:
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.markdown import Markdown
+
+        Console().print(Markdown(text))
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")

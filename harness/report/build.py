@@ -1,0 +1,210 @@
+"""Builds the report from a run directory: verdict, grouped findings, plots, run card, plugin sections."""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+from harness.findings import Severity
+from harness.playbook import find_section, section_for_link
+from harness.report.model import FindingGroup, Raw, Report, ReportSection, md_table
+from harness.report.plots import make_plots
+from harness.report.record import RunRecord, as_float
+from harness.report.verdict import symptoms_of, verdict_of
+
+MAX_EVIDENCE_LINKS = 6
+
+
+def build_report(
+    run: RunRecord,
+    plugin_sections: Callable[[RunRecord], tuple[list[ReportSection], list[str]]] | None = None,
+    plots: bool = True,
+) -> Report:
+    """The report of ``run``; ``plugin_sections`` collects the plugins' sections (and notes on failures)."""
+    sections, notes = plugin_sections(run) if plugin_sections is not None else ([], [])
+    captured = captures_section(run)
+    if captured is not None:
+        sections.insert(0, captured)
+    if not (run.run_dir / "run.json").exists():
+        notes.append("run.json is missing: the run card and the attempts are incomplete (a run from before the report existed?).")
+    drawn = []
+    if plots:
+        try:
+            drawn = make_plots(run)
+        except Exception as exc:  # noqa: BLE001 - a report without plots beats no report
+            notes.append(f"plots could not be drawn: {type(exc).__name__}: {exc}")
+    return Report(
+        run_dir=run.run_dir,
+        title=f"Run report: {run.output_dir.name or run.output_dir}",
+        verdict=verdict_of(run),
+        groups=group_findings(run),
+        symptoms=[(symptom, find_section(symptom.topic)) for symptom in symptoms_of(run)],
+        plots=drawn,
+        card=run_card(run),
+        attempts=run.attempts,
+        sections=sections,
+        notes=notes,
+    )
+
+
+def group_findings(run: RunRecord) -> list[FindingGroup]:
+    """Findings grouped by code, most severe first, then by first step."""
+    by_code: dict[str, list[Any]] = defaultdict(list)
+    for finding in run.findings:
+        by_code[finding.code].append(finding)
+    groups = []
+    for code, findings in by_code.items():
+        severity = max((f.severity for f in findings), key=lambda s: s.rank)
+        groups.append(FindingGroup(code, severity, findings, section_for_link(findings[0].playbook), _evidence(run, findings)))
+    return sorted(groups, key=lambda g: (-g.severity.rank, g.steps[0] if g.steps else -1, g.code))
+
+
+def _evidence(run: RunRecord, findings: list[Any]) -> list[tuple[str, str]]:
+    """Evidence values that name existing files, as links relative to the run directory."""
+    links: dict[str, str] = {}
+    for finding in findings:
+        for key, value in finding.evidence.items():
+            values = value if isinstance(value, list) else [value]
+            for item in values[:MAX_EVIDENCE_LINKS]:
+                path = run.evidence_path(item)
+                if path is None:
+                    continue
+                relative = Path(os.path.relpath(path, run.run_dir.resolve())).as_posix()
+                links.setdefault(relative, key)
+                if len(links) >= MAX_EVIDENCE_LINKS:
+                    return [(label, rel) for rel, label in links.items()]
+    return [(label, rel) for rel, label in links.items()]
+
+
+def captures_section(run: RunRecord) -> ReportSection | None:
+    """The batches captured at findings (``captures/step-<N>/``), with their most suspect sample."""
+    rows = []
+    for summary in sorted(run.run_dir.glob("captures/step-*/capture.rank-*.json"), key=_capture_order):
+        data = _read_json(summary)
+        samples = data.get("samples") or []
+        top = samples[0] if samples and isinstance(samples[0], dict) else {}
+        suspect = _suspect(top)
+        table = summary.with_name(summary.name.replace("capture.", "summary.").replace(".json", ".md"))
+        folder = summary.parent.relative_to(run.run_dir).as_posix()
+        links = [f"[capture]({folder}/{summary.name})"] + ([f"[samples]({folder}/{table.name})"] if table.exists() else [])
+        rows.append([data.get("step", "?"), data.get("rank", "?"), data.get("code", "?"), data.get("reason", ""),
+                     "yes" if data.get("after_resume") else "no", suspect, Raw(", ".join(links)), f"harness replay {summary.parent}"])
+    if not rows:
+        return None
+    text = ("Batches captured when a finding fired, most suspect sample first in each `samples` table; "
+            "`harness replay` recomputes them on the checkpoint before the step.\n\n")
+    headers = ["step", "rank", "code", "reason", "after resume", "top suspect", "files", "replay"]
+    return ReportSection("Captured batches", text + md_table(headers, rows), "harness")
+
+
+def _suspect(sample: dict[str, Any]) -> str:
+    if not sample:
+        return "-"
+    where = f"sample {sample['sample_id']}" if sample.get("sample_id") is not None else f"micro-batch {sample.get('micro_batch', '?')} row {sample.get('row', '?')}"
+    loss = as_float(sample.get("loss"))
+    return where + (f" (loss {loss:.4g})" if loss is not None else "")
+
+
+def _capture_order(path: Path) -> tuple[int, str]:
+    try:
+        return int(path.parent.name.split("-", 1)[1]), path.name
+    except (IndexError, ValueError):
+        return 0, path.name
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def run_card(run: RunRecord) -> list[tuple[str, str]]:
+    """The run card: what was trained, on what, how far it got."""
+    info = run.info
+    model = info.get("model", {}) or {}
+    training = info.get("training", {}) or {}
+    rows: list[tuple[str, Any]] = [
+        ("stage", info.get("stage")),
+        ("trainer", info.get("trainer")),
+        ("model", model.get("class")),
+        ("parameters", _count(model.get("parameters"))),
+        ("trainable parameters", _count(model.get("trainable_parameters"))),
+        ("architecture", _architecture(model)),
+        ("weights dtype", model.get("dtype")),
+        ("precision", training.get("precision")),
+        ("world size", info.get("world_size")),
+        ("DeepSpeed ZeRO stage", training.get("deepspeed_zero_stage")),
+        ("global batch (sequences)", _global_batch(training, info)),
+        ("learning rate", _schedule(training)),
+        ("planned steps", training.get("max_steps")),
+        ("training rows", _count(training.get("train_rows"))),
+        ("eval rows", _count(training.get("eval_rows"))),
+        ("steps recorded", run.last_step),
+        ("tokens processed", _count(_last_tokens(run))),
+        ("attempts (train() calls)", len(run.attempts) or None),
+        ("plugins", ", ".join(run.config.get("plugins") or []) or None),
+        ("versions", ", ".join(f"{k} {v}" for k, v in (info.get("versions") or {}).items()) or None),
+    ]
+    return [(label, str(value)) for label, value in rows if value not in (None, "", "None")]
+
+
+def _count(value: Any) -> str | None:
+    number = as_float(value)
+    if number is None:
+        return None
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(number) >= scale:
+            return f"{number / scale:.3g}{unit} ({int(number):,})"
+    return f"{int(number):,}"
+
+
+def _architecture(model: dict[str, Any]) -> str | None:
+    parts = [f"{model[k]} {label}" for k, label in (("num_hidden_layers", "layers"), ("hidden_size", "hidden"),
+             ("num_attention_heads", "heads"), ("vocab_size", "vocab")) if model.get(k)]
+    return ", ".join(parts) or None
+
+
+def _global_batch(training: dict[str, Any], info: dict[str, Any]) -> str | None:
+    if not training.get("global_batch_size"):
+        return None
+    return (f"{training['global_batch_size']} = {training.get('per_device_train_batch_size')} per device x "
+            f"{training.get('gradient_accumulation_steps')} accumulation x {info.get('world_size')} ranks")
+
+
+def _schedule(training: dict[str, Any]) -> str | None:
+    if not training.get("learning_rate"):
+        return None
+    warmup = f", warmup {training['warmup_steps']}" if training.get("warmup_steps") else ""
+    return f"{training['learning_rate']:g} ({training.get('lr_scheduler_type')}{warmup})"
+
+
+def _last_tokens(run: RunRecord) -> float | None:
+    values = [as_float(r.get("tokens")) for r in run.steps]
+    values = [v for v in values if v]
+    return values[-1] if values else None
+
+
+def next_step(group: FindingGroup, output_dir: Path | None = None) -> str:
+    """The first confirm step of a finding's playbook (what ``harness explain`` prints), made concrete.
+
+    ``<output_dir>`` becomes the run's output directory; ``<N>`` and ``<r>``
+    become the finding's step and rank when the group has only one of each.
+    """
+    if group.playbook is None or group.playbook.next_step is None:
+        return f"no playbook section for {group.code}; read the finding's message and evidence."
+    text = group.playbook.next_step
+    if output_dir is not None:
+        text = text.replace("<output_dir>", str(output_dir))
+    if len(group.steps) == 1:
+        text = text.replace("<N>", str(group.steps[0]))
+    if len(group.ranks) == 1:
+        text = text.replace("<r>", str(group.ranks[0]))
+    return text
+
+
+__all__ = ["build_report", "group_findings", "next_step", "run_card", "Severity"]

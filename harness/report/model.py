@@ -1,0 +1,114 @@
+"""The report as data: what both renderers (markdown, HTML) draw from."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.findings import Finding, Severity
+from harness.playbook import Section
+from harness.report.plots import Plot
+from harness.report.verdict import Symptom, Verdict
+
+
+def cell(text: Any, limit: int = 400) -> str:
+    """Text made safe for one markdown table cell: one line, pipes escaped, long text cut."""
+    if isinstance(text, float):
+        text = f"{text:.4g}"
+    value = " ".join(str(text).split())
+    if len(value) > limit:
+        value = value[: limit - 1] + "…"
+    return value.replace("|", "\\|")
+
+
+def md_table(headers: list[str], rows: Any, limit: int = 400) -> str:
+    """A GitHub markdown table; cells are escaped with :func:`cell`, except ones already holding links."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for row in rows:
+        lines.append("| " + " | ".join(v.markdown if isinstance(v, Raw) else cell(v, limit) for v in row) + " |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A table cell that is markdown already (a link), written as is."""
+
+    markdown: str
+
+
+@dataclass(frozen=True)
+class ReportSection:
+    """A section a plugin contributes through the ``report_sections`` hook.
+
+    ``markdown`` is rendered as is in report.md and converted for report.html;
+    relative links in it are relative to the run directory (where both reports live).
+    """
+
+    title: str
+    markdown: str
+    plugin: str = ""
+
+
+@dataclass
+class FindingGroup:
+    """Every finding of one code, summarised."""
+
+    code: str
+    severity: Severity
+    findings: list[Finding]
+    playbook: Section | None
+    evidence: list[tuple[str, str]] = field(default_factory=list)  # (label, path relative to the run directory)
+
+    @property
+    def count(self) -> int:
+        return len(self.findings)
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({f.step for f in self.findings if f.step is not None})
+
+    @property
+    def step_range(self) -> str:
+        steps = self.steps
+        if not steps:
+            return "-"
+        return str(steps[0]) if steps[0] == steps[-1] else f"{steps[0]}-{steps[-1]}"
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({f.rank for f in self.findings})
+
+    @property
+    def message(self) -> str:
+        """The first finding's message (the numbers), as the one shown in tables."""
+        return self.findings[0].message
+
+    @property
+    def actions(self) -> list[str]:
+        return sorted({f.action for f in self.findings if f.action and f.action != "continue"})
+
+
+@dataclass
+class Report:
+    run_dir: Path
+    title: str
+    verdict: Verdict
+    groups: list[FindingGroup]
+    symptoms: list[tuple[Symptom, Section | None]]
+    plots: list[Plot]
+    card: list[tuple[str, str]]
+    attempts: list[dict[str, Any]]
+    sections: list[ReportSection]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def playbook_sections(self) -> list[Section]:
+        """Every playbook section the report links to, once, in report order."""
+        seen: dict[str, Section] = {}
+        for group in self.groups:
+            if group.playbook is not None:
+                seen.setdefault(group.playbook.link, group.playbook)
+        for _, section in self.symptoms:
+            if section is not None:
+                seen.setdefault(section.link, section)
+        return list(seen.values())

@@ -1,0 +1,157 @@
+"""The report's plots, drawn with matplotlib's Agg canvas (no display, no pyplot state) into PNG bytes."""
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from harness.report.record import RunRecord, as_float
+
+SPIKE_CODES = ("LOSS_SPIKE", "LOSS_DIVERGENCE")
+NONFINITE_CODES = ("NONFINITE_LOSS", "NONFINITE_GRAD")
+
+
+@dataclass(frozen=True)
+class Plot:
+    name: str  # file stem under report/plots/
+    title: str
+    png: bytes
+
+
+def make_plots(run: RunRecord) -> list[Plot]:
+    """Every plot the run's numbers allow (none when ``steps.jsonl`` is empty)."""
+    if not run.steps:
+        return []
+    from matplotlib.figure import Figure
+
+    plots = []
+    for name, title, draw in (
+        ("loss", "Loss per token processed", _draw_loss),
+        ("grad_norm", "Gradient norm", _draw_grad_norm),
+        ("lr", "Learning rate", _draw_lr),
+        ("throughput", "Throughput", _draw_throughput),
+    ):
+        figure = Figure(figsize=(7.5, 3.0), dpi=90)
+        axes = figure.subplots()
+        if not draw(run, axes):
+            continue
+        axes.set_title(title, fontsize=10)
+        axes.grid(True, alpha=0.3)
+        figure.tight_layout()
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png")
+        plots.append(Plot(name, title, buffer.getvalue()))
+    return plots
+
+
+def _segments(run: RunRecord) -> list[list[dict[str, Any]]]:
+    """Step records split where the step number goes back (a resume or rollback replays steps)."""
+    segments: list[list[dict[str, Any]]] = []
+    previous = None
+    for record in run.steps:
+        step = record.get("step")
+        if not isinstance(step, int):
+            continue
+        if previous is None or step <= previous:
+            segments.append([])
+        segments[-1].append(record)
+        previous = step
+    return segments
+
+
+def _x(run: RunRecord) -> tuple[str, str]:
+    has_tokens = all((as_float(r.get("tokens")) or 0) > 0 for r in run.steps)
+    return ("tokens", "tokens processed") if has_tokens else ("step", "optimizer step")
+
+
+def _draw_loss(run: RunRecord, axes: Any) -> bool:
+    key, label = _x(run)
+    drew = False
+    segments = _segments(run)
+    for i, segment in enumerate(segments):
+        points = [(as_float(r.get(key)), as_float(r.get("loss"))) for r in segment]
+        points = [(x, y) for x, y in points if x is not None and y is not None and math.isfinite(y)]
+        if points:
+            axes.plot([p[0] for p in points], [p[1] for p in points], color="tab:blue", linewidth=1.2, label="train loss" if i == 0 else None)
+            drew = True
+        if i > 0 and segment:
+            first = segment[0]
+            x0 = (as_float(first.get(key)) or 0) - (as_float(first.get("step_tokens")) or 0 if key == "tokens" else 1)
+            axes.axvline(x0, color="grey", linestyle="--", linewidth=1, label="resume" if i == 1 else None)
+    by_step = {r["step"]: r for r in run.steps if isinstance(r.get("step"), int)}
+    skipped = [as_float(r.get(key)) for r in run.steps if r.get("skipped") or r.get("optimizer_skipped")]
+    for j, x in enumerate(v for v in skipped if v is not None):
+        axes.axvline(x, color="tab:orange", alpha=0.5, linewidth=1, label="skipped step" if j == 0 else None)
+    spikes = [(by_step[f.step], f) for f in run.findings if f.code in SPIKE_CODES and f.step in by_step]
+    points = [(as_float(r.get(key)), as_float(r.get("loss"))) for r, _ in spikes]
+    points = [(x, y) for x, y in points if x is not None and y is not None and math.isfinite(y)]
+    if points:
+        axes.scatter([p[0] for p in points], [p[1] for p in points], marker="x", color="tab:red", s=50, zorder=5, label="spike")
+    evals = [(r["step"], as_float(r.get("eval_loss"))) for r in run.logs if r.get("eval_loss") is not None and r.get("step") in by_step]
+    if evals:
+        axes.scatter([as_float(by_step[s].get(key)) for s, _ in evals], [v for _, v in evals], color="tab:green", s=18, label="eval loss")
+    axes.set_xlabel(label)
+    axes.set_ylabel("loss")
+    if drew:
+        axes.legend(fontsize=7, loc="upper right")
+    return drew
+
+
+def _plot_by_segment(run: RunRecord, axes: Any, key: str, **style: Any) -> list[tuple[int, float]]:
+    """Plot ``key`` against the step, one line per segment (no line back to a replayed step); the points drawn."""
+    drawn: list[tuple[int, float]] = []
+    label = style.pop("label", None)
+    for segment in _segments(run):
+        points = [(r["step"], v) for r in segment if (v := as_float(r.get(key))) is not None and math.isfinite(v)]
+        if points:
+            axes.plot([p[0] for p in points], [p[1] for p in points], label=label if not drawn else None, **style)
+            drawn += points
+    return drawn
+
+
+def _draw_grad_norm(run: RunRecord, axes: Any) -> bool:
+    drawn = _plot_by_segment(run, axes, "grad_norm", color="tab:purple", linewidth=1.2, label="grad norm")
+    if not drawn:
+        return False
+    steps, norms = [p[0] for p in drawn], [p[1] for p in drawn]
+    if all(v > 0 for v in norms):
+        axes.set_yscale("log")
+    spikes = {f.step for f in run.findings if f.code == "GRAD_NORM_SPIKE"}
+    marked = [(s, v) for s, v in zip(steps, norms) if s in spikes]
+    if marked:
+        axes.scatter([s for s, _ in marked], [v for _, v in marked], marker="x", color="tab:red", s=50, zorder=5, label="spike")
+    bad = sorted({f.step for f in run.findings if f.code in NONFINITE_CODES and f.step is not None})
+    for j, step in enumerate(bad):
+        axes.axvline(step, color="black", alpha=0.6, linewidth=1, linestyle=":", label="non-finite" if j == 0 else None)
+    axes.set_xlabel("optimizer step")
+    axes.legend(fontsize=7, loc="upper right")
+    return True
+
+
+def _draw_lr(run: RunRecord, axes: Any) -> bool:
+    if not _plot_by_segment(run, axes, "lr", color="tab:green", linewidth=1.2):
+        return False
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("learning rate")
+    return True
+
+
+def _draw_throughput(run: RunRecord, axes: Any) -> bool:
+    points = []
+    for record in run.steps:
+        tokens, seconds = as_float(record.get("step_tokens")), as_float(record.get("step_time"))
+        if tokens and seconds and seconds > 0:
+            points.append((record["step"], tokens / seconds, (as_float(record.get("data_time")) or 0.0) / seconds))
+    if len(points) < 2:
+        return False
+    axes.plot([p[0] for p in points], [p[1] for p in points], color="tab:blue", linewidth=1.0, label="tokens/s (all ranks)")
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("tokens/s")
+    wait = axes.twinx()
+    wait.plot([p[0] for p in points], [min(p[2], 1.0) for p in points], color="tab:orange", linewidth=0.8, alpha=0.7, label="data wait fraction")
+    wait.set_ylim(0, 1)
+    wait.set_ylabel("data wait", fontsize=8)
+    handles = axes.get_legend_handles_labels()[0] + wait.get_legend_handles_labels()[0]
+    axes.legend(handles=handles, fontsize=7, loc="upper right")
+    return True

@@ -1,0 +1,94 @@
+"""The one-line verdict, and the general symptoms the numbers point at.
+
+Verdict: ``failed`` when the last ``train()`` call did not complete (crashed,
+stopped by a plugin, killed) or a finding is critical; ``needs attention``
+when a finding is at warning or above; ``healthy`` otherwise.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+
+from harness.findings import Severity, worst
+from harness.report.record import RunRecord, as_float
+
+HEALTHY, ATTENTION, FAILED = "healthy", "needs attention", "failed"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    label: str
+    reason: str
+
+    def line(self) -> str:
+        return f"{self.label}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Symptom:
+    """A general playbook the metrics point at (the harness cannot prove it alone)."""
+
+    topic: str  # playbook file stem
+    why: str
+
+
+def verdict_of(run: RunRecord) -> Verdict:
+    status = run.last_status
+    step = run.last_step
+    at = f" at step {step}" if step is not None else ""
+    severe = [f for f in run.findings if f.severity >= Severity.WARNING]
+    counts = Counter(f.code for f in severe)
+    codes = ", ".join(f"{code} x{n}" if n > 1 else code for code, n in counts.most_common(4))
+    codes += ", ..." if len(counts) > 4 else ""
+    summary = f"{len(severe)} finding(s) at warning or above ({codes})" if severe else "no finding at warning or above"
+    if status == "killed":
+        return Verdict(FAILED, f"the last train() call never reached its end{at} (killed, or still running); {summary}.")
+    if status == "crashed":
+        error = run.attempts[-1].get("error") or "an exception"
+        return Verdict(FAILED, f"training crashed{at} with {error}; {summary}.")
+    if status == "stopped":
+        stoppers = [f.code for f in run.findings if f.action in ("stop", "save_and_stop")]
+        because = f" after {stoppers[-1]}" if stoppers else ""
+        return Verdict(FAILED, f"the harness stopped training{at}{because}; {summary}.")
+    if worst(run.findings) is Severity.CRITICAL:
+        critical = sorted({f.code for f in run.findings if f.severity is Severity.CRITICAL})
+        return Verdict(FAILED, f"critical finding(s) {', '.join(critical)}; {summary}.")
+    if status == "unknown":
+        return Verdict(ATTENTION if severe else HEALTHY, f"no record of how training ended (run.json missing); {summary}.")
+    if severe:
+        return Verdict(ATTENTION, f"training completed{at}; {summary}.")
+    return Verdict(HEALTHY, f"training completed{at}; {summary}.")
+
+
+def symptoms_of(run: RunRecord) -> list[Symptom]:
+    """General playbooks worth reading, from the numbers (heuristics: each says why it fired)."""
+    found: list[Symptom] = []
+    steps, losses = run.series("loss")
+    diverged = any(f.code == "LOSS_DIVERGENCE" for f in run.findings)  # its own playbook covers a rising loss
+    if len(losses) >= 20 and not diverged:
+        tenth = max(2, len(losses) // 10)
+        first, last = statistics.median(losses[:tenth]), statistics.median(losses[-tenth:])
+        if last > first * 0.98:
+            found.append(Symptom("loss-not-decreasing", f"median loss of the last {tenth} steps ({last:.4g}) is not below that of the first {tenth} ({first:.4g})."))
+    fractions = [
+        data / total
+        for record in run.steps
+        if (data := as_float(record.get("data_time"))) is not None and (total := as_float(record.get("step_time"))) and total > 0
+    ]
+    if len(fractions) >= 5 and statistics.median(fractions) > 0.3:
+        found.append(Symptom("throughput", f"steps spent a median {statistics.median(fractions):.0%} of their time waiting for data."))
+    errors = " ".join(str(a.get("error", "")) for a in run.attempts).lower()
+    if "out of memory" in errors or "outofmemory" in errors:
+        found.append(Symptom("oom", "an attempt ended with an out-of-memory error."))
+    stage = run.info.get("stage")
+    if stage == "dpo":
+        chosen = [v for r in run.logs if (v := as_float(r.get("logps/chosen"))) is not None]
+        if len(chosen) >= 3 and chosen[-1] < chosen[0]:
+            found.append(Symptom("dpo", f"the chosen responses' log-probability fell from {chosen[0]:.4g} to {chosen[-1]:.4g}."))
+    if stage == "sft":
+        if any(f.code == "ALL_LABELS_MASKED" for f in run.findings):
+            found.append(Symptom("instruction-following", "some batches had no completion tokens to learn from (ALL_LABELS_MASKED)."))
+        if losses and losses[-1] < 0.2:
+            found.append(Symptom("repetitive-generations", f"the final training loss {losses[-1]:.3g} suggests memorised SFT data."))
+    return found
