@@ -34,6 +34,8 @@ from harness.distributed import DistInfo
 from harness.manager import HarnessPluginManager
 from harness.runinfo import end_attempt, run_facts, start_attempt
 
+RANK_END_WAIT_S = 90.0  # rank 0 waits this long at most for the other ranks' run-end files
+
 log = logging.getLogger("harness")
 STATE_DIR = "harness_state"
 
@@ -95,6 +97,8 @@ class Bridge:
         self._in_train = False
         self._stopped = False
         self.is_deepspeed = False
+        self._attempt: int | None = None  # this train() call's index in run.json's attempts
+        self._report_time = 0.0
         self._install(trainer)
 
     # -- installation -----------------------------------------------------------------------
@@ -124,6 +128,8 @@ class Bridge:
         self._stopped = False
         self.ctx.pending_action = Action.CONTINUE
         self.ctx.resumed_from = self._resume_dir(args, kwargs)
+        self._attempt = None
+        self._mark_attempt("running")
         status, error = "completed", None
         try:
             return train(*args, **kwargs)
@@ -141,21 +147,64 @@ class Bridge:
                 log.error("harness: training crashed; findings are in %s", self.ctx.run_dir / "findings.jsonl")
 
     def _finish_run(self, status: str, error: BaseException | None) -> None:
-        """Rank 0: record how this train() call ended, write the report, hand it to ``on_report``."""
+        """Record how this train() call ended, write the report (rank 0), hand it to ``on_report``.
+
+        Other ranks write their run-end files (contamination summaries, spilled
+        findings) in their own ``on_run_end``; rank 0 waits a bounded time for
+        their end markers before reading them (no collective: after a crash a
+        rank may be gone, so it does not wait then).
+        """
         ctx = self.ctx
         if not ctx.is_main:
+            self._mark_attempt("ended")
             return
         files = None
+        known = len(ctx.findings)
         try:
-            end_attempt(ctx.run_dir, status, int(self.trainer.state.global_step), error)
+            if ctx.world_size > 1 and status != "crashed":
+                self._wait_for_ranks(RANK_END_WAIT_S)
+            end_attempt(ctx.run_dir, status, int(self.trainer.state.global_step), error, self._attempt)
             if ctx.options.report:
-                from harness.report import write_report
-
-                files = write_report(ctx.run_dir, ctx.manager, ctx.config, plots=ctx.options.report_plots)
-                log.info("harness: report written to %s (%s)", files.html, files.report.verdict.line())
+                files = self._write_report()
         except Exception:  # noqa: BLE001 - the report must never turn a finished run into a crash
             log.exception("harness: the report could not be written; rebuild it with `harness report %s`", ctx.run_dir.parent)
-        ctx.manager.call("on_report", ctx=ctx, report=files)
+        finally:
+            ctx.manager.call("on_report", ctx=ctx, report=files)  # trackers close here, report or not
+        if files is not None and len(ctx.findings) > known + 0 and ctx.findings[known:] and _made_after(ctx.findings, files):
+            try:  # a tracker reported while closing (TRACKING_DEGRADED): the local report must show it
+                self._write_report()
+            except Exception:  # noqa: BLE001
+                log.exception("harness: the report could not be rewritten with the last findings")
+
+    def _write_report(self) -> Any:
+        from harness.report import write_report
+
+        ctx = self.ctx
+        files = write_report(ctx.run_dir, ctx.manager, ctx.config, plots=ctx.options.report_plots)
+        self._report_time = time.time()
+        log.info("harness: report written to %s (%s)", files.html, files.report.verdict.line())
+        return files
+
+    def _mark_attempt(self, state: str) -> None:
+        """This rank's attempt marker (``ranks/attempt.rank-<r>``): ``running`` at start, ``ended`` after on_run_end."""
+        if self.ctx.world_size <= 1:
+            return
+        try:
+            marker = self.ctx.path("ranks", f"attempt.rank-{self.ctx.rank}")
+            marker.write_text(state, encoding="utf-8")
+        except OSError:
+            pass
+
+    def _wait_for_ranks(self, timeout: float) -> None:
+        """Until every rank whose marker rank 0 can see (a shared run directory) has ended, at most ``timeout`` s."""
+        markers = [self.ctx.run_dir / "ranks" / f"attempt.rank-{r}" for r in range(1, self.ctx.world_size)]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pending = [m for m in markers if m.exists() and m.read_text(encoding="utf-8").strip() != "ended"]
+            if not pending:
+                return
+            time.sleep(0.1)
+        log.warning("harness: ranks %s did not finish within %.0f s; the report may miss their last files", [m.name for m in pending], timeout)
 
     def _resume_dir(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Path | None:
         resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
@@ -288,10 +337,13 @@ class Bridge:
         self._last_step_end = time.perf_counter()
         ctx.micro_step = 0  # ctx.step is the last completed step until the first micro-batch arrives
         if ctx.is_main:
-            resumed = str(ctx.resumed_from) if ctx.resumed_from is not None else None
-            facts = run_facts(trainer, ctx.world_size, ctx.stage)
-            facts["plugin_classes"] = {name: _class_path(ctx.manager.plugin(name)) for name in ctx.manager.names}
-            start_attempt(ctx.run_dir, facts, resumed, int(trainer.state.global_step))
+            try:  # the run card's facts: nice to have, never worth a crash
+                resumed = str(ctx.resumed_from) if ctx.resumed_from is not None else None
+                facts = run_facts(trainer, ctx.world_size, ctx.stage)
+                facts["plugin_classes"] = {name: _class_path(ctx.manager.plugin(name)) for name in ctx.manager.names}
+                self._attempt = start_attempt(ctx.run_dir, facts, resumed, int(trainer.state.global_step))
+            except Exception:  # noqa: BLE001
+                log.exception("harness: could not record the run in %s", ctx.run_dir / "run.json")
         ctx.manager.call("on_run_start", ctx=ctx, trainer=trainer)
         if trainer.train_dataset is not None:
             ctx.manager.call("inspect_dataset", ctx=ctx, dataset=trainer.train_dataset, split="train")

@@ -93,6 +93,13 @@ def _cmd_playbook(args: argparse.Namespace) -> int:
     return print_playbook(args.key)
 
 
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from harness.estimate import print_estimate
+
+    return print_estimate(args.params, args.tokens, args.devices, args.peak_tflops, args.device, args.mfu, args.zero,
+                          args.precision, args.from_config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harness", description="Monitoring and diagnostics harness around the Hugging Face Trainer."
@@ -192,6 +199,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     playbook.add_argument("key", nargs="?", default=None, metavar="CODE|TOPIC", help="a finding code or a playbook name; none lists them")
     playbook.set_defaults(func=_cmd_playbook)
+
+    estimate = sub.add_parser(
+        "estimate",
+        help="compute (C = 6ND), time and memory per device of a planned run, before spending it",
+        description="The formulas of the run card: C = 6 x parameters x tokens; time = C / (devices x peak x MFU); memory per "
+        "device for weights, gradients and Adam state under the precision and ZeRO stage (activations not included).",
+    )
+    estimate.add_argument("--params", type=float, help="parameters, e.g. 7e9")
+    estimate.add_argument("--tokens", type=float, help="training tokens, e.g. 1e12")
+    estimate.add_argument("--devices", type=int, default=1, help="data-parallel devices (default 1)")
+    estimate.add_argument("--peak-tflops", type=float, default=None, help="dense 16-bit peak per device in TFLOPS, e.g. 989 (H100)")
+    estimate.add_argument("--device", default=None, help="take the peak from a device name instead (H100, A100, ...)")
+    estimate.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation, a fraction of the peak (default 0.4)")
+    estimate.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None, help="DeepSpeed ZeRO stage (default 0, or the config's)")
+    estimate.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None, help="training precision (default bf16, or the config's)")
+    estimate.add_argument("--from-config", metavar="RUN_YAML", default=None,
+                          help="read parameters, tokens, precision and ZeRO stage from a `harness run` stage config")
+    estimate.set_defaults(func=_cmd_estimate)
 
     plugins = sub.add_parser("plugins", help="list available plugins, their options or their finding codes")
     plugins.add_argument("--config-reference", action="store_true", help="print every config option with type, default and description")

@@ -47,10 +47,15 @@ def print_explain(path: Path, width: int = 100) -> int:
         print(f"== {run_dir}")
         print(textwrap.fill(f"Verdict: {verdict_of(run).line()}", width, subsequent_indent="  "))
         groups = group_findings(run)
+        explained: set[str] = set()
         for group in groups:
             print()
             head = f"[{group.severity.value}] {group.code} x{group.count} (step {group.step_range}): {group.message}"
             print(textwrap.fill(head, width, subsequent_indent="    "))
+            if group.code in explained:
+                print("  next: as above")
+                continue
+            explained.add(group.code)
             print(_fill(f"next: {next_step(group, run.output_dir)}", width))
             if group.playbook is not None:
                 print(f"  more: harness playbook {group.code}   (playbooks/{group.playbook.link})")

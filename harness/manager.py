@@ -226,6 +226,13 @@ class HarnessPluginManager:
                 return self._call_one(hook, plugin_name, function, argnames, kwargs)
         return None
 
+    def call_plugin_unisolated(self, name: str, hook: str, **kwargs: Any) -> Any:
+        """One plugin's implementation with its exceptions left to the caller (for work outside training, like reports)."""
+        for plugin_name, function, argnames in self._implementations(hook):
+            if plugin_name == name:
+                return function(*[kwargs[a] for a in argnames])
+        return None
+
     def _call_one(
         self, hook: str, plugin_name: str, function: Callable[..., Any], argnames: tuple[str, ...], kwargs: dict[str, Any]
     ) -> Any:

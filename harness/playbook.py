@@ -113,6 +113,21 @@ def _list_items(text: str) -> list[str]:
     return items
 
 
+def section_problems(section: Section) -> list[str]:
+    """What keeps a section from being a complete playbook (empty when it is one); the meta-tests use it."""
+    problems = []
+    labels = [label for label in re.findall(r"^\*\*(.+?)\*\*", section.text, flags=re.M) if label in PARTS]
+    if labels != list(PARTS):
+        problems.append(f"parts {labels}; expected {list(PARTS)}, each once, in this order")
+    problems += [f"'{part}' is empty" for part in PARTS if not section.parts.get(part)]
+    for part in ("Likely causes, most likely first.", "How to confirm."):
+        if section.parts.get(part) and not section.parts[part].startswith("1. "):
+            problems.append(f"'{part}' must be a numbered list")
+    if len(section.next_step or "") < 40:
+        problems.append("the first confirm step (what `harness explain` prints) is missing or too short to act on")
+    return problems
+
+
 def find_section(key: str) -> Section | None:
     """The section of finding code ``key`` (any case), or the topic file named ``key``."""
     books = load_library()

@@ -25,7 +25,10 @@ def read_run_info(run_dir: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {"attempts": []}
-    data.setdefault("attempts", [])
+    if not isinstance(data, dict):
+        return {"attempts": []}
+    if not isinstance(data.get("attempts"), list):
+        data["attempts"] = []
     return data
 
 
@@ -37,22 +40,30 @@ def write_run_info(run_dir: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def start_attempt(run_dir: Path, facts: dict[str, Any], resumed_from: str | None, start_step: int) -> None:
-    """Record the facts of the run and open a new attempt marked ``running``."""
+def start_attempt(run_dir: Path, facts: dict[str, Any], resumed_from: str | None, start_step: int) -> int:
+    """Record the facts of the run and open a new attempt marked ``running``; its index."""
     data = read_run_info(run_dir)
     data.update(facts)
     data["attempts"].append(
         {"started": time.time(), "resumed_from": resumed_from, "start_step": start_step, "status": "running", "host": socket.gethostname()}
     )
     write_run_info(run_dir, data)
+    return len(data["attempts"]) - 1
 
 
-def end_attempt(run_dir: Path, status: str, end_step: int, error: BaseException | None) -> None:
-    """Close the open attempt with how it ended (``completed``, ``stopped`` or ``crashed``)."""
+def end_attempt(run_dir: Path, status: str, end_step: int, error: BaseException | None, attempt_index: int | None) -> None:
+    """Close attempt ``attempt_index`` with how it ended (``completed``, ``stopped`` or ``crashed``).
+
+    None: this train() call failed before it could open one (a bad checkpoint
+    path, say); a closed entry is added, so an earlier attempt that was killed
+    keeps its ``running`` mark.
+    """
     data = read_run_info(run_dir)
-    if not data["attempts"] or data["attempts"][-1].get("status") != "running":
-        data["attempts"].append({"started": None, "resumed_from": None, "start_step": None})
-    attempt = data["attempts"][-1]
+    attempts = data["attempts"]
+    if attempt_index is None or attempt_index >= len(attempts) or not isinstance(attempts[attempt_index], dict):
+        attempts.append({"started": None, "resumed_from": None, "start_step": None})
+        attempt_index = len(attempts) - 1
+    attempt = attempts[attempt_index]
     attempt.update({"status": status, "ended": time.time(), "end_step": end_step})
     if error is not None:
         attempt["error"] = f"{type(error).__name__}: {error}"[:2000]
@@ -145,5 +156,5 @@ def _zero_stage(args: Any) -> int | None:
 def _length(dataset: Any) -> int | None:
     try:
         return len(dataset) if dataset is not None else None
-    except TypeError:
+    except Exception:  # noqa: BLE001 - an iterable dataset has no length, and some raise more than TypeError
         return None

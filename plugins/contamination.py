@@ -268,7 +268,9 @@ class Contamination:
             per_set.setdefault(row["eval_set"], Counter())[row["status"]] += 1
         summary = {"rank": ctx.rank, "checked_tokens": self.checked_tokens, "eval_sets": {k: dict(v) for k, v in per_set.items()},
                    "examples": [{k: v for k, v in r.items() if k != "locations"} for r in rows if r["status"] != "clean"]}
-        (out / f"summary.rank-{ctx.rank}.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        tmp = out / f".summary.rank-{ctx.rank}.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        tmp.replace(out / f"summary.rank-{ctx.rank}.json")  # rank 0's report may read it at any moment
         for status in ("clean", "partial", "dirty"):
             (out / f"{status}_ids.rank-{ctx.rank}.txt").write_text(
                 "".join(f"{r['eval_set']}\t{r['id']}\n" for r in rows if r["status"] == status), encoding="utf-8")
@@ -281,7 +283,12 @@ class Contamination:
         """Per eval set: examples clean/partial/dirty (worst over ranks), the dirtiest ones, the id lists."""
         from harness.report.model import Raw, ReportSection, md_table
 
-        summaries = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(run.run_dir.glob("contamination/summary.rank-*.json"))]
+        summaries = []
+        for path in sorted(run.run_dir.glob("contamination/summary.rank-*.json")):
+            try:
+                summaries.append(json.loads(path.read_text(encoding="utf-8")))
+            except (OSError, ValueError):
+                continue  # one unreadable rank costs its numbers, not the section
         if not summaries:
             return None
         order = {"clean": 0, "partial": 1, "dirty": 2}

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from collections.abc import Mapping
 from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -56,6 +58,7 @@ class MetricsLog:
             self._logged = open(ctx.path("metrics.jsonl"), "a", encoding="utf-8")
             self._steps = open(ctx.path("steps.jsonl"), "a", encoding="utf-8")
         self._tokens = 0
+        self._step_tokens = 0
         self._pending = []
 
     @hookimpl
@@ -84,6 +87,7 @@ class MetricsLog:
             "optimizer_skipped": bool(metrics.get("optimizer_skipped")),
             "step_time": metrics.get("step_time"),
             "data_time": metrics.get("data_time"),
+            "time": round(time.time(), 3),  # places a finding on the right record when a resume replays steps
         })
         self._step_tokens = 0
         if len(self._pending) >= self.options.flush_every:
@@ -120,7 +124,7 @@ class MetricsLog:
 
 def _token_positions(batch: Any) -> int:
     """Token positions in a micro-batch (padding included), from tensor shapes only: no device sync."""
-    if not isinstance(batch, dict):
+    if not isinstance(batch, Mapping):  # BatchEncoding (the HF collators) is a Mapping, not a dict
         return 0
     return sum(int(v.numel()) for k, v in batch.items() if k.endswith("input_ids") and hasattr(v, "numel"))
 

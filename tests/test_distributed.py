@@ -55,6 +55,11 @@ def test_rank1_finding_lands_once_and_all_ranks_skip_together(tmp_path: Path, la
     (taken,) = findings_of(out, "ACTION_TAKEN")
     assert taken["step"] == 3 and "on rank 1" in taken["message"]
     assert [f["code"] for f in read_jsonl(out / "harness" / "ranks" / "findings.rank-1.jsonl")] == ["TEST_FAULT"]
+    # one report, by rank 0, after every rank ended; rank 1's finding is in it
+    report = (out / "harness" / "report.md").read_text(encoding="utf-8")
+    assert "| [TEST_FAULT](report/playbooks/harness-core.md#test_fault) | 1 | 3 | 1 |" in report
+    assert (out / "harness" / "ranks" / "attempt.rank-1").read_text() == "ended"
+    assert "| world size | 2 |" in report
     # grad_sync: under ZeRO-3 it says plainly that there are no replicas to compare; elsewhere it compares them
     unsupported = findings_of(out, "GRAD_SYNC_UNSUPPORTED")
     if launcher == "torchrun-zero3":

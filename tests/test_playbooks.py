@@ -9,7 +9,7 @@ import pytest
 from conftest import FAULTS, REPO
 from harness.cli import main as harness_main
 from harness.config import Catalog
-from harness.playbook import PARTS, find_section, load_library, parse_playbook
+from harness.playbook import find_section, load_library, parse_playbook, section_problems
 
 BOOKS = load_library(str(REPO / "playbooks"))
 SECTIONS = [section for book in BOOKS.values() for section in book.sections]
@@ -18,13 +18,7 @@ TOPICS = ("loss-not-decreasing", "throughput", "oom", "repetitive-generations", 
 
 @pytest.mark.parametrize("section", SECTIONS, ids=lambda s: s.key)
 def test_every_section_has_the_five_parts_in_order_and_a_first_confirm_step(section: Any) -> None:
-    labels = re.findall(r"^\*\*(.+?)\*\*", section.text, flags=re.M)
-    assert [label for label in labels if label in PARTS] == list(PARTS), f"{section.family}.md {section.key}: parts {labels}"
-    for part in PARTS:
-        assert section.parts[part], f"{section.key}: '{part}' is empty"
-    causes = section.parts["Likely causes, most likely first."]
-    assert causes.startswith("1. "), f"{section.key}: likely causes must be a numbered list"
-    assert section.parts["How to confirm."].startswith("1. ") and len(section.next_step or "") > 40, section.key
+    assert section_problems(section) == [], f"{section.family}.md {section.key}"
 
 
 def test_every_declared_code_has_a_section_and_every_section_a_code() -> None:
@@ -45,6 +39,7 @@ def test_general_topics_exist_and_the_report_points_only_at_them() -> None:
 
 
 def test_links_between_playbooks_resolve() -> None:
+    links = 0
     for book in BOOKS.values():
         text = re.sub(r"`[^`\n]*`", "", book.text)
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
@@ -53,13 +48,17 @@ def test_links_between_playbooks_resolve() -> None:
             linked = BOOKS.get(name.removesuffix(".md")) if name else book
             assert linked is not None, f"{book.name}.md: {target}"
             assert not anchor or anchor in {s.anchor for s in linked.sections}, f"{book.name}.md: {target}"
+            links += 1
+    assert links >= 3  # the sections point at each other where one cause is another code's finding
 
 
 def test_a_section_without_its_parts_is_caught(tmp_path: Any) -> None:
     broken = tmp_path / "broken.md"
-    broken.write_text("# Broken\n\n## SOME_CODE\n\n**Symptom.** x\n\n**How to confirm.** look around\n", encoding="utf-8")
+    broken.write_text("# Broken\n\n## SOME_CODE\n\n**Symptom.** x\n\n**Fix.** y\n\n**How to confirm.** look around\n", encoding="utf-8")
     (section,) = parse_playbook(broken).sections
-    assert "Fix." not in section.parts and section.next_step is None
+    problems = section_problems(section)
+    assert any("expected" in p for p in problems) and "'Verify.' is empty" in problems
+    assert "'How to confirm.' must be a numbered list" in problems and any("first confirm step" in p for p in problems)
 
 
 def test_cli_lists_and_prints_playbooks(capsys: Any) -> None:

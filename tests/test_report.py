@@ -154,7 +154,7 @@ def test_a_run_killed_with_kill_9_gets_a_complete_report(tmp_path: Path) -> None
     rebuilt = harness_cli("report", str(out))
     assert rebuilt.returncode == 0, rebuilt.stderr[-2000:]
     markdown = (out / "harness" / "report.md").read_text(encoding="utf-8")
-    assert "**Verdict: failed.** the last train() call never reached its end at step 1" in markdown
+    assert "**Verdict: failed.** the last train() call never reached its end at step 12 (killed" in markdown
     assert "[NONFINITE_LOSS](report/playbooks/numeric-health.md#nonfinite_loss) | 1 | 3 |" in markdown
     assert "never recorded its end (killed?)" in markdown and "| parameters |" in markdown
     steps = [r["step"] for r in read_jsonl(out / "harness" / "steps.jsonl")]
@@ -199,6 +199,20 @@ class ReportListener:
     @hookimpl
     def on_report(self, report: Any) -> None:
         self.reports.append(report)
+
+
+def test_on_report_fires_when_the_report_itself_fails(make_trainer: Any, monkeypatch: Any) -> None:
+    import harness.report
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(harness.report, "write_report", broken)
+    listener = ReportListener()
+    trainer = make_trainer(max_steps=2)
+    harness.attach(trainer, config={"plugins": ["metrics_log"]}, plugins=[listener])
+    trainer.train()  # the run still ends normally
+    assert listener.reports == [None] and trainer.state.global_step == 2
 
 
 def test_on_report_fires_once_per_train_call_even_with_the_report_off(make_trainer: Any) -> None:

@@ -59,19 +59,18 @@ def collect_sections(run: RunRecord, manager: Any, resolved: Any) -> tuple[list[
     """Every plugin's ``report_sections``; a failing plugin costs its section, noted, never the report."""
     sections: list[ReportSection] = []
     notes: list[str] = []
-    saved = manager.on_error
-    manager.on_error = lambda plugin, hook, exc, tb: notes.append(f"plugin '{plugin}' failed in {hook}: {type(exc).__name__}: {exc}")
-    try:
-        for name in manager.names:
-            options = resolved.options_for(name) if resolved is not None else None
-            result = manager.call_plugin(name, "report_sections", run=run, options=options)
-            for section in result if isinstance(result, (list, tuple)) else [result] if result is not None else []:
-                if isinstance(section, ReportSection):
-                    sections.append(section if section.plugin else ReportSection(section.title, section.markdown, name))
-                else:
-                    notes.append(f"plugin '{name}' returned {type(section).__name__} from report_sections; expected ReportSection.")
-    finally:
-        manager.on_error = saved
+    for name in manager.names:
+        options = resolved.options_for(name) if resolved is not None else None
+        try:  # not through the training isolation: a failed section must not count against the plugin's error budget
+            result = manager.call_plugin_unisolated(name, "report_sections", run=run, options=options)
+        except Exception as exc:  # noqa: BLE001
+            notes.append(f"plugin '{name}' failed in report_sections: {type(exc).__name__}: {exc}")
+            continue
+        for section in result if isinstance(result, (list, tuple)) else [result] if result is not None else []:
+            if isinstance(section, ReportSection):
+                sections.append(section if section.plugin else ReportSection(section.title, section.markdown, name))
+            else:
+                notes.append(f"plugin '{name}' returned {type(section).__name__} from report_sections; expected ReportSection.")
     return sections, notes
 
 
@@ -119,7 +118,8 @@ def find_run_dirs(path: Path) -> list[Path]:
             break
     for depth in ("*/harness", "*/*/harness", "*/*/*/harness"):
         for candidate in sorted(path.glob(depth)):
-            if candidate.is_dir() and candidate not in found and "checkpoint-" not in str(candidate.relative_to(path)):
+            is_run = (candidate / "findings.jsonl").exists() or (candidate / "run.json").exists()  # not any folder named harness
+            if is_run and candidate not in found and "checkpoint-" not in str(candidate.relative_to(path)):
                 found.append(candidate)
     return found
 

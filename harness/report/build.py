@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from urllib.parse import quote
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
@@ -49,13 +50,12 @@ def build_report(
 
 
 def group_findings(run: RunRecord) -> list[FindingGroup]:
-    """Findings grouped by code, most severe first, then by first step."""
-    by_code: dict[str, list[Any]] = defaultdict(list)
+    """Findings grouped by code and severity, most severe first, then by first step."""
+    by_key: dict[tuple[str, Severity], list[Any]] = defaultdict(list)
     for finding in run.findings:
-        by_code[finding.code].append(finding)
+        by_key[(finding.code, finding.severity)].append(finding)  # a code found at two severities makes two rows
     groups = []
-    for code, findings in by_code.items():
-        severity = max((f.severity for f in findings), key=lambda s: s.rank)
+    for (code, severity), findings in by_key.items():
         groups.append(FindingGroup(code, severity, findings, section_for_link(findings[0].playbook), _evidence(run, findings)))
     return sorted(groups, key=lambda g: (-g.severity.rank, g.steps[0] if g.steps else -1, g.code))
 
@@ -63,14 +63,14 @@ def group_findings(run: RunRecord) -> list[FindingGroup]:
 def _evidence(run: RunRecord, findings: list[Any]) -> list[tuple[str, str]]:
     """Evidence values that name existing files, as links relative to the run directory."""
     links: dict[str, str] = {}
-    for finding in findings:
+    for finding in findings[:50]:  # enough to find six files; thousands of findings must not mean thousands of stat calls
         for key, value in finding.evidence.items():
             values = value if isinstance(value, list) else [value]
             for item in values[:MAX_EVIDENCE_LINKS]:
                 path = run.evidence_path(item)
                 if path is None:
                     continue
-                relative = Path(os.path.relpath(path, run.run_dir.resolve())).as_posix()
+                relative = quote(Path(os.path.relpath(path, run.run_dir.resolve())).as_posix())
                 links.setdefault(relative, key)
                 if len(links) >= MAX_EVIDENCE_LINKS:
                     return [(label, rel) for rel, label in links.items()]
@@ -187,6 +187,13 @@ def _last_tokens(run: RunRecord) -> float | None:
     values = [as_float(r.get("tokens")) for r in run.steps]
     values = [v for v in values if v]
     return values[-1] if values else None
+
+
+def steps_to_take(groups: list[FindingGroup]) -> list[FindingGroup]:
+    """One group per code for the "next steps" list: the most severe, warnings and above when there are any."""
+    chosen = [g for g in groups if g.severity >= Severity.WARNING] or groups
+    seen: set[str] = set()
+    return [g for g in chosen if not (g.code in seen or seen.add(g.code))]  # type: ignore[func-returns-value]
 
 
 def next_step(group: FindingGroup, output_dir: Path | None = None) -> str:

@@ -5,15 +5,15 @@ import base64
 import re
 
 import jinja2
+from markupsafe import Markup
 from markdown_it import MarkdownIt
 
-from harness.findings import Severity
 from harness.playbook import Section
-from harness.report.build import next_step
+from harness.report.build import next_step, steps_to_take
 from harness.report.markdown import PLAYBOOKS_DIR, SEVERITY_ORDER, when
 from harness.report.model import FindingGroup, Report
 
-_MD = MarkdownIt("commonmark", {"html": False}).enable("table")
+_MD = MarkdownIt("commonmark", {"html": False}).enable("table").disable("image")  # no remote images: offline page
 _PLAYBOOK_LINK = re.compile(r'href="(?!https?:|#|/)([\w.-]+\.md)(#[\w-]*)?"')
 
 
@@ -96,13 +96,13 @@ def render_html(report: Report) -> str:
         report=report,
         verdict_class=report.verdict.label.replace(" ", "-"),
         by_severity=[(s, gs) for s, gs in by_severity if gs],
-        next_steps=[g for g in report.groups if g.severity >= Severity.WARNING] or report.groups,
+        next_steps=steps_to_take(report.groups),
         anchor_of=anchor_of,
         next_step=next_step,
         b64=lambda data: base64.b64encode(data).decode("ascii"),
-        md=lambda text: jinja2.utils.markupsafe.Markup(markdown_html(text)),
-        md_inline=lambda text: jinja2.utils.markupsafe.Markup(_MD.renderInline(text)),
-        playbook=lambda section: jinja2.utils.markupsafe.Markup(_playbook_html(section)),
+        md=lambda text: Markup(markdown_html(text)),
+        md_inline=lambda text: Markup(_MD.renderInline(text)),
+        playbook=lambda section: Markup(_playbook_html(section)),
         when=when,
         built=dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
     )

@@ -5,7 +5,7 @@ import datetime as dt
 from typing import Any
 
 from harness.findings import Severity
-from harness.report.build import next_step
+from harness.report.build import next_step, steps_to_take
 from harness.report.model import FindingGroup, Report, cell
 
 PLOTS_DIR = "report/plots"
@@ -73,7 +73,7 @@ def _findings(report: Report) -> list[str]:
 
 
 def _next_steps(report: Report) -> list[str]:
-    groups = [g for g in report.groups if g.severity >= Severity.WARNING] or report.groups
+    groups = steps_to_take(report.groups)
     if not groups:
         return []
     out = ["## Next steps", "", "The first step of each finding's playbook (`harness explain` prints the same):", ""]

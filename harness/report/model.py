@@ -18,7 +18,7 @@ def cell(text: Any, limit: int = 400) -> str:
     value = " ".join(str(text).split())
     if len(value) > limit:
         value = value[: limit - 1] + "…"
-    return value.replace("|", "\\|")
+    return value.replace("|", "\\|").replace("<", "&lt;")  # a raw <tag> in a message is text, not HTML
 
 
 def md_table(headers: list[str], rows: Any, limit: int = 400) -> str:

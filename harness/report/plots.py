@@ -60,6 +60,16 @@ def _segments(run: RunRecord) -> list[list[dict[str, Any]]]:
     return segments
 
 
+def record_of(run: RunRecord, finding: Any) -> dict[str, Any] | None:
+    """The step record a finding was made at: same step, the first one written after the finding (a resume
+    or rollback replays steps, and the replayed record must not take the original's marker)."""
+    candidates = [r for r in run.steps if r.get("step") == finding.step]
+    if not candidates:
+        return None
+    after = [r for r in candidates if (as_float(r.get("time")) or float("inf")) >= finding.time - 1.0]
+    return (after or candidates)[0]
+
+
 def _x(run: RunRecord) -> tuple[str, str]:
     has_tokens = all((as_float(r.get("tokens")) or 0) > 0 for r in run.steps)
     return ("tokens", "tokens processed") if has_tokens else ("step", "optimizer step")
@@ -79,12 +89,12 @@ def _draw_loss(run: RunRecord, axes: Any) -> bool:
             first = segment[0]
             x0 = (as_float(first.get(key)) or 0) - (as_float(first.get("step_tokens")) or 0 if key == "tokens" else 1)
             axes.axvline(x0, color="grey", linestyle="--", linewidth=1, label="resume" if i == 1 else None)
-    by_step = {r["step"]: r for r in run.steps if isinstance(r.get("step"), int)}
+    by_step = {r["step"]: r for r in run.steps if isinstance(r.get("step"), int)}  # the last record of a step
     skipped = [as_float(r.get(key)) for r in run.steps if r.get("skipped") or r.get("optimizer_skipped")]
     for j, x in enumerate(v for v in skipped if v is not None):
         axes.axvline(x, color="tab:orange", alpha=0.5, linewidth=1, label="skipped step" if j == 0 else None)
-    spikes = [(by_step[f.step], f) for f in run.findings if f.code in SPIKE_CODES and f.step in by_step]
-    points = [(as_float(r.get(key)), as_float(r.get("loss"))) for r, _ in spikes]
+    spikes = [record for f in run.findings if f.code in SPIKE_CODES and (record := record_of(run, f)) is not None]
+    points = [(as_float(r.get(key)), as_float(r.get("loss"))) for r in spikes]
     points = [(x, y) for x, y in points if x is not None and y is not None and math.isfinite(y)]
     if points:
         axes.scatter([p[0] for p in points], [p[1] for p in points], marker="x", color="tab:red", s=50, zorder=5, label="spike")
@@ -117,8 +127,8 @@ def _draw_grad_norm(run: RunRecord, axes: Any) -> bool:
     steps, norms = [p[0] for p in drawn], [p[1] for p in drawn]
     if all(v > 0 for v in norms):
         axes.set_yscale("log")
-    spikes = {f.step for f in run.findings if f.code == "GRAD_NORM_SPIKE"}
-    marked = [(s, v) for s, v in zip(steps, norms) if s in spikes]
+    spiked = [record for f in run.findings if f.code == "GRAD_NORM_SPIKE" and (record := record_of(run, f)) is not None]
+    marked = [(r["step"], v) for r in spiked if (v := as_float(r.get("grad_norm"))) is not None and math.isfinite(v)]
     if marked:
         axes.scatter([s for s, _ in marked], [v for _, v in marked], marker="x", color="tab:red", s=50, zorder=5, label="spike")
     bad = sorted({f.step for f in run.findings if f.code in NONFINITE_CODES and f.step is not None})
@@ -138,18 +148,24 @@ def _draw_lr(run: RunRecord, axes: Any) -> bool:
 
 
 def _draw_throughput(run: RunRecord, axes: Any) -> bool:
-    points = []
-    for record in run.steps:
-        tokens, seconds = as_float(record.get("step_tokens")), as_float(record.get("step_time"))
-        if tokens and seconds and seconds > 0:
-            points.append((record["step"], tokens / seconds, (as_float(record.get("data_time")) or 0.0) / seconds))
-    if len(points) < 2:
+    wait = axes.twinx()
+    drawn = 0
+    for segment in _segments(run):
+        points = []
+        for record in segment:
+            tokens, seconds = as_float(record.get("step_tokens")), as_float(record.get("step_time"))
+            if tokens and seconds and seconds > 0:
+                points.append((record["step"], tokens / seconds, (as_float(record.get("data_time")) or 0.0) / seconds))
+        if points:
+            first = not drawn
+            axes.plot([p[0] for p in points], [p[1] for p in points], color="tab:blue", linewidth=1.0, label="tokens/s (all ranks)" if first else None)
+            wait.plot([p[0] for p in points], [min(p[2], 1.0) for p in points], color="tab:orange", linewidth=0.8, alpha=0.7,
+                      label="data wait fraction" if first else None)
+            drawn += len(points)
+    if drawn < 2:
         return False
-    axes.plot([p[0] for p in points], [p[1] for p in points], color="tab:blue", linewidth=1.0, label="tokens/s (all ranks)")
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("tokens/s")
-    wait = axes.twinx()
-    wait.plot([p[0] for p in points], [min(p[2], 1.0) for p in points], color="tab:orange", linewidth=0.8, alpha=0.7, label="data wait fraction")
     wait.set_ylim(0, 1)
     wait.set_ylabel("data wait", fontsize=8)
     handles = axes.get_legend_handles_labels()[0] + wait.get_legend_handles_labels()[0]

@@ -91,11 +91,11 @@ class RunRecord:
         if not isinstance(value, str) or not value or "\n" in value or len(value) > 4096:
             return None
         candidate = Path(value)
-        options = [self.run_dir / candidate, self.output_dir / candidate, Path.cwd() / candidate]
-        if candidate.is_absolute():  # prefer this run directory's copy: the run may have been moved since
-            parts = candidate.parts
-            inside = [i for i, part in enumerate(parts) if part == self.run_dir.name]
-            options = ([self.run_dir.joinpath(*parts[inside[-1] + 1:])] if inside else []) + [candidate]
+        options = []
+        inside = [i for i, part in enumerate(candidate.parts) if part == self.run_dir.name]
+        if inside:  # a path into a run directory: this one's copy first (the run may have moved, or be read from elsewhere)
+            options.append(self.run_dir.joinpath(*candidate.parts[inside[-1] + 1:]))
+        options += [candidate] if candidate.is_absolute() else [self.run_dir / candidate, self.output_dir / candidate]
         for option in options:
             try:
                 if option.exists():

@@ -45,7 +45,8 @@ def _logged_steps(output_dir: Path) -> list[int]:
 def test_wrap_logs_a_complete_run_to_the_default_store(tmp_path: Path) -> None:
     out = tmp_path / "run"
     (tmp_path / "quiz.txt").write_text("zqx vlorp mendaq tive kraspo ulm\nfrobnitz quell azimuth dorrow plen\n")
-    config = write_yaml(tmp_path / "h.yaml", {"contamination": {"eval_sets": [{"path": str(tmp_path / "quiz.txt")}], "min_length": 2}})
+    config = write_yaml(tmp_path / "h.yaml", {"contamination": {"eval_sets": [{"path": str(tmp_path / "quiz.txt")}], "min_length": 2},
+                                              "report_plots": True})
     result = harness_cli(
         "wrap", "--config", str(config), "--plugins", f"mlflow,{FAULTS}", "--", PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "6",
         env={"HARNESS_CONFIG": ""},
