@@ -170,7 +170,7 @@ class Bridge:
             log.exception("harness: the report could not be written; rebuild it with `harness report %s`", ctx.run_dir.parent)
         finally:
             ctx.manager.call("on_report", ctx=ctx, report=files)  # trackers close here, report or not
-        if files is not None and len(ctx.findings) > known + 0 and ctx.findings[known:] and _made_after(ctx.findings, files):
+        if files is not None and any(f.time >= self._report_time for f in ctx.findings[known:]):
             try:  # a tracker reported while closing (TRACKING_DEGRADED): the local report must show it
                 self._write_report()
             except Exception:  # noqa: BLE001

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.tokens import count_parameters
+
 RUN_FILE = "run.json"
 
 
@@ -125,10 +127,9 @@ def _model_facts(model: Any) -> dict[str, Any]:
         return {}
     facts: dict[str, Any] = {"class": type(model).__name__}
     try:
-        params = list(model.parameters())
-        facts["parameters"] = int(sum(_numel(p) for p in params))
-        facts["trainable_parameters"] = int(sum(_numel(p) for p in params if p.requires_grad))
-        facts["dtype"] = str(params[0].dtype).replace("torch.", "") if params else None
+        facts["parameters"], facts["trainable_parameters"] = count_parameters(model)
+        first = next(iter(model.parameters()), None)
+        facts["dtype"] = str(first.dtype).replace("torch.", "") if first is not None else None
     except Exception:  # noqa: BLE001
         pass
     config = getattr(model, "config", None)
@@ -137,11 +138,6 @@ def _model_facts(model: Any) -> dict[str, Any]:
         if value is not None:
             facts[key] = value
     return facts
-
-
-def _numel(param: Any) -> int:
-    """Elements of a parameter, also when ZeRO-3 has partitioned it away (``ds_numel``)."""
-    return int(getattr(param, "ds_numel", 0) or param.numel())
 
 
 def _zero_stage(args: Any) -> int | None:

@@ -63,6 +63,21 @@ class FaultOptions(BaseModel):
     snapshot_steps: list[int] = Field(
         default_factory=list, description="Record whether params and optimizer state changed across these steps."
     )
+    advance_scheduler_at_steps: list[int] = Field(
+        default_factory=list,
+        description="Step the Trainer's LR scheduler once more at the end of these steps (a training loop that advances the "
+        "schedule although the update was skipped).",
+    )
+
+
+def advance_scheduler(trainer: Any) -> None:
+    """One extra step of the Trainer's LR scheduler (the DeepSpeed engine's when it owns it)."""
+    scheduler = trainer.lr_scheduler
+    import warnings
+
+    with warnings.catch_warnings():  # torch warns when a scheduler steps without an optimizer step: that is the fault
+        warnings.simplefilter("ignore")
+        scheduler.step()
 
 
 class EmbeddingPoison:
@@ -283,6 +298,8 @@ class FaultInjector:
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
         self._maybe_raise("on_step_end", step)
         self._maybe_report(ctx, "on_step_end", step)
+        if step in self.options.advance_scheduler_at_steps and metrics.get("skipped"):
+            advance_scheduler(ctx.trainer)
         if self.options.perturb_param_at_step == step and ctx.rank == self.options.fault_rank:
             name = perturb_one_ulp(ctx.trainer.model_wrapped, self.options.perturb_param)
             ctx.path(f"perturbed.rank-{ctx.rank}.txt").write_text(name, encoding="utf-8")

@@ -23,5 +23,9 @@ BUILTIN_PLUGINS: dict[str, BuiltinPlugin] = {
     "grad_sync": BuiltinPlugin("harness.plugins.grad_sync:GradSync", True),
     "packing_check": BuiltinPlugin("harness.plugins.packing_check:PackingCheck", True),
     "contamination": BuiltinPlugin("harness.plugins.contamination:Contamination", True),
+    "lr_schedule": BuiltinPlugin("harness.plugins.lr_schedule:LrSchedule", True),
+    "throughput": BuiltinPlugin("harness.plugins.throughput:Throughput", True),
+    "run_card": BuiltinPlugin("harness.plugins.run_card:RunCard", True),
+    "dpo_health": BuiltinPlugin("harness.plugins.dpo_health:DpoHealth", True),
     "mlflow": BuiltinPlugin("harness.plugins.mlflow_tracker:MlflowTracker", False),
 }

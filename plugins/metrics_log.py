@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
 from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from harness.hookspecs import hookimpl
+from harness.tokens import token_positions
 
 
 class MetricsLogOptions(BaseModel):
@@ -69,7 +69,7 @@ class MetricsLog:
     @hookimpl
     def inspect_batch(self, ctx: Any, batch: dict[str, Any]) -> None:
         if self._steps is not None:
-            self._step_tokens += _token_positions(batch)
+            self._step_tokens += token_positions(batch)
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
@@ -120,13 +120,6 @@ class MetricsLog:
         self._pending = []
         self._steps.write("\n".join(lines) + "\n")
         self._steps.flush()
-
-
-def _token_positions(batch: Any) -> int:
-    """Token positions in a micro-batch (padding included), from tensor shapes only: no device sync."""
-    if not isinstance(batch, Mapping):  # BatchEncoding (the HF collators) is a Mapping, not a dict
-        return 0
-    return sum(int(v.numel()) for k, v in batch.items() if k.endswith("input_ids") and hasattr(v, "numel"))
 
 
 def _host(value: Any) -> Any:

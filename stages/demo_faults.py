@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from harness.findings import FindingCode, Severity
 from harness.hookspecs import hookimpl
-from harness.testing import EmbeddingPoison, corrupt_batch, scale_lr
+from harness.testing import EmbeddingPoison, advance_scheduler, corrupt_batch, scale_lr
 
 DEMO_FAULT = FindingCode("DEMO_FAULT", Severity.INFO, "A fault injected on purpose by `harness demo`.", "demo#demo_fault")
 
@@ -35,6 +35,9 @@ class DemoFaultOptions(BaseModel):
     crash_step: int | None = Field(None, description="Step at which the process kills itself with SIGKILL (once per output dir).")
     diverge_from_step: int | None = Field(None, description="From this step on every update uses the LR times diverge_lr_scale (divergence).")
     diverge_lr_scale: float = Field(30.0, gt=1, description="LR factor of the divergence fault.")
+    advance_lr_on_skipped_step: int | None = Field(
+        None, description="If this step's update is skipped, step the LR scheduler anyway (a loop that ignores the skip).",
+    )
     padding_collator_step: int | None = Field(
         None, description="Step whose first micro-batch looks as a padding collator makes it: an all-ones attention_mask "
         "(which switches the packed mask off) and labels copied from input_ids (loss on padding and document starts).",
@@ -93,6 +96,13 @@ class DemoFaults:
             marker.touch()
             ctx.report(DEMO_FAULT.code, f"demo fault: the process kills itself (SIGKILL) at step {step}; the demo resumes from the last checkpoint", evidence={"fault": "crash"})
             os.kill(os.getpid(), signal.SIGKILL)
+
+    @hookimpl
+    def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        if step == self.options.advance_lr_on_skipped_step and metrics.get("skipped"):
+            advance_scheduler(ctx.trainer)
+            ctx.report(DEMO_FAULT.code, f"demo fault: the update of step {step} was skipped, but the LR scheduler is stepped anyway",
+                       evidence={"fault": "lr_advanced_on_skip"})
 
     @hookimpl
     def on_before_optimizer_step(self, ctx: Any, step: int, optimizer: Any) -> None:

@@ -268,6 +268,9 @@ def run_stage(stage: str, config_path: str | Path, resume: str | bool | None = N
     if any(s.max_repeats > 1 for s in [*data.sources, *(data.old_sources or [])]):
         # upsampling a source (max_repeats) is repetition the config asked for: duplicates are information here
         harness_config["severity"] = {"DUPLICATE_SAMPLES": "info", **dict(harness_config.get("severity") or {})}
+    card = dict(harness_config.get("run_card") or {})
+    card.setdefault("data_sources", {s.path: s.weight for s in data.sources})  # the card names the mixture it trains on
+    harness_config["run_card"] = card
     catalog = Catalog.build()
     resolve_config(harness_config, catalog, source=f"{loaded.path}, section 'harness'", extra_plugins=["mlflow"])
     mixed, texts = load_training_data(loaded)

@@ -139,6 +139,9 @@ def test_unreachable_server_falls_back_to_the_local_store_with_nothing_lost(make
     assert run.info.run_id == fallback["evidence"]["local_run_id"]
     assert _history(uri, run.info.run_id, "loss") == [1, 2, 3, 4]
     assert run.data.tags["harness.fallback_for"].startswith(dead)
+    # made while the tracker closed, after the report was first written: the local report was rewritten to show it
+    report = (Path(trainer.args.output_dir) / "harness" / "report.md").read_text(encoding="utf-8")
+    assert "| [TRACKING_DEGRADED](report/playbooks/tracking.md#tracking_degraded) |" in report and "### error" in report
 
 
 class MlflowServer:

@@ -19,8 +19,8 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     assert "harness skipped the optimizer update at step 8 after NONFINITE_LOSS" in summary
     assert "mlflow ui --backend-store-uri sqlite:///" in summary
     injected = sorted(f["evidence"]["fault"] for f in findings_of(out, "DEMO_FAULT"))
-    assert injected == ["all_labels_masked", "corrupted_batch", "corrupted_batch", "crash", "divergence", "nonfinite_grad", "nonfinite_loss",
-                        "padding_collator"]
+    assert injected == ["all_labels_masked", "corrupted_batch", "corrupted_batch", "crash", "divergence", "lr_advanced_on_skip", "nonfinite_grad",
+                        "nonfinite_loss", "padding_collator"]
     assert (out / "model.safetensors").exists()  # the resumed run finished
     # the detectors caught what was injected, at the injected steps
     assert [f["step"] for f in findings_of(out, "NONFINITE_LOSS") if f["step"] == 8] == [8]
@@ -40,7 +40,10 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     assert divergence["evidence"]["since_step"] == 47
     # the skipped steps of the killed process were carried through the checkpoint into the run-end summary
     (summary,) = findings_of(out, "SKIPPED_STEPS")
-    assert summary["evidence"]["skipped_steps"] == [8, 11] and summary["evidence"]["scheduler_advanced"] == []
+    assert summary["evidence"]["skipped_steps"] == [8, 11] and summary["evidence"]["scheduler_advanced"] == [11]
+    # the scheduler stepped on the skipped step 11; the 300x LR from step 46 is not the schedule
+    assert [(f["code"], f["step"]) for f in findings_of(out) if f["code"].startswith("LR_")] == [
+        ("LR_ADVANCED_ON_SKIPPED_STEP", 11), ("LR_SCHEDULE_MISMATCH", 46)]
     # the resume done wrong: optimizer.pt deleted and ignore_data_skip, from checkpoint-30 again
     broken = out / "broken-resume"
     wrong = {f["code"]: f for f in findings_of(broken)}

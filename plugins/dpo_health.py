@@ -1,0 +1,204 @@
+"""dpo_health: how a preference run (TRL's DPOTrainer) and its SFT counterpart are really going.
+
+DPO's loss falls in almost every run, also in bad ones, so the loss says
+little. What users of TRL learn the hard way: the chosen answers' own
+log-probabilities can fall while the margin grows (the model unlearns both
+answers, the rejected one faster); accuracy near 1.0 early with exploding
+margins means pairs too easy to teach anything (or memorised); a chosen
+answer that is nearly always the longer one teaches length, not quality.
+The plugin reads TRL's logged ``rewards/*`` and ``logps/*`` (host floats:
+no device sync) and, once at the start, the lengths of the tokenised pairs.
+For SFT it checks how much of a batch the loss sees: most tokens masked out
+(prompts far longer than completions) leaves little to learn from.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness.findings import FindingCode, Severity
+from harness.hashing import dataset_rows
+from harness.hookspecs import hookimpl
+
+PLAYBOOK = "dpo-health#"
+DPO_CHOSEN_LOGPS_FALLING = FindingCode("DPO_CHOSEN_LOGPS_FALLING", Severity.WARNING,
+                                       "the chosen answers' log-probability falls while the margin grows", PLAYBOOK + "dpo_chosen_logps_falling")
+DPO_ACCURACY_SATURATED = FindingCode("DPO_ACCURACY_SATURATED", Severity.WARNING,
+                                     "reward accuracy near 1.0 early with growing margins", PLAYBOOK + "dpo_accuracy_saturated")
+DPO_LENGTH_BIAS = FindingCode("DPO_LENGTH_BIAS", Severity.WARNING, "the chosen answer is systematically the longer one", PLAYBOOK + "dpo_length_bias")
+DPO_NONFINITE_REWARDS = FindingCode("DPO_NONFINITE_REWARDS", Severity.ERROR, "DPO rewards or log-probabilities are NaN or Inf",
+                                    PLAYBOOK + "dpo_nonfinite_rewards")
+SFT_FEW_LABEL_TOKENS = FindingCode("SFT_FEW_LABEL_TOKENS", Severity.WARNING, "most tokens of an SFT batch are masked out of the loss",
+                                   PLAYBOOK + "sft_few_label_tokens")
+DPO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")
+
+
+class DpoHealthOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    min_logs: int = Field(6, ge=3, description="Logged points needed before trends are judged (logps falling).")
+    chosen_reward_drop: float = Field(
+        2.0, gt=0, description="DPO_CHOSEN_LOGPS_FALLING when the late median of rewards/chosen (beta x the chosen answers' log-prob "
+        "change against the reference, on the same samples) is below minus this, falling, while the margin grew.")
+    saturated_accuracy: float = Field(0.98, gt=0.5, le=1, description="Reward accuracy that counts as saturated.")
+    saturated_logs: int = Field(3, ge=1, description="Consecutive logged points at saturated accuracy needed for DPO_ACCURACY_SATURATED.")
+    early_fraction: float = Field(0.3, gt=0, le=1, description="Saturation counts as early before this share of the planned steps.")
+    length_bias_fraction: float = Field(0.8, gt=0.5, le=1, description="DPO_LENGTH_BIAS when the chosen answer is longer in this share of the pairs whose lengths differ.")
+    min_pairs: int = Field(20, ge=2, description="Pairs with different lengths needed to judge length bias.")
+    max_pairs: int = Field(20_000, ge=10, description="Pairs read from the start of the dataset for the length check.")
+    min_label_fraction: float = Field(0.05, gt=0, lt=1, description="SFT_FEW_LABEL_TOKENS when fewer than this share of a batch's tokens carry a label.")
+    label_batches: int = Field(8, ge=1, description="SFT micro-batches checked at the start (each check reads the labels: one device sync); then one per `every` steps.")
+    every: int = Field(200, ge=1, description="Steps between SFT label checks after the first `label_batches`.")
+
+
+class DpoHealth:
+    """DPO: chosen log-probs, accuracy saturation, length bias, non-finite rewards; SFT: batches with few labelled tokens."""
+
+    name = "dpo_health"
+
+    def __init__(self) -> None:
+        self.options = DpoHealthOptions()
+        self._kind: str | None = None
+        self._history: list[tuple[int, dict[str, float]]] = []
+        self._reported: set[str] = set()
+        self._max_steps = 0
+        self._checked_batches = 0
+
+    @hookimpl
+    def add_config(self) -> type[BaseModel]:
+        return DpoHealthOptions
+
+    @hookimpl
+    def declare_codes(self) -> list[FindingCode]:
+        return [DPO_CHOSEN_LOGPS_FALLING, DPO_ACCURACY_SATURATED, DPO_LENGTH_BIAS, DPO_NONFINITE_REWARDS, SFT_FEW_LABEL_TOKENS]
+
+    @hookimpl
+    def configure(self, options: DpoHealthOptions) -> None:
+        self.options = options
+
+    @hookimpl
+    def on_run_start(self, trainer: Any) -> None:
+        names = {cls.__name__ for cls in type(trainer).__mro__}
+        self._kind = "dpo" if "DPOTrainer" in names else "sft" if "SFTTrainer" in names else None
+        self._history = []
+        self._checked_batches = 0
+        self._max_steps = int(trainer.state.max_steps or trainer.args.max_steps or 0)
+
+    def _report_once(self, ctx: Any, code: FindingCode, message: str, step: int, evidence: dict[str, Any]) -> None:
+        if code.code not in self._reported:
+            self._reported.add(code.code)
+            ctx.report(code.code, message, step=step, evidence=evidence)
+
+    # -- DPO ---------------------------------------------------------------------------------------------------------
+
+    @hookimpl
+    def inspect_dataset(self, ctx: Any, dataset: Any, split: str) -> None:
+        if self._kind != "dpo" or split != "train" or not ctx.is_main:
+            return
+        try:
+            size = min(len(dataset), self.options.max_pairs)
+        except TypeError:
+            return
+        chosen, rejected = dataset_rows(dataset, "chosen_ids", range(size)), dataset_rows(dataset, "rejected_ids", range(size))
+        if chosen is None or rejected is None:
+            return
+        pairs = [(len(c), len(r)) for c, r in zip(chosen, rejected) if len(c) != len(r)]
+        if len(pairs) < self.options.min_pairs:
+            return
+        longer = sum(1 for c, r in pairs if c > r) / len(pairs)
+        if longer < self.options.length_bias_fraction:
+            return
+        mean_chosen, mean_rejected = statistics.fmean(len(c) for c in chosen), statistics.fmean(len(r) for r in rejected)
+        self._report_once(
+            ctx, DPO_LENGTH_BIAS,
+            f"in {longer:.0%} of the {len(pairs)} training pairs whose answers differ in length the chosen answer is the longer one "
+            f"(mean {mean_chosen:.1f} vs {mean_rejected:.1f} tokens over {size} pairs): DPO can learn 'longer is better' instead of quality.",
+            0, {"chosen_longer_fraction": round(longer, 4), "pairs_compared": len(pairs), "pairs_read": size,
+                "mean_chosen_tokens": mean_chosen, "mean_rejected_tokens": mean_rejected},
+        )
+
+    @hookimpl
+    def on_log(self, ctx: Any, step: int, logs: dict[str, float]) -> None:
+        if self._kind != "dpo" or not ctx.is_main or not any(k in logs for k in DPO_KEYS):
+            return
+        values = {k: float(logs[k]) for k in DPO_KEYS if isinstance(logs.get(k), (int, float))}
+        bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+        if bad:
+            self._report_once(ctx, DPO_NONFINITE_REWARDS, f"TRL logged non-finite DPO values at step {step}: "
+                              + ", ".join(f"{k}={v}" for k, v in bad.items()) + " (the policy or reference model produced NaN/Inf log-probs).",
+                              step, {"values": {k: str(v) for k, v in bad.items()}})
+            return
+        self._history.append((step, values))
+        self._check_saturation(ctx, step)
+        self._check_chosen_logps(ctx, step)
+
+    def _check_saturation(self, ctx: Any, step: int) -> None:
+        o = self.options
+        recent = self._history[-o.saturated_logs:]
+        if len(recent) < o.saturated_logs or (self._max_steps and step > o.early_fraction * self._max_steps):
+            return
+        accuracies = [v.get("rewards/accuracies", 0.0) for _, v in recent]
+        margins = [v.get("rewards/margins", 0.0) for _, v in recent]
+        if min(accuracies) < o.saturated_accuracy or not all(b > a for a, b in zip(margins, margins[1:])):
+            return
+        self._report_once(
+            ctx, DPO_ACCURACY_SATURATED,
+            f"reward accuracy stayed at or above {o.saturated_accuracy:.0%} for {len(recent)} logged points up to step {step} "
+            f"({step / self._max_steps if self._max_steps else 0:.0%} of the run) while the margin grew {margins[0]:.3g} -> {margins[-1]:.3g}: "
+            "the pairs are too easy to teach anything, or the model memorises them.",
+            step, {"accuracies": accuracies, "margins": margins, "steps": [s for s, _ in recent]},
+        )
+
+    def _check_chosen_logps(self, ctx: Any, step: int) -> None:
+        """rewards/chosen, not logps/chosen: the reward compares the same samples with the reference, so batch-to-batch
+        differences in answer length cancel out."""
+        points = [(s, v) for s, v in self._history if "rewards/chosen" in v and "rewards/margins" in v]
+        if len(points) < self.options.min_logs:
+            return
+        third = max(2, len(points) // 3)
+
+        def median(key: str, part: list[tuple[int, dict[str, float]]]) -> float:
+            return statistics.median(v.get(key, 0.0) for _, v in part)
+
+        early, late = points[:third], points[-third:]
+        chosen_early, chosen_late = median("rewards/chosen", early), median("rewards/chosen", late)
+        margin_early, margin_late = median("rewards/margins", early), median("rewards/margins", late)
+        if chosen_late < -self.options.chosen_reward_drop and chosen_late < chosen_early and margin_late > margin_early:
+            logps = [v["logps/chosen"] for _, v in points if "logps/chosen" in v]
+            self._report_once(
+                ctx, DPO_CHOSEN_LOGPS_FALLING,
+                f"the chosen answers lost probability against the reference: rewards/chosen fell from a median {chosen_early:.3g} to "
+                f"{chosen_late:.3g} (steps {points[0][0]}-{step}) while the reward margin grew {margin_early:.3g} -> {margin_late:.3g}: "
+                "the model pushes the rejected answers down faster than it keeps the chosen ones up, and can drift from both.",
+                step, {"early_rewards_chosen": chosen_early, "late_rewards_chosen": chosen_late, "early_margin": margin_early,
+                       "late_margin": margin_late, "logps_chosen_first_last": [logps[0], logps[-1]] if logps else None},
+            )
+
+    # -- SFT -----------------------------------------------------------------------------------------------------------
+
+    @hookimpl
+    def inspect_batch(self, ctx: Any, batch: Any, step: int, micro_step: int) -> None:
+        if self._kind != "sft" or not isinstance(batch, Mapping) or batch.get("labels") is None:
+            return
+        due = self._checked_batches < self.options.label_batches or (micro_step == 0 and step % self.options.every == 0)
+        if not due:
+            return
+        self._checked_batches += 1
+        labels = batch["labels"]
+        mask = batch.get("attention_mask")
+        tokens = int(mask.sum()) if mask is not None else int(labels.numel())
+        labelled = int((labels != -100).sum())
+        if tokens and 0 < labelled < self.options.min_label_fraction * tokens:
+            self._report_once(
+                ctx, SFT_FEW_LABEL_TOKENS,
+                f"only {labelled} of the {tokens} tokens of micro-batch {micro_step} at step {step} ({labelled / tokens:.1%}) carry a label: "
+                "the loss learns from a sliver of each batch (prompts far longer than completions, or masking wider than intended).",
+                step, {"labelled_tokens": labelled, "tokens": tokens, "fraction": round(labelled / tokens, 4), "micro_batch": micro_step},
+            )
+
+
+__all__ = ["DpoHealth", "DpoHealthOptions"]

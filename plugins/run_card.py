@@ -1,0 +1,170 @@
+"""run_card: the experiment card, written when training starts and refined once throughput is measured.
+
+The field notes' habit before every run: write down the model size, the
+tokens, the compute C = 6ND, what the training state costs in memory under
+the chosen precision and ZeRO stage, how long it will take, and what result
+counts as success. The card is ``run_card.json`` in the run directory
+(rank 0), uploaded to MLflow and shown in the report; the estimates use the
+same formulas as ``harness estimate``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness.estimate import duration, memory_per_device, peak_for
+from harness.hookspecs import hookimpl
+from harness.runinfo import run_facts
+from harness.tokens import count_parameters, token_positions
+
+CARD_FILE = "run_card.json"
+
+
+class RunCardOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    acceptance: str | None = Field(None, description="What result counts as success, written on the card (e.g. 'eval_loss < 2.1 on heldout').")
+    data_sources: dict[str, float] = Field(
+        default_factory=dict, description="Data sources and their mixture weights, for the card (the stage runner fills it from its config).")
+    measure_after: int = Field(10, ge=2, description="Steps measured before the card's time estimate is written (the first is left out).")
+
+
+class RunCard:
+    """Writes run_card.json: parameters, planned tokens, 6ND, memory per device, estimated time, data, acceptance."""
+
+    name = "run_card"
+
+    def __init__(self) -> None:
+        self.options = RunCardOptions()
+        self.card: dict[str, Any] = {}
+        self._path: Path | None = None
+        self._step_tokens = 0
+        self._samples: list[tuple[float, int]] = []
+
+    @hookimpl
+    def add_config(self) -> type[BaseModel]:
+        return RunCardOptions
+
+    @hookimpl
+    def configure(self, options: RunCardOptions) -> None:
+        self.options = options
+
+    @hookimpl
+    def on_run_start(self, ctx: Any, trainer: Any) -> None:
+        self._samples = []
+        self._step_tokens = 0
+        if not ctx.is_main:
+            return
+        facts = run_facts(trainer, ctx.world_size, ctx.stage)
+        training = facts["training"]
+        params, trainable = count_parameters(trainer.model)
+        precision, zero = training["precision"], training["deepspeed_zero_stage"] or 0
+        memory = memory_per_device(params, precision, zero, ctx.world_size)
+        device = trainer.args.device
+        peak = None
+        if getattr(device, "type", "") == "cuda":
+            import torch
+
+            peak = peak_for(torch.cuda.get_device_name(device))
+        self.card = {
+            "stage": facts["stage"],
+            "model": facts["model"].get("class"),
+            "parameters": params,
+            "trainable_parameters": trainable,
+            "world_size": ctx.world_size,
+            "precision": precision,
+            "zero_stage": zero,
+            "planned_steps": int(trainer.state.max_steps or 0) or training["max_steps"],
+            "global_batch_size": training["global_batch_size"],
+            "sequence_length": None,
+            "planned_tokens": None,
+            "compute_flops": None,
+            "memory_per_device_bytes": {"weights": memory.weights, "gradients": memory.gradients, "optimizer": memory.optimizer,
+                                        "total": memory.total, "note": "training state only; activations come on top"},
+            "device": str(device),
+            "peak_tflops": peak,
+            "measured": None,
+            "data_sources": dict(self.options.data_sources),
+            "acceptance": self.options.acceptance,
+        }
+        self._path = ctx.path(CARD_FILE)
+        self._write()
+
+    @hookimpl
+    def inspect_batch(self, batch: Any, micro_step: int) -> None:
+        if self._path is None or self.card.get("measured") is not None:
+            return  # measured: nothing left to count
+        self._step_tokens += token_positions(batch)
+        if self.card.get("sequence_length") is None and micro_step == 0:
+            ids = batch.get("input_ids") if hasattr(batch, "get") else None
+            if ids is not None and getattr(ids, "ndim", 0) == 2:
+                self._plan(int(ids.shape[-1]))
+
+    def _plan(self, seq_len: int) -> None:
+        card = self.card
+        card["sequence_length"] = seq_len
+        if card["planned_steps"] and card["global_batch_size"]:
+            card["planned_tokens"] = card["planned_steps"] * card["global_batch_size"] * seq_len
+            card["compute_flops"] = 6.0 * card["parameters"] * card["planned_tokens"]
+        self._write()
+
+    @hookimpl
+    def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        tokens, self._step_tokens = self._step_tokens, 0
+        if self._path is None or self.card.get("measured") is not None or not metrics.get("step_time"):
+            return
+        self._samples.append((float(metrics["step_time"]), tokens * ctx.world_size))
+        if len(self._samples) < self.options.measure_after:
+            return
+        measured = self._samples[1:]  # the first step pays for start-up
+        step_s = statistics.median(s for s, _ in measured)
+        tokens_per_s = sum(t for _, t in measured) / sum(s for s, _ in measured)
+        remaining = max(0, (self.card["planned_steps"] or step) - step)
+        self.card["measured"] = {
+            "after_step": step, "median_step_s": step_s, "tokens_per_s": tokens_per_s,
+            "estimated_total_s": step_s * (self.card["planned_steps"] or step), "estimated_remaining_s": step_s * remaining,
+            "mfu": (6.0 * self.card["parameters"] * tokens_per_s / (ctx.world_size * self.card["peak_tflops"] * 1e12)) if self.card["peak_tflops"] else None,
+        }
+        self._write()
+
+    def _write(self) -> None:
+        if self._path is None:
+            return
+        tmp = self._path.with_name(f".{CARD_FILE}.tmp")
+        tmp.write_text(json.dumps(self.card, indent=2, default=str), encoding="utf-8")
+        os.replace(tmp, self._path)
+
+    @hookimpl
+    def report_sections(self, run: Any) -> Any:
+        from harness.report.model import ReportSection, md_table
+
+        try:
+            card = json.loads((run.run_dir / CARD_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        memory = card.get("memory_per_device_bytes") or {}
+        rows = [["parameters", f"{card.get('parameters'):,}"],
+                ["planned tokens", f"{card['planned_tokens']:,}" if card.get("planned_tokens") else "-"],
+                ["compute C = 6ND", f"{card['compute_flops']:.3g} FLOPs" if card.get("compute_flops") else "-"],
+                [f"memory per device ({card.get('precision')}, ZeRO-{card.get('zero_stage')}, {card.get('world_size')} ranks)",
+                 f"{memory.get('total', 0) / 1e9:.3g} GB (weights {memory.get('weights', 0) / 1e9:.3g}, gradients "
+                 f"{memory.get('gradients', 0) / 1e9:.3g}, optimizer {memory.get('optimizer', 0) / 1e9:.3g}; activations extra)"]]
+        measured = card.get("measured")
+        if measured:
+            rows.append(["measured after step " + str(measured["after_step"]),
+                         f"{measured['tokens_per_s']:,.0f} tokens/s; {measured['median_step_s'] * 1000:.1f} ms per step"])
+            rows.append(["estimated time for the planned steps", duration(measured["estimated_total_s"])])
+            if measured.get("mfu") is not None:
+                rows.append(["MFU", f"{measured['mfu']:.1%}"])
+        if card.get("data_sources"):
+            rows.append(["data (weight)", ", ".join(f"{k} ({v:g})" for k, v in card["data_sources"].items())])
+        rows.append(["acceptance", card.get("acceptance") or "(not set: run_card.acceptance)"])
+        return ReportSection("Plan and estimates (run_card)", md_table(["", ""], rows) + f"\n\nThe card: [{CARD_FILE}]({CARD_FILE}).\n")
+
+
+__all__ = ["RunCard", "RunCardOptions"]

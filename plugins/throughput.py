@@ -1,0 +1,192 @@
+"""throughput: tokens per second, MFU, the share of each step spent waiting for data, and peak memory.
+
+A run that is correct but slow wastes as much as one that is wrong. Per
+optimizer step the plugin takes the bridge's host-clock step and data-loader
+times and the token positions of the step's micro-batches (from tensor
+shapes: no device sync), and over a sliding window of steps it computes
+tokens/s (this rank, and all ranks assuming equal batches), MFU = 6 N x
+tokens/s / (devices x peak) when the device's peak is known (a small table,
+or the ``peak_tflops`` option), and the data-wait fraction. It logs them as
+``throughput/*`` metrics, reports ``DATALOADER_BOUND`` when the wait
+fraction stays above a threshold, and ``MEMORY_NEAR_LIMIT`` when the peak
+memory (CUDA's reserved peak, or the process's peak RSS on CPU) nears the
+device's. Per-rank stragglers are ``grad_sync``'s ``STRAGGLER_RANK``.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+from collections import deque
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness.estimate import peak_for
+from harness.findings import FindingCode, Severity
+from harness.hookspecs import hookimpl
+from harness.tokens import count_parameters, token_positions
+
+DATALOADER_BOUND = FindingCode(
+    "DATALOADER_BOUND", Severity.WARNING, "steps spend much of their time waiting for the data loader", "performance#dataloader_bound"
+)
+MEMORY_NEAR_LIMIT = FindingCode(
+    "MEMORY_NEAR_LIMIT", Severity.WARNING, "peak memory is close to the device's capacity", "performance#memory_near_limit"
+)
+
+
+class ThroughputOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    window: int = Field(20, ge=2, description="Steps averaged for tokens/s, MFU and the data-wait fraction.")
+    skip_first: int = Field(3, ge=0, description="Steps left out at the start of each train() call (compilation, warm caches, first batches).")
+    log_every: int = Field(10, ge=1, description="Log throughput/* metrics every this many steps.")
+    dataloader_bound_fraction: float = Field(
+        0.3, gt=0, lt=1, description="DATALOADER_BOUND when the window's data-loader wait exceeds this share of its step time.")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Dense 16-bit peak per device in TFLOPS for MFU (default: from the CUDA device name; none on CPU).")
+    memory_fraction: float = Field(
+        0.95, gt=0, le=1, description="MEMORY_NEAR_LIMIT when peak memory exceeds this share of the device's (CUDA) or the machine's (CPU).")
+    check_memory_every: int = Field(50, ge=1, description="Read the peak memory at the first measured step and then every this many steps.")
+
+
+class Throughput:
+    """tokens/s, MFU and data-wait share per window of steps; DATALOADER_BOUND and MEMORY_NEAR_LIMIT."""
+
+    name = "throughput"
+
+    def __init__(self) -> None:
+        self.options = ThroughputOptions()
+        self._window: deque[tuple[float, float, int]] = deque()
+        self._step_tokens = 0
+        self._seen = 0
+        self._params = 0
+        self._peak: float | None = None
+        self._device: Any = None
+        self._bound_reported = False
+        self._memory_reported = False
+
+    @hookimpl
+    def add_config(self) -> type[BaseModel]:
+        return ThroughputOptions
+
+    @hookimpl
+    def declare_codes(self) -> list[FindingCode]:
+        return [DATALOADER_BOUND, MEMORY_NEAR_LIMIT]
+
+    @hookimpl
+    def configure(self, options: ThroughputOptions) -> None:
+        self.options = options
+
+    @hookimpl
+    def on_run_start(self, trainer: Any) -> None:
+        self._window = deque(maxlen=self.options.window)
+        self._seen = 0
+        self._step_tokens = 0
+        self._params = count_parameters(trainer.model)[0]
+        self._device = trainer.args.device
+        self._peak = self.options.peak_tflops
+        if self._peak is None and getattr(self._device, "type", "") == "cuda":
+            import torch
+
+            self._peak = peak_for(torch.cuda.get_device_name(self._device))
+
+    @hookimpl
+    def inspect_batch(self, batch: Any) -> None:
+        self._step_tokens += token_positions(batch)
+
+    @hookimpl
+    def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        tokens, self._step_tokens = self._step_tokens, 0
+        self._seen += 1
+        step_time, data_time = metrics.get("step_time"), metrics.get("data_time")
+        if self._seen <= self.options.skip_first or not step_time:
+            return
+        self._window.append((float(step_time), float(data_time or 0.0), tokens))
+        if self._seen % self.options.check_memory_every == 0 or self._seen == self.options.skip_first + 1:
+            self._check_memory(ctx, step)
+        if len(self._window) < self.options.window:
+            return
+        seconds = sum(w[0] for w in self._window)
+        wait = sum(w[1] for w in self._window) / seconds if seconds > 0 else 0.0
+        if self._seen % self.options.log_every == 0:
+            ctx.log_metrics(self.rates(ctx.world_size) | {"throughput/data_wait_fraction": wait}, step=step)
+        if wait > self.options.dataloader_bound_fraction and not self._bound_reported:
+            self._bound_reported = True
+            waits = sorted(w[1] for w in self._window)
+            ctx.report(
+                DATALOADER_BOUND.code,
+                f"over the {len(self._window)} steps to step {step}, rank {ctx.rank} spent {wait:.0%} of its step time waiting for the data "
+                f"loader (median wait {statistics.median(waits) * 1000:.1f} ms of a median step of "
+                f"{statistics.median(w[0] for w in self._window) * 1000:.1f} ms): the accelerator idles while batches are made.",
+                step=step,
+                evidence={"wait_fraction": round(wait, 4), "window_steps": len(self._window), "median_wait_s": statistics.median(waits),
+                          "median_step_s": statistics.median(w[0] for w in self._window), "threshold": self.options.dataloader_bound_fraction},
+            )
+
+    def rates(self, world_size: int) -> dict[str, float]:
+        """The window's tokens/s (this rank, all ranks) and MFU when the peak is known."""
+        seconds = sum(w[0] for w in self._window)
+        tokens = sum(w[2] for w in self._window)
+        if seconds <= 0:
+            return {}
+        per_rank = tokens / seconds
+        out = {"throughput/tokens_per_s": per_rank * world_size, "throughput/tokens_per_s_per_rank": per_rank}
+        if self._peak and self._params:
+            out["throughput/mfu"] = 6.0 * self._params * per_rank / (self._peak * 1e12)
+        return out
+
+    def _check_memory(self, ctx: Any, step: int) -> None:
+        if self._memory_reported:
+            return
+        peak, limit, what = peak_memory(self._device)
+        if not peak or not limit:
+            return
+        ctx.log_metrics({"throughput/peak_memory_gb": peak / 1e9}, step=step)
+        if peak / limit > self.options.memory_fraction:
+            self._memory_reported = True
+            ctx.report(
+                MEMORY_NEAR_LIMIT.code,
+                f"peak memory on rank {ctx.rank} reached {peak / 1e9:.2f} GB of {limit / 1e9:.2f} GB ({peak / limit:.0%}, {what}) by step "
+                f"{step}: a longer batch or an evaluation can run out of memory.",
+                step=step,
+                evidence={"peak_bytes": peak, "limit_bytes": limit, "fraction": round(peak / limit, 4), "measure": what,
+                          "threshold": self.options.memory_fraction},
+            )
+
+    @hookimpl
+    def report_sections(self, run: Any) -> Any:
+        """Tokens/s and data wait from the step records; MFU when the run's card knows the parameters and a peak."""
+        from harness.report.model import ReportSection, md_table
+        from harness.report.record import as_float
+
+        rows = [(as_float(r.get("step_tokens")), as_float(r.get("step_time")), as_float(r.get("data_time"))) for r in run.steps]
+        rows = [(t, s, d or 0.0) for t, s, d in rows if t and s and s > 0]
+        if len(rows) < 2:
+            return None
+        rates = sorted(t / s for t, s, _ in rows)
+        waits = sorted(d / s for _, s, d in rows)
+        table = [["tokens/s, all ranks (median)", f"{statistics.median(rates):,.0f}"],
+                 ["tokens/s, 10th-90th percentile", f"{rates[len(rates) // 10]:,.0f} - {rates[(9 * len(rates)) // 10]:,.0f}"],
+                 ["data-loader wait (median share of a step)", f"{statistics.median(waits):.1%}"],
+                 ["steps measured", str(len(rows))]]
+        return ReportSection("Throughput", md_table(["", ""], table) + "\n")
+
+
+def peak_memory(device: Any) -> tuple[int | None, int | None, str]:
+    """(peak bytes, capacity bytes, what was measured) for the training device."""
+    if getattr(device, "type", "") == "cuda":
+        import torch
+
+        peak = int(torch.cuda.max_memory_reserved(device))
+        limit = int(torch.cuda.get_device_properties(device).total_memory)
+        return peak, limit, "CUDA reserved peak"
+    try:
+        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kilobytes on Linux
+        limit = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None, None, ""
+    return peak, limit, "process peak RSS of machine memory"
+
+
+__all__ = ["Throughput", "ThroughputOptions", "peak_memory"]

@@ -1,0 +1,69 @@
+"""throughput: a data loader that sleeps is DATALOADER_BOUND at the right step; memory near the limit; tokens/s and MFU logged."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+import harness
+from conftest import findings_of
+from harness.hookspecs import hookimpl
+
+
+class SlowRows(torch.utils.data.Dataset):
+    """The tiny rows, each made slowly (tokenising on the fly, a network filesystem...)."""
+
+    def __init__(self, rows: Any, seconds: float) -> None:
+        self.rows, self.seconds = rows, seconds
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        time.sleep(self.seconds)
+        return self.rows[i]
+
+
+class MetricsRecorder:
+    name = "metrics_recorder"
+
+    def __init__(self) -> None:
+        self.metrics: dict[int, dict[str, Any]] = {}
+
+    @hookimpl
+    def on_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        self.metrics.setdefault(step, {}).update(metrics)
+
+
+def _train(make_trainer: Any, options: dict[str, Any], **args: Any) -> tuple[Any, MetricsRecorder]:
+    recorder = MetricsRecorder()
+    trainer = make_trainer(**{"max_steps": 14, **args})
+    harness.attach(trainer, config={"plugins": ["throughput"], "throughput": {"window": 5, "log_every": 5, **options}}, plugins=[recorder])
+    trainer.train()
+    return trainer, recorder
+
+
+def test_a_sleeping_dataset_is_dataloader_bound_once_the_window_fills(make_trainer: Any, lm_rows: Any) -> None:
+    trainer, _ = _train(make_trainer, {}, train_dataset=SlowRows(lm_rows, 0.03))
+    (bound,) = findings_of(trainer.args.output_dir, "DATALOADER_BOUND")
+    assert bound["step"] == 3 + 5  # skip_first 3, then a window of 5 steps
+    assert bound["evidence"]["wait_fraction"] > 0.5 and bound["evidence"]["median_wait_s"] >= 4 * 0.03
+
+
+def test_a_clean_run_logs_tokens_per_second_and_mfu_and_finds_nothing(make_trainer: Any) -> None:
+    trainer, recorder = _train(make_trainer, {"peak_tflops": 1.0})
+    assert findings_of(trainer.args.output_dir) == []
+    logged = recorder.metrics[10]
+    assert logged["throughput/tokens_per_s"] == logged["throughput/tokens_per_s_per_rank"] > 0  # one process
+    params = sum(p.numel() for p in trainer.model.parameters())
+    assert logged["throughput/mfu"] == 6 * params * logged["throughput/tokens_per_s_per_rank"] / 1e12
+    assert 0 <= logged["throughput/data_wait_fraction"] < 0.3
+    assert recorder.metrics[4]["throughput/peak_memory_gb"] > 0
+
+
+def test_memory_past_the_threshold_is_reported_with_the_numbers(make_trainer: Any) -> None:
+    trainer, _ = _train(make_trainer, {"memory_fraction": 1e-6}, max_steps=6)
+    (near,) = findings_of(trainer.args.output_dir, "MEMORY_NEAR_LIMIT")
+    assert near["step"] == 4 and near["evidence"]["measure"] == "process peak RSS of machine memory"
+    assert near["evidence"]["peak_bytes"] > 50e6 and near["evidence"]["limit_bytes"] > near["evidence"]["peak_bytes"]
