@@ -68,7 +68,7 @@ def _evidence(run: RunRecord, findings: list[Any]) -> list[tuple[str, str]]:
             values = value if isinstance(value, list) else [value]
             for item in values[:MAX_EVIDENCE_LINKS]:
                 path = run.evidence_path(item)
-                if path is None:
+                if path is None or not path.is_file():  # files only: a checkpoint folder is not part of the report's artifacts
                     continue
                 relative = quote(Path(os.path.relpath(path, run.run_dir.resolve())).as_posix())
                 links.setdefault(relative, key)

@@ -83,7 +83,7 @@ def _sft(tmp_path: Path, tokenizer: Any, rows: list[dict[str, str]]) -> Path:
 
     from harness.tiny import build_tiny_llama
 
-    args = SFTConfig(output_dir=str(tmp_path / "sft"), max_length=384, max_steps=3, **COMMON)
+    args = SFTConfig(output_dir=str(tmp_path / "sft"), max_length=384, max_steps=2, **COMMON)
     trainer = SFTTrainer(model=build_tiny_llama(tokenizer), args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
     harness.attach(trainer, config={"plugins": ["dpo_health"]})
     trainer.train()
