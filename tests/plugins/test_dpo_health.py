@@ -36,13 +36,15 @@ def _codes(out: Path, prefix: tuple[str, ...] = ("DPO_", "SFT_")) -> list[tuple[
     return [(f["code"], f["step"]) for f in findings_of(out) if f["code"].startswith(prefix)]
 
 
-def test_chosen_always_longer_is_a_length_bias(tmp_path: Path, tokenizer: Any) -> None:
+def test_chosen_always_longer_is_a_length_bias_and_nan_log_probs_are_nonfinite_rewards(tmp_path: Path, tokenizer: Any) -> None:
     lines = _sentences(48)
     rows = [{"prompt": "Tell me more.", "chosen": " " + a + " " + b, "rejected": " " + a.split(".")[0][:20]} for a, b in zip(lines[::2], lines[1::2])]
-    out = _dpo(tmp_path, tokenizer, rows, {"stop_at_step": 1}, max_steps=4)
-    (bias,) = findings_of(out, "DPO_LENGTH_BIAS")
+    out = _dpo(tmp_path, tokenizer, rows, {"nonfinite_loss_at_steps": [2], "stop_at_step": 3}, max_steps=8)
+    (bias,) = findings_of(out, "DPO_LENGTH_BIAS")  # from the tokenised pairs, before the first step
     assert bias["step"] == 0 and bias["evidence"]["chosen_longer_fraction"] == 1.0 and bias["evidence"]["pairs_compared"] == 24
     assert bias["evidence"]["mean_chosen_tokens"] > 2 * bias["evidence"]["mean_rejected_tokens"]
+    (nonfinite,) = findings_of(out, "DPO_NONFINITE_REWARDS")  # the NaN step's logged rewards
+    assert nonfinite["step"] == 2 and nonfinite["severity"] == "error"
 
 
 def test_easy_pairs_saturate_accuracy_early(tmp_path: Path, tokenizer: Any) -> None:
@@ -63,17 +65,10 @@ def test_a_learning_rate_far_too_high_lets_the_chosen_log_probs_fall(tmp_path: P
     assert falling["step"] >= 6 and evidence["late_rewards_chosen"] < -2.0 and evidence["late_margin"] > evidence["early_margin"]
 
 
-def test_nan_log_probs_are_nonfinite_rewards(tmp_path: Path, tokenizer: Any) -> None:
-    lines = _sentences(48)
-    rows = [{"prompt": "Continue:", "chosen": " " + a, "rejected": " " + b} for a, b in zip(lines[::2], lines[1::2])]
-    out = _dpo(tmp_path, tokenizer, rows, {"nonfinite_loss_at_steps": [2], "stop_at_step": 3}, max_steps=8)
-    assert ("DPO_NONFINITE_REWARDS", 2) in _codes(out)
-
-
 def test_a_clean_dpo_run_is_silent(tmp_path: Path, tokenizer: Any) -> None:
     lines = _sentences(48)
     rows = [{"prompt": "Continue:", "chosen": " " + a, "rejected": " " + b} for a, b in zip(lines[::2], lines[1::2])]
-    out = _dpo(tmp_path, tokenizer, rows, {}, max_steps=8)
+    out = _dpo(tmp_path, tokenizer, rows, {}, max_steps=6)
     assert _codes(out) == []
 
 
