@@ -33,6 +33,7 @@ from harness.core_codes import ACTION_TAKEN, INTERNAL_PLUGIN_ERROR, PLUGIN_DISAB
 from harness.distributed import DistInfo
 from harness.manager import HarnessPluginManager
 from harness.runinfo import end_attempt, run_facts, start_attempt
+from harness.tokens import token_positions
 
 RANK_END_WAIT_S = 90.0  # rank 0 waits this long at most for the other ranks' run-end files
 
@@ -84,6 +85,7 @@ class Bridge:
         self._loss_sum: Any = None
         self._step_loss: Any = None
         self._micro_batches = 0
+        self._step_tokens = 0
         self._optimizer_skipped = False
         self._grad_norm: Any = None
         self._lr: float | None = None
@@ -226,6 +228,7 @@ class Bridge:
             if ctx.recent_batches.maxlen:
                 ctx.recent_batches.append((ctx.step, ctx.micro_step, inputs))
             call("inspect_batch", ctx=ctx, batch=inputs, step=ctx.step, micro_step=ctx.micro_step)
+            self._step_tokens += token_positions(inputs)
             self._in_training_step = True
             started = time.perf_counter()
             try:
@@ -361,6 +364,7 @@ class Bridge:
         self._loss_sum = None
         self._step_loss = None
         self._micro_batches = 0
+        self._step_tokens = 0
         self._optimizer_skipped = False
         self._grad_norm = None
         self._lr = None
@@ -387,6 +391,7 @@ class Bridge:
             "optimizer_skipped": self._optimizer_skipped and agreed is Action.CONTINUE,
             "action": agreed.value,
             "micro_batches": self._micro_batches,
+            "tokens": self._step_tokens,
             "step_time": step_time,
             "data_time": self._data_time,
             "model_time": self._model_time + self._guard_time,

@@ -215,7 +215,8 @@ def on_step_end(ctx: "RunContext", step: int, metrics: "dict[str, Any]") -> None
     (float), ``skipped`` (bool: the harness held the update back),
     ``optimizer_skipped`` (bool: the harness let the update through but the
     optimizer skipped it on its own, as DeepSpeed and fp16 loss scaling do on
-    an overflow), ``action`` (the agreed action name), ``micro_batches`` (int)
+    an overflow), ``action`` (the agreed action name), ``micro_batches`` (int), ``tokens`` (token positions of this rank's
+    micro-batches, padding included, counted from tensor shapes: no device sync)
     and three host-clock durations in seconds: ``step_time`` (since the
     previous step ended; the first step of a ``train()`` call counts from the
     run start, including the plugins' run-start work), ``data_time`` (waiting

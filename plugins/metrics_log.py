@@ -18,7 +18,6 @@ from typing import IO, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from harness.hookspecs import hookimpl
-from harness.tokens import token_positions
 
 
 class MetricsLogOptions(BaseModel):
@@ -42,7 +41,6 @@ class MetricsLog:
         self._steps: IO[str] | None = None
         self._pending: list[dict[str, Any]] = []
         self._tokens = 0  # token positions processed by all ranks (rank 0's count x world size), restored at resume
-        self._step_tokens = 0
 
     @hookimpl
     def add_config(self) -> type[BaseModel]:
@@ -58,7 +56,6 @@ class MetricsLog:
             self._logged = open(ctx.path("metrics.jsonl"), "a", encoding="utf-8")
             self._steps = open(ctx.path("steps.jsonl"), "a", encoding="utf-8")
         self._tokens = 0
-        self._step_tokens = 0
         self._pending = []
 
     @hookimpl
@@ -67,19 +64,15 @@ class MetricsLog:
             self._tokens = int(state.get("tokens", 0))
 
     @hookimpl
-    def inspect_batch(self, ctx: Any, batch: dict[str, Any]) -> None:
-        if self._steps is not None:
-            self._step_tokens += token_positions(batch)
-
-    @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
         if self._steps is None:
             return
-        self._tokens += self._step_tokens * ctx.world_size
+        step_tokens = int(metrics.get("tokens") or 0) * ctx.world_size
+        self._tokens += step_tokens
         self._pending.append({
             "step": step,
             "tokens": self._tokens,
-            "step_tokens": self._step_tokens * ctx.world_size,
+            "step_tokens": step_tokens,
             "loss": metrics.get("loss"),
             "grad_norm": metrics.get("grad_norm"),
             "lr": metrics.get("lr"),
@@ -89,7 +82,6 @@ class MetricsLog:
             "data_time": metrics.get("data_time"),
             "time": round(time.time(), 3),  # places a finding on the right record when a resume replays steps
         })
-        self._step_tokens = 0
         if len(self._pending) >= self.options.flush_every:
             self._flush()
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.estimate import duration, memory_per_device, peak_for
 from harness.hookspecs import hookimpl
 from harness.runinfo import run_facts
-from harness.tokens import count_parameters, token_positions
+from harness.tokens import count_parameters
 
 CARD_FILE = "run_card.json"
 
@@ -43,7 +43,6 @@ class RunCard:
         self.options = RunCardOptions()
         self.card: dict[str, Any] = {}
         self._path: Path | None = None
-        self._step_tokens = 0
         self._samples: list[tuple[float, int]] = []
 
     @hookimpl
@@ -57,7 +56,6 @@ class RunCard:
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         self._samples = []
-        self._step_tokens = 0
         if not ctx.is_main:
             return
         facts = run_facts(trainer, ctx.world_size, ctx.stage)
@@ -97,10 +95,9 @@ class RunCard:
 
     @hookimpl
     def inspect_batch(self, batch: Any, micro_step: int) -> None:
-        if self._path is None or self.card.get("measured") is not None:
-            return  # measured: nothing left to count
-        self._step_tokens += token_positions(batch)
-        if self.card.get("sequence_length") is None and micro_step == 0:
+        if self._path is None or self.card.get("sequence_length") is not None:
+            return  # the plan needs the first batch's shape only
+        if micro_step == 0:
             ids = batch.get("input_ids") if hasattr(batch, "get") else None
             if ids is not None and getattr(ids, "ndim", 0) == 2:
                 self._plan(int(ids.shape[-1]))
@@ -115,7 +112,7 @@ class RunCard:
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
-        tokens, self._step_tokens = self._step_tokens, 0
+        tokens = int(metrics.get("tokens") or 0)
         if self._path is None or self.card.get("measured") is not None or not metrics.get("step_time"):
             return
         self._samples.append((float(metrics["step_time"]), tokens * ctx.world_size))

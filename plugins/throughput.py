@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.estimate import peak_for
 from harness.findings import FindingCode, Severity
 from harness.hookspecs import hookimpl
-from harness.tokens import count_parameters, token_positions
+from harness.tokens import count_parameters
 
 DATALOADER_BOUND = FindingCode(
     "DATALOADER_BOUND", Severity.WARNING, "steps spend much of their time waiting for the data loader", "performance#dataloader_bound"
@@ -58,7 +58,6 @@ class Throughput:
     def __init__(self) -> None:
         self.options = ThroughputOptions()
         self._window: deque[tuple[float, float, int]] = deque()
-        self._step_tokens = 0
         self._seen = 0
         self._params = 0
         self._peak: float | None = None
@@ -82,7 +81,6 @@ class Throughput:
     def on_run_start(self, trainer: Any) -> None:
         self._window = deque(maxlen=self.options.window)
         self._seen = 0
-        self._step_tokens = 0
         self._params = count_parameters(trainer.model)[0]
         self._device = trainer.args.device
         self._peak = self.options.peak_tflops
@@ -92,12 +90,8 @@ class Throughput:
             self._peak = peak_for(torch.cuda.get_device_name(self._device))
 
     @hookimpl
-    def inspect_batch(self, batch: Any) -> None:
-        self._step_tokens += token_positions(batch)
-
-    @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
-        tokens, self._step_tokens = self._step_tokens, 0
+        tokens = int(metrics.get("tokens") or 0)
         self._seen += 1
         step_time, data_time = metrics.get("step_time"), metrics.get("data_time")
         if self._seen <= self.options.skip_first or not step_time:
