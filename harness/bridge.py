@@ -20,17 +20,20 @@ import json
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
 from transformers import TrainerCallback
 
+from harness import checkpoints, rundir
 from harness.actions import Action, strongest
 from harness.config import Catalog, ResolvedConfig, load_config
 from harness.context import RunContext
-from harness.core_codes import ACTION_TAKEN, INTERNAL_PLUGIN_ERROR, PLUGIN_DISABLED, PLUGIN_STOP, SKIP_NOT_APPLIED
+from harness.core_codes import ACTION_TAKEN, CHECKPOINT_INCOMPLETE, INTERNAL_PLUGIN_ERROR, PLUGIN_DISABLED, PLUGIN_STOP, SKIP_NOT_APPLIED
 from harness.distributed import DistInfo
+from harness.errors import NoCompleteCheckpointError
 from harness.manager import HarnessPluginManager
 from harness.runinfo import end_attempt, run_facts, start_attempt
 from harness.tokens import token_positions
@@ -70,7 +73,11 @@ class Bridge:
         dist = DistInfo(rank=args.process_index, world_size=args.world_size, local_rank=args.local_process_index)
         output_dir = Path(resolved.model.output_dir or args.output_dir or "trainer_output")
         run_dir = output_dir / "harness"
-        run_dir.mkdir(parents=True, exist_ok=True)
+        rundir.check_writable(run_dir)  # a clear error now, not a PermissionError from inside train()
+        self._lock_dir = run_dir if dist.is_main else None  # rank 0 holds the run lock for the whole job
+        if self._lock_dir is not None:
+            rundir.acquire(self._lock_dir, id(self))
+            weakref.finalize(self, rundir.release, self._lock_dir, id(self))  # a bridge never trained lets go when collected
         manager = HarnessPluginManager(resolved.model.max_plugin_errors)
         for name in resolved.enabled:
             manager.register(catalog.entries[name])
@@ -126,10 +133,17 @@ class Bridge:
         """Run one ``train()`` call: ``on_run_end`` always fires, with how the run ended."""
         if self._in_train:
             return train(*args, **kwargs)
-        self._in_train = True
+        if self._lock_dir is not None:
+            rundir.acquire(self._lock_dir, id(self))  # again: the previous train() call let go at its end
         self._stopped = False
         self.ctx.pending_action = Action.CONTINUE
-        self.ctx.resumed_from = self._resume_dir(args, kwargs)
+        try:
+            args, kwargs, resumed = self._resume_dir(args, kwargs)  # True/"last": the last COMPLETE checkpoint
+        except BaseException:
+            self._release_lock()
+            raise
+        self._in_train = True
+        self.ctx.resumed_from = resumed
         self._attempt = None
         self._mark_attempt("running")
         status, error = "completed", None
@@ -145,8 +159,13 @@ class Bridge:
             self.ctx.status = status
             self.ctx.manager.call("on_run_end", ctx=self.ctx, status=status, error=error)
             self._finish_run(status, error)
+            self._release_lock()
             if status == "crashed":
                 log.error("harness: training crashed; findings are in %s", self.ctx.run_dir / "findings.jsonl")
+
+    def _release_lock(self) -> None:
+        if self._lock_dir is not None:
+            rundir.release(self._lock_dir, id(self))
 
     def _finish_run(self, status: str, error: BaseException | None) -> None:
         """Record how this train() call ended, write the report (rank 0), hand it to ``on_report``.
@@ -208,16 +227,64 @@ class Bridge:
             time.sleep(0.1)
         log.warning("harness: ranks %s did not finish within %.0f s; the report may miss their last files", [m.name for m in pending], timeout)
 
-    def _resume_dir(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Path | None:
-        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-        if resume is None or resume is False:
-            return None
-        if resume is True:
-            from transformers.trainer_utils import get_last_checkpoint
+    def _resume_dir(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Path | None]:
+        """The checkpoint this train() call resumes from, and its arguments with ``True``/``"last"`` made that path.
 
-            last = get_last_checkpoint(self.trainer.args.output_dir)
-            return Path(last) if last else None
-        return Path(resume)
+        HF's ``resume_from_checkpoint=True`` takes the highest-numbered folder,
+        complete or not (a kill during a save leaves one without
+        ``trainer_state.json``, and the resume dies with ``FileNotFoundError``).
+        The harness resolves it to the last complete checkpoint itself (see
+        ``harness.checkpoints``) and hands the real ``train()`` that path.
+        """
+        positional = bool(args)
+        resume = args[0] if positional else kwargs.get("resume_from_checkpoint")
+        if resume is None or resume is False:
+            return args, kwargs, None
+        if resume is True or (isinstance(resume, str) and resume.strip().lower() == "last"):
+            chosen = self._resolve_last()
+            value: Any = str(chosen) if chosen is not None else True  # no checkpoint at all: HF's own error
+            if positional:
+                args = (value, *args[1:])
+            else:
+                kwargs = {**kwargs, "resume_from_checkpoint": value}
+            return args, kwargs, chosen
+        return args, kwargs, Path(resume)
+
+    def _resolve_last(self) -> Path | None:
+        """The last complete checkpoint of the output dir; a ``CHECKPOINT_INCOMPLETE`` finding per newer folder passed over."""
+        ctx = self.ctx
+        output_dir = Path(self.trainer.args.output_dir)
+        found = checkpoints.resolve_last(output_dir, ctx.world_size)
+        chosen = found.chosen
+        if ctx.is_main:
+            for folder, missing in found.skipped:
+                ctx.report(
+                    CHECKPOINT_INCOMPLETE.code,
+                    f"{folder.name} is incomplete: it lacks {', '.join(missing)} (a save interrupted by a kill, a crash or a "
+                    "full disk); "
+                    + (f"resume_from_checkpoint=True resumes from {chosen.name} instead." if chosen is not None
+                       else "no complete checkpoint is left to resume from."),
+                    step=checkpoints.checkpoint_step(folder),
+                    evidence={"checkpoint": str(folder), "missing": missing, "resumed_from": str(chosen) if chosen else None},
+                    plugin="harness",
+                )
+            if chosen is not None and found.chosen_missing:
+                ctx.report(
+                    CHECKPOINT_INCOMPLETE.code,
+                    f"{chosen.name} lacks {', '.join(found.chosen_missing)} (the harness's part of the save did not finish) and no "
+                    "older checkpoint is complete: resuming from it anyway; the checks that need the harness state are skipped.",
+                    step=checkpoints.checkpoint_step(chosen),
+                    evidence={"checkpoint": str(chosen), "missing": found.chosen_missing, "resumed_from": str(chosen)},
+                    plugin="harness",
+                )
+        if chosen is None and found.skipped:
+            lacks = "; ".join(f"{p.name} lacks {', '.join(m)}" for p, m in found.skipped[:5])
+            raise NoCompleteCheckpointError(
+                f"resume_from_checkpoint=True: no complete checkpoint in {output_dir} ({lacks}). Every save there was "
+                "interrupted before the Trainer finished it. Fix: name a checkpoint to resume from, or start without "
+                "resume_from_checkpoint (the incomplete folders can be deleted)."
+            )
+        return chosen
 
     def _wrap_training_step(self, training_step: Callable[..., Any]) -> Callable[..., Any]:
         ctx, call = self.ctx, self.ctx.manager.call
@@ -462,16 +529,23 @@ class Bridge:
                 states[name] = json.dumps(value)
             except (TypeError, ValueError) as exc:  # the plugin's state, not the checkpoint, is lost
                 ctx.manager.record_error(name, "checkpoint_state", exc)
-        if states:
-            target = checkpoint_dir / STATE_DIR / f"rank-{ctx.rank}.json"
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                tmp = target.with_suffix(".tmp")
-                tmp.write_text("{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in states.items()) + "}", encoding="utf-8")
-                os.replace(tmp, target)
-            except OSError as exc:
-                log.error("harness: could not write plugin state to %s: %s", target, exc)
+        # written even when empty: with the marker below it tells a finished harness save from an interrupted one
+        target = checkpoint_dir / STATE_DIR / f"rank-{ctx.rank}.json"
+        written = False
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(".tmp")
+            tmp.write_text("{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in states.items()) + "}", encoding="utf-8")
+            os.replace(tmp, target)
+            written = True
+        except OSError as exc:
+            log.error("harness: could not write plugin state to %s: %s", target, exc)
         ctx.manager.call("on_checkpoint_save", ctx=ctx, step=state.global_step, checkpoint_dir=checkpoint_dir)
+        if written:  # last: a checkpoint is complete for the harness only with every rank's marker
+            try:
+                checkpoints.write_marker(checkpoint_dir, ctx.rank, ctx.world_size, state.global_step)
+            except OSError as exc:
+                log.error("harness: could not mark %s complete: %s", checkpoint_dir, exc)
 
     def train_end(self) -> None:
         self.ctx.flush_findings()
@@ -482,14 +556,17 @@ class Bridge:
         ctx, manager = self.ctx, self.ctx.manager
         count = manager.error_count(plugin)
         if count <= 3:
+            pending = manager.wants_disabling(plugin)  # several processes: switched off on every rank at the next guard
             ctx.report(
                 INTERNAL_PLUGIN_ERROR.code,
-                f"plugin '{plugin}' raised {type(exc).__name__} in {hook}() at step {ctx.step}: {exc}. "
-                "Training went on without this call.",
-                evidence={"hook": hook, "exception": repr(exc), "traceback": tb, "occurrence": count},
+                f"plugin '{plugin}' raised {type(exc).__name__} in {hook}() at step {ctx.step}"
+                f"{f' on rank {ctx.rank}' if ctx.world_size > 1 else ''}: {exc}. Training went on without this call."
+                + (f" It reached max_plugin_errors ({manager.max_errors_per_plugin}) and is switched off on every rank at "
+                   "the next step guard." if pending else ""),
+                evidence={"hook": hook, "exception": repr(exc), "traceback": tb, "occurrence": count, "rank": ctx.rank},
                 plugin=plugin,
             )
-        if manager.is_disabled(plugin):
+        if manager.is_disabled(plugin):  # one process: switched off at once (several: rank 0 reports the agreed switch-off)
             ctx.report(
                 PLUGIN_DISABLED.code,
                 f"plugin '{plugin}' raised {count} exceptions (last in {hook}()) and is switched off for the rest of the run.",

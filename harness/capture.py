@@ -231,21 +231,23 @@ def _samples(batch: dict[str, Any], micro: int, losses: torch.Tensor | None, tok
 
 
 def _markdown(meta: dict[str, Any], samples: list[dict[str, Any]]) -> str:
+    from harness.textsafe import md_cell, md_code, md_escape  # training text is data: escaped, never live markdown/HTML
+
     lines = [
-        f"# Capture: {meta['code']} at step {meta['step']} (rank {meta['rank']})",
+        f"# Capture: {md_escape(meta['code'])} at step {meta['step']} (rank {meta['rank']})",
         "",
-        meta["reason"],
+        md_escape(meta["reason"]),
         "",
-        f"Per-sample loss: {meta['per_sample_loss']}. Replay: `harness replay {meta['directory']}`.",
+        f"Per-sample loss: {md_escape(meta['per_sample_loss'])}. Replay: {md_code('harness replay ' + str(meta['directory']))}.",
         "",
         "| suspect | micro-batch | row | sample id | loss | repetition | non-printable | length | text |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for i, s in enumerate(samples, 1):
-        text = (s["text"] or "").replace("\n", " ").replace("|", "\\|")[:60]
+        text = md_cell((s["text"] or "")[:60])
         loss = s["loss"] if not isinstance(s["loss"], float) else f"{s['loss']:.4f}"
         lines.append(
-            f"| {i} | {s['micro_batch']} | {s['row']} | {s['sample_id']} | {loss} | {s['repetition']:.2f} | "
+            f"| {i} | {s['micro_batch']} | {s['row']} | {md_cell(s['sample_id'], 80)} | {loss} | {s['repetition']:.2f} | "
             f"{s['nonprintable_ratio'] + s['replacement_ratio']:.3f} | {s['length_tokens']} | {text} |"
         )
     return "\n".join(lines) + "\n"

@@ -76,7 +76,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     from harness.explain import print_report
 
-    return print_report(Path(args.output_dir), plots=not args.no_plots)
+    return print_report(Path(args.output_dir), plots=not args.no_plots, out=Path(args.out) if args.out else None)
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("output_dir", help="the training run's output_dir (the folder holding harness/)")
     report.add_argument("--no-plots", action="store_true", help="skip the plots (faster; the tables stay)")
+    report.add_argument("--out", metavar="DIR", default=None,
+                        help="write report.md, report.html and report/ under DIR instead of the run directory (a read-only run); "
+                        "the run directory is left untouched")
     report.set_defaults(func=_cmd_report)
 
     explain = sub.add_parser(
@@ -228,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from harness.offline import apply as network_opt_outs
+
+    network_opt_outs(args.cmd)  # before any command imports mlflow, datasets or transformers
     try:
         return int(args.func(args))
     except HarnessError as exc:

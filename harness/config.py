@@ -24,6 +24,10 @@ CONFIG_ENV = "HARNESS_CONFIG"
 PLUGINS_ENV = "HARNESS_PLUGINS"
 REPORT_PLOTS_ENV = "HARNESS_REPORT_PLOTS"
 REFERENCE_HINT = "see `harness plugins --config-reference`"
+# Mark an option that names finding codes (a list of codes, a mapping keyed by code, or one code) with
+# ``Field(..., json_schema_extra=NAMES_CODES)``: resolve_config checks every such value against the codes the
+# catalog's plugins declare, for every plugin alike (core options included), with a did-you-mean.
+NAMES_CODES: dict[str, Any] = {"names_codes": True}
 
 
 class CoreOptions(BaseModel):
@@ -38,12 +42,14 @@ class CoreOptions(BaseModel):
     )
     disable: list[str] = Field(default_factory=list, description="Plugins to switch off, even if listed or on by default.")
     severity: dict[str, Severity] = Field(
-        default_factory=dict, description="Severity overrides by finding code, e.g. {LOSS_SPIKE: error}."
+        default_factory=dict, description="Severity overrides by finding code, e.g. {LOSS_SPIKE: error}.",
+        json_schema_extra=NAMES_CODES,
     )
     policy: dict[str, Action] = Field(
         default_factory=dict,
         description="Action by finding code (continue, skip_step, rollback, save_and_stop, stop); "
         "wins over the plugins' own decisions.",
+        json_schema_extra=NAMES_CODES,
     )
     output_dir: str | None = Field(
         None, description="Directory that receives harness/ (default: the Trainer's output_dir)."
@@ -217,6 +223,14 @@ def _explain(error: dict[str, Any], source: str, model: type[BaseModel], catalog
             f"Fix: rename or remove the key ({REFERENCE_HINT})."
         )
     value = error.get("input")
+    if error.get("type") in ("literal_error", "enum"):  # a choice (an action, a mode): list the valid ones
+        import re
+
+        valid = re.findall(r"'([^']*)'", str((error.get("ctx") or {}).get("expected", "")))
+        return (
+            f"harness config error in {source}, key '{key}' ({owner}): {value!r} is not a valid value."
+            f"{did_you_mean(str(value), valid)} Valid values: {', '.join(valid)}. Fix: use one of them ({REFERENCE_HINT})."
+        )
     return (
         f"harness config error in {source}, key '{key}' ({owner}): {error.get('msg')}; got {value!r}. "
         f"Fix: give a value of the right type ({REFERENCE_HINT})."
@@ -265,16 +279,50 @@ def resolve_config(
                 f"{did_you_mean(name, catalog.entries)} Fix: use a name from `harness plugins`."
             )
     enabled = [n for n in enabled if n not in model.disable]
-    for key in ("severity", "policy"):
-        for code in getattr(model, key):
-            if code not in catalog.codes:
-                problems.append(
-                    f"harness config error in {source}, key '{key}.{code}': unknown finding code '{code}'."
-                    f"{did_you_mean(code, catalog.codes)} Fix: use a code listed by `harness plugins --codes`."
-                )
+    problems += _unknown_codes(model, catalog, source)
     if problems:
         raise ConfigError(problems)
     return ResolvedConfig(model=model, source=source, enabled=enabled)
+
+
+def names_codes(field: Any) -> bool:
+    """Whether a pydantic field is marked as naming finding codes (see ``NAMES_CODES``)."""
+    extra = getattr(field, "json_schema_extra", None)
+    return isinstance(extra, dict) and bool(extra.get("names_codes"))
+
+
+def _unknown_codes(model: BaseModel, catalog: Catalog, source: str, path: tuple[str, ...] = ()) -> list[str]:
+    """Every value of an option marked ``names_codes``, anywhere in the config, must be a declared finding code."""
+    problems: list[str] = []
+    for key, field in type(model).model_fields.items():
+        value = getattr(model, key, None)
+        where = (*path, key)
+        if names_codes(field):
+            if isinstance(value, dict):
+                named = [(f"{'.'.join(where)}.{code}", code) for code in value]
+            elif isinstance(value, (list, tuple, set, frozenset)):
+                named = [(f"{'.'.join(where)}[{i}]", code) for i, code in enumerate(value)]
+            else:
+                named = [(".".join(where), value)] if value is not None else []
+            for key_text, code in named:
+                if str(code) not in catalog.codes:
+                    problems.append(_unknown_code_message(source, key_text, str(code), where[0] if path else None, catalog))
+        for i, nested in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(nested, BaseModel):
+                inner = (*where, str(i)) if isinstance(value, (list, tuple)) else where
+                problems += _unknown_codes(nested, catalog, source, inner)
+    return problems
+
+
+def _unknown_code_message(source: str, key: str, code: str, plugin: str | None, catalog: Catalog) -> str:
+    owner = f"plugin '{plugin}'" if plugin else "the harness core"
+    own = sorted(c for c, o in catalog.code_owner.items() if plugin and o == plugin)
+    valid = f"Codes of {plugin}: {', '.join(own)}; every code: `harness plugins --codes`." if own else (
+        "Valid codes: those listed by `harness plugins --codes`.")
+    return (
+        f"harness config error in {source}, key '{key}' ({owner}): unknown finding code '{code}'."
+        f"{did_you_mean(code, catalog.codes)} {valid} Fix: use a declared code."
+    )
 
 
 def load_config(

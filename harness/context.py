@@ -82,6 +82,7 @@ class RunContext:
         self.stage: str | None = None  # set by the stage runner; otherwise inferred from the trainer class
         self._hub = FindingsHub(self.run_dir, dist)
         self._in_on_finding = False
+        manager.defer_disabling = dist.world_size > 1  # a failing plugin is switched off on every rank together, in agree()
 
     # -- paths ------------------------------------------------------------------------------
 
@@ -159,12 +160,37 @@ class RunContext:
             self._in_on_finding = False
 
     def agree(self) -> Action:
-        """Collective at the step guard: the strongest pending action of all ranks, findings moved to rank 0."""
-        level, outgoing = all_reduce_max([self.pending_action.level, len(self._hub.outbox)])
+        """Collective at the step guard: the strongest pending action of all ranks, findings moved to rank 0.
+
+        The same all-reduce carries one slot per plugin: a plugin past its
+        error limit on any rank is switched off on every rank, here, at once.
+        """
+        level, outgoing, *votes = all_reduce_max([self.pending_action.level, len(self._hub.outbox), *self.manager.disabling_votes()])
         if outgoing:
             self.collect_findings()
+        self._switch_off(votes, "step guard")
         self.pending_action = Action.CONTINUE
         return Action.from_level(level)
+
+    def _switch_off(self, votes: list[int], where: str) -> None:
+        """Disable the plugins some rank voted off (every rank alike); rank 0 reports each once."""
+        names = self.manager.apply_disabling_votes(votes)
+        if not names or not self.is_main:
+            return
+        for name in names:
+            errors = [f for f in self.findings if f.code == "INTERNAL_PLUGIN_ERROR" and f.plugin == name]
+            ranks = sorted({f.rank for f in errors if f.rank is not None})
+            last = errors[-1].evidence.get("hook") if errors else None
+            self.report(
+                "PLUGIN_DISABLED",
+                f"plugin '{name}' reached max_plugin_errors ({self.manager.max_errors_per_plugin}) on rank(s) "
+                f"{ranks if ranks else 'another rank'}{f' (last in {last}())' if last else ''} and is switched off on every rank "
+                f"for the rest of the run, from the {where} of step {self.step} on (all ranks together, so no rank waits in a "
+                "collective the others skip).",
+                evidence={"ranks_with_errors": ranks, "errors_on_rank_0": self.manager.error_count(name),
+                          "max_plugin_errors": self.manager.max_errors_per_plugin, "agreed_at": where, "hook": last},
+                plugin=name,
+            )
 
     def collect_findings(self) -> None:
         """Collective: bring queued findings of other ranks to rank 0 (which announces them)."""
@@ -174,9 +200,10 @@ class RunContext:
 
     def flush_findings(self) -> None:
         """Collective at a point every rank reaches: deliver whatever is still queued."""
-        (_, outgoing) = all_reduce_max([0, len(self._hub.outbox)])
+        (_, outgoing, *votes) = all_reduce_max([0, len(self._hub.outbox), *self.manager.disabling_votes()])
         if outgoing:
             self.collect_findings()
+        self._switch_off(votes, "end of training")
 
     def close(self) -> None:
         self._hub.close()

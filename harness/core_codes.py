@@ -45,6 +45,12 @@ ROLLBACK_EXHAUSTED = FindingCode(
     "A rollback was asked for but no retries or no earlier checkpoint were left; the run stopped.",
     "harness-core#rollback_exhausted",
 )
+CHECKPOINT_INCOMPLETE = FindingCode(
+    "CHECKPOINT_INCOMPLETE",
+    Severity.WARNING,
+    "A checkpoint folder lacks files of a finished save (killed mid-save); resume_from_checkpoint=True passed over it.",
+    "resume#checkpoint_incomplete",
+)
 CORE_CODES: tuple[FindingCode, ...] = (
     INTERNAL_PLUGIN_ERROR,
     PLUGIN_DISABLED,
@@ -53,4 +59,5 @@ CORE_CODES: tuple[FindingCode, ...] = (
     SKIP_NOT_APPLIED,
     ROLLBACK_PERFORMED,
     ROLLBACK_EXHAUSTED,
+    CHECKPOINT_INCOMPLETE,
 )

@@ -2,12 +2,21 @@
 
 Collectives run only when more than one process trains, and only at points
 every rank reaches together (the optimizer-step guard, the end of training).
+
+Plugins issue their collectives only through the ``*_guarded`` helpers: the
+plugin's local computation runs inside the helper, and the rank joins the
+collective whatever that computation did. A rank whose computation raised
+sends a ``RankFailure`` instead of its result and gets its exception back
+after the collective, so a plugin bug on one rank costs an
+``INTERNAL_PLUGIN_ERROR`` there, never a rank left waiting in a collective
+the others skipped.
 """
 from __future__ import annotations
 
 import os
+import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -80,6 +89,86 @@ def all_gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, obj, group=control_group())
     return out
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What a rank sends in place of its result when its part of a guarded collective raised."""
+
+    rank: int
+    error: str  # "ExceptionType: message"
+    traceback: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "RankFailure":
+        rank = torch.distributed.get_rank() if dist_ready() else 0
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(rank, f"{type(exc).__name__}: {exc}", tb)
+
+
+def _run_guarded(compute: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    try:
+        return compute(), None
+    except Exception as exc:  # noqa: BLE001 - re-raised after the collective, on this rank
+        return RankFailure.of(exc), exc
+
+
+def gather_guarded(compute: Callable[[], Any]) -> tuple[Any, list[Any] | None]:
+    """``(this rank's compute(), every rank's on rank 0 | None elsewhere)``; every rank joins, even when compute raised.
+
+    A failed rank's entry is a ``RankFailure``; the failed rank re-raises its
+    exception after the gather (so its hook fails, isolated, where it failed).
+    """
+    value, error = _run_guarded(compute)
+    gathered = gather_to_main(value)
+    if error is not None:
+        raise error
+    return value, gathered
+
+
+def all_gather_guarded(compute: Callable[[], Any], reraise: bool = True) -> list[Any]:
+    """Every rank's ``compute()`` on every rank; failed ranks' entries are ``RankFailure`` (seen by all ranks alike).
+
+    With ``reraise`` the failed rank raises its exception after the gather;
+    without, the caller handles the ``RankFailure`` entries (identically on
+    every rank, since every rank sees the same list).
+    """
+    value, error = _run_guarded(compute)
+    gathered = all_gather_objects(value)
+    if error is not None and reraise:
+        raise error
+    return gathered
+
+
+def failures(gathered: list[Any] | None) -> list[RankFailure]:
+    """The ``RankFailure`` entries of a guarded gather's result."""
+    return [g for g in gathered or [] if isinstance(g, RankFailure)]
+
+
+def broadcast_guarded(collect: Callable[[], list[torch.Tensor]], src: int | None) -> int:
+    """Overwrite the tensors ``collect()`` lists with rank ``src``'s, on every rank, if all can; returns how many were sent.
+
+    Every rank that reaches this call (all of them, at a point they reach
+    together) joins one small agreement over the control group first: which
+    source was asked for (``src``, None when this rank saw no reason; the
+    highest asked wins), whether every rank collected its tensors, and
+    whether the counts match. Nothing is broadcast unless all hold; a rank
+    whose ``collect`` raised re-raises after the agreement.
+    """
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return 0
+    tensors: list[torch.Tensor] = []
+    error: BaseException | None = None
+    try:
+        tensors = list(collect())
+    except Exception as exc:  # noqa: BLE001 - re-raised after the agreement
+        error = exc
+    asked, failed, most, negated_least = all_reduce_max([-1 if src is None else int(src), int(error is not None), len(tensors), -len(tensors)])
+    if error is not None:
+        raise error
+    if asked < 0 or failed or most != -negated_least:
+        return 0
+    return broadcast_from(tensors, asked)
 
 
 def broadcast_from(tensors: list[torch.Tensor], src: int = 0) -> int:

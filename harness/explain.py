@@ -10,28 +10,73 @@ from harness.playbook import find_section, load_library
 
 
 def run_dirs_or_fail(path: Path) -> list[Path]:
-    from harness.report import find_run_dirs
+    """The run directories at or below ``path``; a folder with none is an error that says why."""
+    return _scan_or_fail(path)[0]
+
+
+def _scan_or_fail(path: Path) -> tuple[list[Path], list[Path]]:
+    from harness.report import scan_run_dirs
 
     if not path.exists():
         raise HarnessError(f"'{path}' does not exist. Fix: pass the training run's output_dir (the folder that holds harness/).")
-    found = find_run_dirs(path)
+    found, links = scan_run_dirs(path)
+    for link in links:
+        sys.stderr.write(f"harness: not following the symlink '{link}': a run directory is data, and links in it are "
+                         "never followed. Fix: pass the real folder it points to, if you trust it.\n")
     if not found:
+        looks = [name for name in ("run.json", "findings.jsonl", "config.yaml", "report.md") if (path / name).exists()]
+        if looks:
+            raise HarnessError(
+                f"'{path}' is not a train-harness run directory: it has {', '.join(looks)}, but its run.json has no "
+                '"format": "train-harness-run/1" marker and it is not an older harness run directory (a folder named '
+                "harness with the harness's config.yaml and findings.jsonl or run.json). Nothing was read or written. "
+                "Fix: pass the output_dir of a training run that had the harness attached (the folder that holds harness/)."
+            )
         raise HarnessError(
-            f"no harness run directory in '{path}': expected '{path / 'harness'}' with findings.jsonl, run.json or "
-            "config.yaml. Fix: pass the Trainer's output_dir of a run that had the harness attached."
+            f"no harness run directory in '{path}': expected '{path / 'harness'}' written by the harness (run.json with "
+            '"format": "train-harness-run/1", or config.yaml with findings.jsonl). '
+            "Fix: pass the Trainer's output_dir of a run that had the harness attached."
         )
-    return found
+    return found, links
 
 
-def print_report(path: Path, plots: bool) -> int:
-    """Rebuild the report of every run under ``path``; print where it went and the verdict."""
+def print_report(path: Path, plots: bool, out: Path | None = None) -> int:
+    """Rebuild the report of every run under ``path`` (or write them under ``out``); print where it went and the verdict.
+
+    Exit status 2 when a symlink was refused (the other runs are still rebuilt).
+    """
+    import os
+
     from harness.report import write_report
+    from harness.safe_paths import UnsafePathError
 
-    for run_dir in run_dirs_or_fail(path):
-        files = write_report(run_dir, plots=plots)
+    found, links = _scan_or_fail(path)
+    targets = {}
+    for run_dir in found:
+        if out is None:
+            targets[run_dir] = None
+            for folder in (run_dir, run_dir / "report"):
+                if folder.is_dir() and not folder.is_symlink() and not os.access(folder, os.W_OK):
+                    raise HarnessError(
+                        f"the run directory '{folder}' is not writable here, so its report cannot be rebuilt in place. "
+                        f"Fix: write it elsewhere with `harness report {path} --out DIR` (the run directory is left untouched)."
+                    )
+        else:
+            inside = run_dir.relative_to(path) if run_dir.is_relative_to(path) else Path(run_dir.name)
+            targets[run_dir] = out if len(found) == 1 else out / inside
+    refused = bool(links)
+    for run_dir, target in targets.items():
+        try:
+            files = write_report(run_dir, plots=plots, out_dir=target)
+        except UnsafePathError as exc:
+            sys.stderr.write(f"harness: {run_dir}: {exc}\n")
+            refused = True
+            continue
         print(f"{run_dir}: {files.report.verdict.line()}")
         print(f"  {files.html}\n  {files.markdown}")
-    return 0
+        for note in files.report.notes:
+            print(f"  note: {note}")
+    return 2 if refused else 0
 
 
 def print_explain(path: Path, width: int = 100) -> int:
@@ -46,6 +91,8 @@ def print_explain(path: Path, width: int = 100) -> int:
             print()
         print(f"== {run_dir}")
         print(textwrap.fill(f"Verdict: {verdict_of(run).line()}", width, subsequent_indent="  "))
+        for note in run.damage_notes():
+            print(textwrap.fill(f"Note: {note}", width, subsequent_indent="  "))
         groups = group_findings(run)
         explained: set[str] = set()
         for group in groups:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import itertools
 import json
+import math
 import os
 import threading
 import time
@@ -15,6 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+from harness.appendfile import open_append
 
 
 class Severity(str, enum.Enum):
@@ -91,9 +94,38 @@ class Finding:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Finding":
-        data = dict(data)
+        """A finding from its JSON record; ``ValueError`` when a field is missing or of the wrong type.
+
+        Records come from files that may be damaged or hand-edited (a received
+        run directory is data): what every reader relies on is checked here,
+        once, so that one bad line costs that line and not the report.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"a finding is a JSON object, got {type(data).__name__}")
+        data = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        for key in ("code", "severity", "plugin", "message"):
+            if not isinstance(data.get(key), str):
+                raise ValueError(f"finding field '{key}' must be a string, got {type(data.get(key)).__name__}")
         data["severity"] = Severity(data["severity"])
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+        for key, optional in (("step", True), ("rank", False)):
+            if isinstance(data.get(key), float) and data[key].is_integer():
+                data[key] = int(data[key])  # 3.0 is step 3 (a plugin that passed a float); "7" is damage
+            if key in data and not (_is_int(data[key]) or (optional and data[key] is None)):
+                raise ValueError(f"finding field '{key}' must be an integer, got {data[key]!r:.40}")
+        if "evidence" in data and not isinstance(data["evidence"], dict):
+            raise ValueError(f"finding field 'evidence' must be an object, got {type(data['evidence']).__name__}")
+        for key in ("playbook", "action"):
+            if data.get(key) is not None and not isinstance(data[key], str):
+                raise ValueError(f"finding field '{key}' must be a string or null, got {type(data[key]).__name__}")
+        if "time" in data and not (isinstance(data["time"], (int, float)) and not isinstance(data["time"], bool) and math.isfinite(data["time"])):
+            raise ValueError(f"finding field 'time' must be a number, got {data['time']!r:.40}")
+        if "id" in data and not isinstance(data["id"], str):
+            raise ValueError(f"finding field 'id' must be a string, got {type(data['id']).__name__}")
+        return cls(**data)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _json_default(value: Any) -> Any:
@@ -117,7 +149,7 @@ class FindingsFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._seen: set[str] = {f.id for f in read_findings(self.path)} if self.path.exists() else set()
-        self._handle = open(self.path, "a", encoding="utf-8")
+        self._handle = open_append(self.path)
 
     def append(self, finding: Finding) -> bool:
         """Write ``finding`` unless a finding with the same id is already in the file."""
@@ -136,35 +168,44 @@ class FindingsFile:
                 self._handle.close()
 
 
-def read_findings(path: Path) -> list[Finding]:
-    """Read a findings file, ignoring a torn last line left by a kill."""
-    return list(iter_findings(path))
+def read_findings(path: Path, skipped: dict[str, int] | None = None) -> list[Finding]:
+    """Read a findings file, ignoring a torn last line left by a kill (and any other line that cannot be read)."""
+    return list(iter_findings(path, skipped))
 
 
-def iter_findings(path: Path) -> Iterator[Finding]:
+def iter_findings(path: Path, skipped: dict[str, int] | None = None) -> Iterator[Finding]:
+    """The findings of a JSONL file; a line that is not valid UTF-8, not JSON or not a finding is skipped.
+
+    ``skipped``, when given, counts the skipped lines under the file's name
+    (the report says how many lines could not be read).
+    """
     path = Path(path)
-    if not path.exists():
+    try:
+        handle = open(path, "rb")  # bytes: one non-UTF-8 byte costs its line, not the file
+    except OSError:
         return
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            line = line.strip()
-            if not line:
+    with handle:
+        for raw in handle:
+            if not raw.strip():
                 continue
             try:
-                yield Finding.from_dict(json.loads(line))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                finding = Finding.from_dict(json.loads(raw.decode("utf-8")))
+            except (UnicodeDecodeError, RecursionError, KeyError, TypeError, ValueError):  # JSONDecodeError is a ValueError
+                if skipped is not None:
+                    skipped[path.name] = skipped.get(path.name, 0) + 1
                 continue
+            yield finding
 
 
-def read_run_findings(run_dir: Path) -> list[Finding]:
+def read_run_findings(run_dir: Path, skipped: dict[str, int] | None = None) -> list[Finding]:
     """All findings of a run: rank 0's file plus any not yet merged from other ranks' spill files."""
     run_dir = Path(run_dir)
-    main = read_findings(run_dir / "findings.jsonl")
+    main = read_findings(run_dir / "findings.jsonl", skipped)
     seen = {f.id for f in main}
     extra = [
         f
         for spill in sorted((run_dir / "ranks").glob("findings.rank-*.jsonl"))
-        for f in iter_findings(spill)
+        for f in iter_findings(spill, skipped)
         if f.id not in seen
     ]
     return main + extra

@@ -7,18 +7,30 @@ import torch
 
 
 _HASH_SEED = 0x7A3D_5EED
-_weights: dict[tuple[str, int], torch.Tensor] = {}
+_weights: dict[str, torch.Tensor] = {}  # device -> the longest multipliers drawn so far: one tensor per device, whatever the lengths
+
+
+def _draw_weights(length: int) -> torch.Tensor:
+    """The first ``length`` multipliers, drawn on the CPU from the fixed seed (position i gets the same number for every length)."""
+    generator = torch.Generator().manual_seed(_HASH_SEED)
+    return torch.randint(0, 2**62, (max(length, 1),), generator=generator, dtype=torch.int64) * 2 + 1
 
 
 def _position_weights(device: torch.device, length: int) -> torch.Tensor:
-    """Fixed odd 63-bit multipliers per position (same numbers in every process and run), cached per device."""
-    key = (str(device), length)
+    """Fixed odd 63-bit multipliers per position (same numbers in every process and run), cached per device.
+
+    Only the longest tensor is kept (grown to the next power of two when a
+    longer row arrives) and sliced: the CPU generator draws element by
+    element, so the first n numbers of a longer draw are the numbers of a
+    draw of n. Dynamic padding thus costs O(longest row) memory, not one
+    tensor per distinct length.
+    """
+    key = str(device)
     cached = _weights.get(key)
-    if cached is None:
-        generator = torch.Generator().manual_seed(_HASH_SEED)
-        cached = (torch.randint(0, 2**62, (max(length, 1),), generator=generator, dtype=torch.int64) * 2 + 1).to(device)
+    if cached is None or cached.shape[0] < length:
+        cached = _draw_weights(max(64, 1 << (max(length, 1) - 1).bit_length())).to(device)
         _weights[key] = cached
-    return cached
+    return cached[: max(length, 1)]
 
 
 def device_row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from harness.appendfile import open_append
+
 
 class Journal:
     def __init__(self, path: Path, cursor: str = "cursor") -> None:
@@ -22,7 +24,7 @@ class Journal:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.cursor_path = self.path.with_suffix(f"{self.path.suffix}.{cursor}")
         self._lock = threading.Lock()
-        self._handle = open(self.path, "a", encoding="utf-8")
+        self._handle = open_append(self.path)
 
     def append(self, records: list[dict[str, Any]]) -> None:
         if not records:

@@ -135,7 +135,9 @@ class HarnessPluginManager:
         self._impls: dict[str, list[tuple[str, Callable[..., Any], tuple[str, ...]]]] = {}
         self._error_counts: dict[str, int] = {}
         self._disabled: set[str] = set()
+        self._wants_disabling: set[str] = set()  # past the error limit, waiting for the ranks to agree (several processes)
         self.max_errors_per_plugin = max_errors_per_plugin
+        self.defer_disabling = False  # set when several processes train: a plugin is switched off on every rank together
         self.on_error: ErrorSink | None = None
         self.on_stop: ErrorSink | None = None
         self.current_plugin: str | None = None
@@ -153,10 +155,26 @@ class HarnessPluginManager:
                 f"plugin '{entry.name}' ({entry.source}) has a hook implementation that does not match its "
                 f"specification: {exc}. Fix: use only argument names listed in harness.hookspecs."
             ) from exc
+        self._refuse_wrappers(entry, plugin)
         self._entries[entry.name] = entry
         self._check_unknown_hooks(entry)
         self._impls.clear()
         return plugin
+
+    def _refuse_wrappers(self, entry: PluginEntry, plugin: Any) -> None:
+        """pluggy wrappers (``wrapper=True`` / ``hookwrapper=True``) never run here: the manager calls each implementation
+        itself (for isolation), so a wrapper's body would be skipped in silence. Refused at registration instead."""
+        for caller in self._pm.get_hookcallers(plugin) or []:
+            for impl in caller.get_hookimpls():
+                if impl.plugin is plugin and (getattr(impl, "wrapper", False) or getattr(impl, "hookwrapper", False)):
+                    kind = "wrapper=True" if getattr(impl, "wrapper", False) else "hookwrapper=True"
+                    self._pm.unregister(plugin)
+                    raise PluginError(
+                        f"plugin '{entry.name}' ({entry.source}) implements hook '{caller.name}' with @hookimpl({kind}); "
+                        "the harness calls every implementation itself, one by one (so one failing plugin cannot affect "
+                        "the others), and does not run pluggy wrappers. Fix: use a plain @hookimpl (optionally with "
+                        "tryfirst=True or trylast=True for ordering)."
+                    )
 
     def _check_unknown_hooks(self, entry: PluginEntry) -> None:
         """pluggy's check_pending(), turned into a message naming the plugin and the hook."""
@@ -251,12 +269,23 @@ class HarnessPluginManager:
             self.current_plugin = caller
 
     def record_error(self, plugin_name: str, hook: str, exc: BaseException) -> None:
-        """Count an exception against a plugin (switching it off past the limit) and report it."""
+        """Count an exception against a plugin (switching it off past the limit) and report it.
+
+        In one process the plugin is switched off at once. With several, a
+        plugin switched off on one rank only would skip collectives the other
+        ranks enter; so it is only marked, keeps being called (its guarded
+        collectives keep every rank in step), and the ranks switch it off
+        together where they next agree (``disabling_votes`` /
+        ``apply_disabling_votes``, riding on the step guard's all-reduce).
+        """
         count = self._error_counts.get(plugin_name, 0) + 1
         self._error_counts[plugin_name] = count
-        if count >= self.max_errors_per_plugin:
-            self._disabled.add(plugin_name)
-            self._impls.clear()
+        if count >= self.max_errors_per_plugin and plugin_name not in self._disabled:
+            if self.defer_disabling:
+                self._wants_disabling.add(plugin_name)
+            else:
+                self._disabled.add(plugin_name)
+                self._impls.clear()
         if self.on_error is not None:
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             self.on_error(plugin_name, hook, exc, tb)
@@ -266,6 +295,23 @@ class HarnessPluginManager:
 
     def is_disabled(self, plugin_name: str) -> bool:
         return plugin_name in self._disabled
+
+    def wants_disabling(self, plugin_name: str) -> bool:
+        """Past its error limit on this rank, not yet switched off (several processes: waiting for the next agreement)."""
+        return plugin_name in self._wants_disabling
+
+    def disabling_votes(self) -> list[int]:
+        """One slot per registered plugin, in registration order (the same on every rank): 1 to switch it off."""
+        return [int(name in self._wants_disabling) for name in self._entries]
+
+    def apply_disabling_votes(self, votes: list[int]) -> list[str]:
+        """Switch off every plugin some rank voted off (the element-wise maximum of all ranks' votes); returns the new ones."""
+        names = [name for name, vote in zip(self._entries, votes) if vote and name not in self._disabled]
+        self._wants_disabling.difference_update(name for name, vote in zip(self._entries, votes) if vote)
+        if names:
+            self._disabled.update(names)
+            self._impls.clear()
+        return names
 
     # -- declarations ------------------------------------------------------------------------
 

@@ -61,16 +61,26 @@ def find_capture_file(capture_dir: Path, rank: int | None) -> Path:
 
 
 def find_checkpoint(meta: dict[str, Any], capture_file: Path) -> tuple[Path, bool]:
-    """The checkpoint saved at the step before the capture, else the latest before it; (path, exact)."""
+    """The checkpoint saved at the step before the capture, else the latest before it; (path, exact).
+
+    The run directory the capture lies in comes first: the ``output_dir``
+    stored in ``capture.json`` is absolute, so for a run directory copied or
+    moved elsewhere it names the old place (or another run now living
+    there). It is looked at only when no checkpoint lies beside the capture.
+    """
     wanted = int(meta["weights_from_step"])
-    candidates = [Path(meta["output_dir"])] if meta.get("output_dir") else []
-    candidates.append(capture_file.parents[3] if len(capture_file.parents) > 3 else capture_file.parent)
+    beside = capture_file.parents[3] if len(capture_file.parents) > 3 else capture_file.parent
+    candidates = [beside]
+    if meta.get("output_dir") and Path(meta["output_dir"]).resolve() != beside.resolve():
+        candidates.append(Path(meta["output_dir"]))
     found: dict[int, Path] = {}
     for base in candidates:
         for ckpt in base.glob("checkpoint-*"):
             m = re.fullmatch(r"checkpoint-(\d+)", ckpt.name)
             if m and ckpt.is_dir() and int(m.group(1)) <= wanted:
                 found.setdefault(int(m.group(1)), ckpt)
+        if found:
+            break  # the first place with a checkpoint wins: never mix the copy's checkpoints with the original's
     if not found:
         raise HarnessError(
             f"no checkpoint at or before step {wanted} next to the capture (looked in {', '.join(str(c) for c in candidates)}); "
@@ -81,12 +91,20 @@ def find_checkpoint(meta: dict[str, Any], capture_file: Path) -> tuple[Path, boo
 
 
 def load_model(checkpoint: Path, meta: dict[str, Any], device: str) -> Any:
+    if not Path(checkpoint).is_dir():
+        # never a hub id: from_pretrained would take a mistyped local path for a model name and look it up online
+        what = "does not exist" if not Path(checkpoint).exists() else "is not a directory"
+        raise HarnessError(
+            f"checkpoint {checkpoint} {what} (resolved: {Path(checkpoint).resolve()}). "
+            "Pass --checkpoint with a local Trainer checkpoint or saved model directory (config.json and weights)."
+        )
     from transformers import AutoModelForCausalLM
 
     model_info = meta.get("model", {})
-    kwargs: dict[str, Any] = {}
-    if model_info.get("dtype"):
-        kwargs["dtype"] = getattr(torch, model_info["dtype"])
+    kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}  # a checkpoint's auto_map code never runs
+    dtype = getattr(torch, model_info["dtype"], None) if isinstance(model_info.get("dtype"), str) else None
+    if isinstance(dtype, torch.dtype):  # a name from the capture file: a torch dtype, never any other attribute of torch
+        kwargs["dtype"] = dtype
     if model_info.get("attn_implementation"):
         kwargs["attn_implementation"] = model_info["attn_implementation"]
     try:

@@ -18,6 +18,7 @@ from typing import Any
 from harness.tokens import count_parameters
 
 RUN_FILE = "run.json"
+RUN_FORMAT = "train-harness-run/1"  # run.json's "format": marks a run directory written by this harness
 
 
 def read_run_info(run_dir: Path) -> dict[str, Any]:
@@ -31,6 +32,7 @@ def read_run_info(run_dir: Path) -> dict[str, Any]:
         return {"attempts": []}
     if not isinstance(data.get("attempts"), list):
         data["attempts"] = []
+    data["attempts"] = [a for a in data["attempts"] if isinstance(a, dict)]  # a damaged entry costs itself, not the report
     return data
 
 
@@ -38,6 +40,7 @@ def write_run_info(run_dir: Path, data: dict[str, Any]) -> None:
     """Replace ``run.json`` atomically: a kill leaves the old or the new file, never half of one."""
     path = Path(run_dir) / RUN_FILE
     tmp = path.with_name(f".{RUN_FILE}.{os.getpid()}.tmp")
+    data = {"format": RUN_FORMAT, **{k: v for k, v in data.items() if k != "format"}}  # the marker `harness report` trusts
     tmp.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
     os.replace(tmp, path)
 

@@ -56,10 +56,14 @@ def _files(path: Path) -> list[Path]:
     if not path.exists():
         raise ScanError(f"harness scan: {path} does not exist. Fix: pass an existing file or folder.")
     if path.is_file():
+        if path.suffix.lower() not in TEXT_SUFFIXES:
+            raise ScanError(f"harness scan: {path} has unsupported extension '{path.suffix or '(none)'}'; scan reads "
+                            f"{', '.join(TEXT_SUFFIXES)} files (any case) and `datasets` folders. "
+                            "Fix: convert the file to one of these (e.g. JSON lines with a text field).")
         return [path]
     if (path / "dataset_info.json").exists() or (path / "state.json").exists():
         return [path]  # a `datasets` folder saved with save_to_disk
-    found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+    found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     if not found:
         raise ScanError(f"harness scan: {path} holds no {', '.join(TEXT_SUFFIXES)} files and is no `datasets` folder. Fix: point at the data files.")
     return found
@@ -76,17 +80,33 @@ def iter_documents(path: Path | str, field: str = "text", id_field: str = "id") 
 
 
 def _read(file: Path, field: str, id_field: str) -> Iterator[tuple[str, str]]:
+    suffix = file.suffix.lower()
     if file.is_dir():
         yield from _read_datasets(file, field, id_field)
-    elif file.suffix == ".txt":
-        with open(file, encoding="utf-8", errors="replace") as handle:
-            for line_number, line in enumerate(handle, 1):
-                if line.strip():
-                    yield f"{file.name}:{line_number}", line.rstrip("\n")
-    elif file.suffix in (".jsonl", ".json"):
+    elif suffix == ".txt":
+        for line_number, line in _text_lines(file):
+            if line.strip():
+                yield f"{file.name}:{line_number}", line
+    elif suffix in (".jsonl", ".json"):
         yield from _read_jsonl(file, field, id_field)
-    elif file.suffix == ".parquet":
+    elif suffix == ".parquet":
         yield from _read_parquet(file, field, id_field)
+    else:  # _files lets only TEXT_SUFFIXES through; never read nothing in silence
+        raise ScanError(f"harness scan: {file} has unsupported extension '{file.suffix}'. Fix: use {', '.join(TEXT_SUFFIXES)} files.")
+
+
+def _text_lines(file: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line without its line break) of a UTF-8 file; a line that is not UTF-8 is an error naming it."""
+    with open(file, "rb") as handle:
+        for line_number, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ScanError(
+                    f"harness scan: {file} line {line_number} is not valid UTF-8 (byte {raw[exc.start]:#04x} at column "
+                    f"{exc.start + 1}). Fix: convert the file to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or remove that line."
+                ) from None
+            yield line_number, line.rstrip("\r\n")
 
 
 def _missing(file: Path, field: str, keys: list[str]) -> ScanError:
@@ -95,25 +115,27 @@ def _missing(file: Path, field: str, keys: list[str]) -> ScanError:
 
 
 def _read_jsonl(file: Path, field: str, id_field: str) -> Iterator[tuple[str, str]]:
-    with open(file, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ScanError(f"harness scan: {file} line {line_number} is not JSON ({exc.msg}). Fix: one JSON object per line.") from exc
-            if not isinstance(record, dict) or field not in record:
-                raise _missing(file, field, list(record) if isinstance(record, dict) else [])
-            text = record[field]
-            if isinstance(text, str) and text.strip():
-                yield str(record.get(id_field, f"{file.name}:{line_number}")), text
+    for line_number, line in _text_lines(file):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ScanError(f"harness scan: {file} line {line_number} is not JSON ({exc.msg}). Fix: one JSON object per line.") from exc
+        if not isinstance(record, dict) or field not in record:
+            raise _missing(file, field, list(record) if isinstance(record, dict) else [])
+        text = record[field]
+        if isinstance(text, str) and text.strip():
+            yield str(record.get(id_field, f"{file.name}:{line_number}")), text
 
 
 def _read_parquet(file: Path, field: str, id_field: str) -> Iterator[tuple[str, str]]:
     import pyarrow.parquet as pq
 
-    reader = pq.ParquetFile(file)
+    try:
+        reader = pq.ParquetFile(file)
+    except Exception as exc:  # noqa: BLE001 - pyarrow's errors carry the detail
+        raise ScanError(f"harness scan: {file} cannot be read as parquet ({exc}). Fix: check the file is a valid parquet table.") from None
     names = reader.schema_arrow.names
     if field not in names:
         raise _missing(file, field, names)
@@ -130,7 +152,11 @@ def _read_parquet(file: Path, field: str, id_field: str) -> Iterator[tuple[str, 
 def _read_datasets(folder: Path, field: str, id_field: str) -> Iterator[tuple[str, str]]:
     from datasets import load_from_disk
 
-    data = load_from_disk(str(folder))
+    try:
+        data = load_from_disk(str(folder))
+    except Exception as exc:  # noqa: BLE001 - datasets' errors carry the detail
+        raise ScanError(f"harness scan: {folder} cannot be read as a `datasets` folder ({exc}). "
+                        "Fix: point at a folder written by save_to_disk, or at the data files.") from None
     if hasattr(data, "keys") and not hasattr(data, "column_names"):  # a DatasetDict: every split
         splits = [(name, data[name]) for name in data.keys()]
     else:
@@ -335,13 +361,20 @@ def _snippet(front: FrontEnd, units: np.ndarray, words: list[str] | None, hit: H
 
 
 def _chunks(paths: list[str], field: str, id_field: str, size: int) -> Iterator[list[tuple[str, str]]]:
+    """Chunks of training documents; a training path without one document is an error (it would make every example clean)."""
     chunk: list[tuple[str, str]] = []
     for path in paths:
+        read = 0
         for document in iter_documents(path, field, id_field):
+            read += 1
             chunk.append(document)
             if len(chunk) >= size:
                 yield chunk
                 chunk = []
+        if not read:
+            raise ScanError(f"harness scan: the training input {path} has no document with text in field '{field}' "
+                            "(0 documents read), so nothing could be checked against the eval sets. "
+                            "Fix: check the path, its files and --field.")
     if chunk:
         yield chunk
 

@@ -15,6 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from harness.actions import HarnessStop
+from harness.appendfile import open_append
 from harness.findings import FindingCode, Severity
 from harness.fingerprints import optimizer_tensors, param_tensors
 from harness.hookspecs import hookimpl
@@ -32,6 +33,13 @@ class FaultOptions(BaseModel):
     action: str = Field("continue", description="Action the plugin decides for TEST_FAULT.")
     raise_in: str | None = Field(None, description="Hook in which to raise RuntimeError (e.g. inspect_batch, on_loss).")
     raise_at_step: int | None = Field(None, description="Raise only at this step (default: every call).")
+    break_methods: list[str] = Field(
+        default_factory=list, description="`plugin.method` names (e.g. data_hash._read_hashes): that plugin's own helper "
+        "method raises RuntimeError whenever the plugin calls it (at break_at_step, on break_on_rank), so the fault comes "
+        "from inside the plugin's hooks, collectives and all. Hook methods themselves cannot be broken (bound at registration).",
+    )
+    break_at_step: int | None = Field(None, description="break_methods raise only at this step (default: every step).")
+    break_on_rank: int | None = Field(None, description="break_methods raise only on this rank (default: every rank).")
     nonfinite_loss_at_steps: list[int] = Field(
         default_factory=list, description="Steps whose first micro-batch gets NaN input embeddings (the forward pass yields NaN)."
     )
@@ -234,9 +242,33 @@ class FaultInjector:
         if o.report_in == hook and o.report_at_step == step and o.report_on_rank in (None, ctx.rank):
             ctx.report(TEST_FAULT.code, f"injected fault at step {step} on rank {ctx.rank} in {hook}", evidence={"injected": True})
 
+    def _break_methods(self, ctx: Any) -> None:
+        """Shadow each named plugin method with one that raises where and when the options say (an instance attribute)."""
+        from harness.hookspecs import PROJECT
+
+        o = self.options
+        for target in o.break_methods:
+            plugin_name, _, method = target.rpartition(".")
+            plugin = ctx.manager.plugin(plugin_name)
+            original = getattr(plugin, method, None) if plugin is not None else None
+            if not callable(original) or hasattr(original, f"{PROJECT}_impl"):
+                raise ValueError(f"fault_injector.break_methods: '{target}' is not a helper method of an enabled plugin "
+                                 "(hook methods cannot be broken).")
+            if o.break_on_rank not in (None, ctx.rank) or getattr(original, "_fault_broken", False):
+                continue
+
+            def broken(*args: Any, _original: Any = original, _target: str = target, **kwargs: Any) -> Any:
+                if o.break_at_step is None or o.break_at_step == ctx.step:
+                    raise RuntimeError(f"injected fault in {_target} at step {ctx.step} on rank {ctx.rank}")
+                return _original(*args, **kwargs)
+
+            broken._fault_broken = True  # type: ignore[attr-defined]
+            setattr(plugin, method, broken)
+
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         o = self.options
+        self._break_methods(ctx)
         if o.scale_grad_at_step is not None and ctx.rank == o.fault_rank:
             scale_reduced_gradients(trainer, o.scale_grad_at_step, o.grad_scale)
         if not (o.nonfinite_loss_at_steps or o.inf_grad_at_steps):
@@ -317,5 +349,5 @@ class FaultInjector:
         }
         self.snapshots.append(record)
         self._before = {}
-        with open(ctx.path(f"fault_injector.rank-{ctx.rank}.jsonl"), "a", encoding="utf-8") as handle:
+        with open_append(ctx.path(f"fault_injector.rank-{ctx.rank}.jsonl")) as handle:
             handle.write(json.dumps(record) + "\n")

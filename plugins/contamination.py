@@ -54,6 +54,11 @@ CONTAMINATION_UNCHECKED = FindingCode(
 )
 
 
+QUEUE_SIZE = 64  # micro-batches waiting for the background checker at most (then training waits for it)
+PUT_POLL_S = 0.5  # how often a waiting put looks whether the checker is still alive
+RUN_END_WAIT_S = 60.0  # run end waits this long at most for the checker to finish the queue
+
+
 class EvalSet(BaseModel):
     """One eval set to watch for."""
 
@@ -90,7 +95,7 @@ class Contamination:
     def __init__(self) -> None:
         self.options = ContaminationOptions()
         self.index: NgramIndex | None = None
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=64)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=QUEUE_SIZE)
         self._hits: queue.Queue[tuple[int, int, int, list[Any] | None, list[Hit], np.ndarray]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._tallies: dict[int, Tally] = {}
@@ -100,6 +105,8 @@ class Contamination:
         self._train_hashes: set[int] | None = None
         self._tokenizer: Any = None
         self.checked_tokens = 0
+        self._worker_error: BaseException | None = None  # what killed the background thread (set there, read here)
+        self._worker_error_reported = False
 
     @hookimpl
     def add_config(self) -> type[BaseModel]:
@@ -139,6 +146,8 @@ class Contamination:
         if not examples:
             return
         self.index = NgramIndex.build(examples, self.options.n, self.options.template_min_examples, self.options.min_length)
+        self._worker_error, self._worker_error_reported = None, False
+        self._queue = queue.Queue(maxsize=QUEUE_SIZE)  # a second train() call: nothing left over from the last
         self._thread = threading.Thread(target=self._work, name="harness-contamination", daemon=True)
         self._thread.start()
 
@@ -154,28 +163,64 @@ class Contamination:
         self._micro_batches += 1
         if (self._micro_batches - 1) % self.options.sample_every:
             return
+        self._drain(ctx)
+        if not self._worker_alive():
+            self._raise_worker_error()  # once: an INTERNAL_PLUGIN_ERROR with the worker's traceback; then nothing is queued
+            return
         host = ids.detach().to("cpu", non_blocking=True) if ids.is_cuda else ids.detach().clone()
         ready = torch.cuda.Event() if ids.is_cuda else None
         if ready is not None:
             ready.record()
-        self._queue.put((step, micro_step, ctx.rank, sample_ids(batch), host, ready))
-        self._drain(ctx)
+        if not self._put((step, micro_step, ctx.rank, sample_ids(batch), host, ready)):
+            self._raise_worker_error()
+
+    def _worker_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._worker_error is None
+
+    def _put(self, item: Any, timeout: float | None = None) -> bool:
+        """Queue for the worker, waiting while it is busy but never on a dead one (or past ``timeout``); False if not queued."""
+        waited = 0.0
+        while self._worker_alive():
+            try:
+                self._queue.put(item, timeout=PUT_POLL_S)
+                return True
+            except queue.Full:
+                waited += PUT_POLL_S
+                if timeout is not None and waited >= timeout:
+                    return False
+        return False
+
+    def _raise_worker_error(self) -> None:
+        """Turn a dead worker into one exception on the training thread (the manager makes it an INTERNAL_PLUGIN_ERROR)."""
+        if self._worker_error_reported:
+            return
+        self._worker_error_reported = True
+        error = self._worker_error
+        detail = f"{type(error).__name__}: {error}" if error is not None else "it stopped"
+        raise RuntimeError(
+            f"contamination: the background checker died ({detail}); training batches are no longer checked against the "
+            f"eval sets after {self.checked_tokens} tokens. The run-end summary covers only those."
+        ) from error
 
     def _work(self) -> None:
         assert self.index is not None
         while True:
             item = self._queue.get()
             if item is None:
+                self._queue.task_done()
                 return
             step, micro, rank, ids, host, ready = item
             try:
                 if ready is not None:
                     ready.synchronize()
                 rows = host.numpy().astype(np.int64, copy=False)
-                self.checked_tokens += rows.size
                 hits = self.index.query_rows(rows)
+                self.checked_tokens += rows.size
                 if hits:
                     self._hits.put((step, micro, rank, ids, hits, rows))
+            except BaseException as exc:  # noqa: BLE001 - the training thread reports it; this thread ends
+                self._worker_error = exc
+                return
             finally:
                 self._queue.task_done()
 
@@ -255,10 +300,11 @@ class Contamination:
     def on_run_end(self, ctx: Any) -> None:
         if self.index is None or self._thread is None:
             return
-        self._queue.put(None)
-        self._thread.join(timeout=60)
+        if self._put(None, timeout=RUN_END_WAIT_S):  # a dead worker is not waited for, a stuck one not for long
+            self._thread.join(timeout=RUN_END_WAIT_S)
         self._drain(ctx)
-        self._thread = None
+        alive, self._thread = self._thread.is_alive(), None
+        failed = self._worker_error is not None or alive
         options = ScanOptions(n=self.options.n, dirty_fraction=self.options.dirty_fraction,
                               partial_fraction=self.options.partial_fraction, min_length=self.options.min_length)
         rows = [judge(self.index, e, self._tallies.get(e), options) for e in range(len(self.index.examples))]
@@ -267,6 +313,7 @@ class Contamination:
         for row in rows:
             per_set.setdefault(row["eval_set"], Counter())[row["status"]] += 1
         summary = {"rank": ctx.rank, "checked_tokens": self.checked_tokens, "eval_sets": {k: dict(v) for k, v in per_set.items()},
+                   "complete": not failed,
                    "examples": [{k: v for k, v in r.items() if k != "locations"} for r in rows if r["status"] != "clean"]}
         tmp = out / f".summary.rank-{ctx.rank}.json.tmp"
         tmp.write_text(json.dumps(summary, indent=1), encoding="utf-8")
@@ -276,12 +323,21 @@ class Contamination:
                 "".join(f"{r['eval_set']}\t{r['id']}\n" for r in rows if r["status"] == status), encoding="utf-8")
         for name, counts in per_set.items():
             ctx.log_metrics({f"contamination/{name}/{status}": counts.get(status, 0) for status in ("clean", "partial", "dirty")})
+        if failed and self._worker_error is None and not self._worker_error_reported:
+            self._worker_error_reported = True
+            raise RuntimeError(f"contamination: the background checker did not finish within {RUN_END_WAIT_S:.0f} s at run end; "
+                               "the summary covers the batches checked so far.")
+        if self._worker_error is not None:
+            self._raise_worker_error()  # died after the last batch was queued: said now (once)
 
 
     @hookimpl
     def report_sections(self, run: Any) -> Any:
         """Per eval set: examples clean/partial/dirty (worst over ranks), the dirtiest ones, the id lists."""
+        from urllib.parse import quote
+
         from harness.report.model import Raw, ReportSection, md_table
+        from harness.textsafe import md_escape
 
         summaries = []
         for path in sorted(run.run_dir.glob("contamination/summary.rank-*.json")):
@@ -315,7 +371,8 @@ class Contamination:
             text += "\n\n"
         lists = sorted(run.run_dir.glob("contamination/*_ids.rank-*.txt"))
         if lists:
-            text += "Id lists (eval set, tab, id): " + ", ".join(Raw(f"[{p.name}](contamination/{p.name})").markdown for p in lists) + ".\n"
+            text += "Id lists (eval set, tab, id): " + ", ".join(  # file names from the run dir are data: escaped, quoted
+                Raw(f"[{md_escape(p.name)}](contamination/{quote(p.name)})").markdown for p in lists) + ".\n"
         return ReportSection("Contamination", text)
 
 

@@ -12,6 +12,7 @@ stored with each checkpoint and compared on resume.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from collections.abc import Mapping
@@ -22,11 +23,12 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
 from harness.capture import sample_ids
-from harness.distributed import gather_to_main
+from harness.distributed import RankFailure, gather_guarded
 from harness.findings import FindingCode, Severity
 from harness.hashing import combine_row_hashes, dataset_hashes, dataset_rows, device_row_hashes, from_hex64, hash_token_rows, hex64
 from harness.hookspecs import hookimpl
-from harness.ledger import LedgerWriter, around_resume
+from harness.ledger import LedgerWriter, around_resume, iter_records, ledger_path
+from harness.seentable import SeenTable, key64
 
 DATA_REPEATED = FindingCode(
     "DATA_REPEATED", Severity.WARNING, "Samples were trained on again within the same epoch.", "data#data_repeated"
@@ -54,6 +56,7 @@ RESUME_DATA_CHANGED = FindingCode(
 )
 HASH_KEYS = ("input_ids", "chosen_input_ids")  # what a batch's samples are made of (LM / SFT, then DPO pairs)
 MASK_KEYS = {"input_ids": "attention_mask", "chosen_input_ids": "chosen_attention_mask"}
+log = logging.getLogger(__name__)
 
 
 class DataHashOptions(BaseModel):
@@ -73,6 +76,13 @@ class DataHashOptions(BaseModel):
         "nothing) and fsynced at every checkpoint (a machine crash loses nothing a resume needs).",
     )
     max_reports: int = Field(10, ge=1, description="Findings per code per run at most (the evidence counts the rest).")
+    seen_capacity: int = Field(
+        2_000_000, ge=1, description="Distinct samples per epoch (and distinct contents per run) remembered per rank, in a "
+        "fixed-size exact table of 64-bit keys (at most 64 bytes per sample of capacity: 128 MiB for both tables at the "
+        "default; 16 KiB for a small run). Exact until full: a repeat is never invented (a false DATA_REPEATED needs two "
+        "different samples on one 64-bit key: about n^2/2^65, below 3e-7 for 10 million samples); once full, newer "
+        "samples go unchecked (counted in the log) rather than memory growing.",
+    )
 
 
 def _hash_key(batch: Mapping[str, Any]) -> str | None:
@@ -96,14 +106,14 @@ class DataHash:
         self.fingerprint: dict[str, Any] | None = None
         self._epoch = 0
         self._step_epoch = 0
-        self._seen: Counter[Any] = Counter()
-        self._content_ids: dict[int, Any] = {}
+        self._seen = SeenTable(self.options.seen_capacity)  # key64(sample id, else content hash) -> times trained this epoch
+        self._content_ids = SeenTable(self.options.seen_capacity)  # content hash -> key64 of the first sample id it came with
         self._twins = 0
         self._reports: Counter[str] = Counter()
         self._repeats_total = 0
         self._resume_step: int | None = None
         self._interrupted: dict[tuple[int, int], int] = {}  # (epoch, hash) -> step the interrupted attempt trained it at
-        self._since_resume: set[tuple[int, int]] = set()
+        self._since_resume: set[tuple[int, int]] = set()  # the keys of _interrupted trained again (bounded by it)
 
     @hookimpl
     def add_config(self) -> type[BaseModel]:
@@ -116,13 +126,16 @@ class DataHash:
     @hookimpl
     def configure(self, ctx: Any, options: DataHashOptions) -> None:
         self.options = options
+        self._seen = SeenTable(options.seen_capacity)
+        self._content_ids = SeenTable(options.seen_capacity)
 
     # -- run start: the ledger, the dataset's index and fingerprint ----------------------------------
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
-        self._writer = LedgerWriter(ctx.run_dir, ctx.rank, self.options.fsync_every)
         resumed = str(ctx.resumed_from) if ctx.resumed_from is not None else None
+        resume_step = trainer.state.global_step if resumed is not None else None  # one ledger pass serves the whole resume
+        self._writer = LedgerWriter(ctx.run_dir, ctx.rank, self.options.fsync_every, resume_step=resume_step)
         self._writer.start(trainer.state.global_step, ctx.world_size, resumed)
         self._epoch = self._current_epoch(trainer)
 
@@ -189,16 +202,23 @@ class DataHash:
     @hookimpl
     def on_step_end(self, ctx: Any, step: int) -> None:
         pending, self._pending = self._pending, []
-        flat, self._read = self._read, None
-        if flat is None:
-            flat = self._read_hashes(pending)
+        read, self._read = self._read, None
+
+        def step_hashes() -> list[int]:
+            return read if read is not None else self._read_hashes(pending)
+
         if ctx.world_size > 1 and self.options.check_rank_overlap:
-            self._check_overlap(ctx, step, flat)
+            # every rank joins the gather, even if reading its hashes raised (it re-raises after, isolated)
+            flat, gathered = gather_guarded(step_hashes)
+            if gathered is not None:
+                self._check_overlap(ctx, step, gathered)
+        else:
+            flat = step_hashes()
         if not pending:
             return
         epoch = self._step_epoch
         if epoch != self._epoch:
-            self._epoch, self._seen = epoch, Counter()
+            self._epoch, self._seen = epoch, self._seen.clear()
         records, offset = [], 0
         for micro, rows, ids in pending:
             hashes = flat[offset: offset + rows.shape[0]]
@@ -217,19 +237,21 @@ class DataHash:
 
     def _check_samples(self, ctx: Any, step: int, hashes: list[int], ids: list[Any] | None) -> None:
         repeated = []
+        untracked = self._seen.untracked
         for i, h in enumerate(hashes):
-            if self._resume_step is not None:
+            if self._interrupted and (self._epoch, h) in self._interrupted:
                 self._since_resume.add((self._epoch, h))
             key = ids[i] if ids is not None and i < len(ids) else h
-            self._seen[key] += 1
+            id_key = key64(key)
             allowed = 1 if ids is not None or self._multiplicity is None else self._multiplicity.get(h, 1)
-            if self._seen[key] > allowed:
+            if self._seen.add(id_key) > allowed:
                 repeated.append(i)
             if ids is not None:
-                first = self._content_ids.setdefault(h, key)
-                if first != key:
+                first_key = self._content_ids.setdefault(key64(h), id_key)
+                if first_key is not None and first_key != id_key:
                     self._twins += 1
                     if self._twins == self.options.max_duplicates + 1:
+                        first = self._first_id(ctx, h, first_key, hashes, ids)
                         self._report(
                             ctx, DUPLICATE_SAMPLES.code,
                             f"sample id {key} at step {step} on rank {ctx.rank} has the same content as sample id {first}: "
@@ -247,11 +269,26 @@ class DataHash:
                 evidence={"rows": repeated, "hashes": [hex64(hashes[i]) for i in repeated], "epoch": self._epoch,
                           "sample_ids": [ids[i] for i in repeated] if ids else None, "repeats_so_far": self._repeats_total},
             )
+        if self._seen.untracked and not untracked:
+            log.warning(
+                "data_hash: epoch %d on rank %d trained more than seen_capacity=%d distinct samples; later ones are not checked "
+                "for repeats (raise data_hash.seen_capacity to check them: 64 bytes per sample at most).",
+                self._epoch, ctx.rank, self.options.seen_capacity,
+            )
 
-    def _check_overlap(self, ctx: Any, step: int, hashes: list[int]) -> None:
-        gathered = gather_to_main(hashes)
-        if gathered is None:
-            return
+    def _first_id(self, ctx: Any, h: int, first_key: int, hashes: list[int], ids: list[Any]) -> Any:
+        """The sample id that content ``h`` came with first (the table keeps its 64-bit key only): from this rank's ledger, once."""
+        if self._writer is not None:
+            self._writer.sync()
+        for record in iter_records(ledger_path(ctx.run_dir, ctx.rank)):
+            for value, sample_id in zip(record.get("sample_hashes") or [], record.get("sample_ids") or []):
+                if key64(sample_id) == first_key and from_hex64(value) == h:
+                    return sample_id
+        return next((s for s, v in zip(ids, hashes) if v == h and key64(s) == first_key), f"key:{first_key:016x}")
+
+    def _check_overlap(self, ctx: Any, step: int, gathered: list[Any]) -> None:
+        """Rank 0, after the gather: samples that more than one rank trained this step (a failed rank is left out)."""
+        gathered = [[] if isinstance(g, RankFailure) else g for g in gathered]
         owner: dict[int, int] = {}
         shared: dict[int, set[int]] = {}
         for rank, rank_hashes in enumerate(gathered):
@@ -306,7 +343,7 @@ class DataHash:
             if record["epoch"] == self._epoch:
                 ids = record.get("sample_ids")
                 for i, h in enumerate(record["sample_hashes"]):
-                    self._seen[ids[i] if ids else from_hex64(h)] += 1
+                    self._seen.add(key64(ids[i] if ids else from_hex64(h)))
         for record in after:
             for h in record["sample_hashes"]:
                 self._interrupted.setdefault((record["epoch"], from_hex64(h)), record["step"])

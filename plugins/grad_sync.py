@@ -31,8 +31,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from harness.appendfile import open_append
 from harness.core_codes import INTERNAL_PLUGIN_ERROR
-from harness.distributed import all_gather_objects, broadcast_from, model_parallel_sizes
+from harness.distributed import all_gather_guarded, broadcast_guarded, failures, model_parallel_sizes
 from harness.findings import FindingCode, Severity
 from harness.fingerprints import exact_fingerprints, same_fingerprint_key, unwrap_optimizer
 from harness.hashing import device_row_hashes
@@ -129,13 +130,19 @@ class _ZeroSlices:
     """
 
     def __init__(self, params: list[tuple[str, torch.nn.Parameter]], rank: int) -> None:
-        mine = []
-        for index, (_, param) in enumerate(params):
-            mapping = getattr(param, "_hp_mapping", None)
-            if mapping is not None:
-                address = mapping.lp_fragment_address
-                mine.append((index, int(address.start), int(address.numel)))
-        layout = all_gather_objects(mine)
+        def mine() -> list[tuple[int, int, int]]:
+            pieces = []
+            for index, (_, param) in enumerate(params):
+                mapping = getattr(param, "_hp_mapping", None)
+                if mapping is not None:
+                    address = mapping.lp_fragment_address
+                    pieces.append((index, int(address.start), int(address.numel)))
+            return pieces
+
+        layout = all_gather_guarded(mine)  # every rank joins; the one whose layout raised re-raises after
+        failed = failures(layout)
+        if failed:  # every rank sees it and fails alike (retried at the next check step, on every rank)
+            raise RuntimeError(f"ZeRO slice layout failed on rank {failed[0].rank}: {failed[0].error}")
         self.pieces = sorted((index, start, numel, owner) for owner, rank_pieces in enumerate(layout) for index, start, numel in rank_pieces)
         self.by_param: dict[int, list[tuple[int, int, int]]] = {}
         for k, (index, start, numel, _) in enumerate(self.pieces):
@@ -207,6 +214,7 @@ class GradSync:
         self._slow_checks: Counter[int] = Counter()
         self._reports: Counter[str] = Counter()
         self._rebroadcast: int | None = None  # the rank to copy from after this step's update
+        self._rebroadcast_step: int | None = None  # a check step after which every rank joins the rebroadcast agreement
         self._optimizer: Any = None
         self._deepspeed = False
         self._micro_batches = 0
@@ -266,24 +274,27 @@ class GradSync:
         if self.mode not in ("ddp", "zero") or not self._is_check_step(step):
             return
         self._optimizer = optimizer
-        try:
-            mine = self._local_fingerprints(step, optimizer)
-        except Exception as exc:  # noqa: BLE001 - this rank must still join the gather, or the others wait forever
-            import traceback
+        self._rebroadcast = None
+        # decided from config and step alone (the same on every rank), before anything that may raise on one rank
+        self._rebroadcast_step = step if self.options.on_desync == "rebroadcast" and self._can_rebroadcast() else None
 
-            mine = {"error": f"rank {ctx.rank}: {type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        finally:
-            self._inputs, self._window, self._armed_step = [], [0.0, 0.0, 0], None
-        gathered = all_gather_objects(mine)
-        failed = [g for g in gathered if "error" in g]
+        def local() -> dict[str, Any]:
+            try:
+                return self._local_fingerprints(step, optimizer)
+            finally:
+                self._inputs, self._window, self._armed_step = [], [0.0, 0.0, 0], None
+
+        gathered = all_gather_guarded(local, reraise=False)  # every rank joins, even when its fingerprints raised
+        failed = failures(gathered)
         if failed:  # every rank sees it: all stop checking together
             self.mode = "failed"
+            self._rebroadcast_step = None
             if ctx.is_main:
                 ctx.report(
                     INTERNAL_PLUGIN_ERROR.code,
-                    f"grad_sync could not fingerprint at step {step} ({failed[0]['error']}); the replica check is off for the rest "
-                    "of the run on every rank. Training goes on.",
-                    step=step, evidence={"errors": [g["error"] for g in failed], "traceback": failed[0].get("traceback")},
+                    f"grad_sync could not fingerprint at step {step} (rank {failed[0].rank}: {failed[0].error}); the replica check "
+                    "is off for the rest of the run on every rank. Training goes on.",
+                    step=step, evidence={"errors": [f"rank {f.rank}: {f.error}" for f in failed], "traceback": failed[0].traceback},
                 )
             return
         self._compare(ctx, step, gathered)
@@ -328,7 +339,7 @@ class GradSync:
             "slices_compared": len(self._zero.pieces) if self._zero is not None and gathered[0].get("zero_local") is not None else 0,
             "data_wait_s": [round(t[0] / t[2], 6) if t[2] else None for t in (g["timing"] for g in gathered)],
         }
-        with open(ctx.path("grad_sync.jsonl"), "a", encoding="utf-8") as handle:
+        with open_append(ctx.path("grad_sync.jsonl")) as handle:
             handle.write(json.dumps(record) + "\n")
 
     def _compare_exact(self, ctx: Any, step: int, per_rank: list[list[Any] | None], code: str, what: str) -> bool:
@@ -477,18 +488,24 @@ class GradSync:
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
         if self.mode not in ("ddp", "zero"):
             return
+        if self._rebroadcast_step == step:
+            # every rank enters (the step was chosen before the check): a rank whose comparison or collection raised
+            # still joins the agreement, and nothing is broadcast unless every rank can take part
+            source, self._rebroadcast, self._rebroadcast_step = self._rebroadcast, None, None
+            broadcast_guarded(self._replica_tensors, source)
         if metrics.get("step_time") is not None:
             self._window[0] += float(metrics.get("data_time") or 0.0)
             self._window[1] += float(metrics["step_time"])
             self._window[2] += 1
-        if self._rebroadcast is not None:
-            source, self._rebroadcast = self._rebroadcast, None
-            tensors = [p.data for _, p in self._params]
-            optimizer = unwrap_optimizer(self._optimizer) if self._optimizer is not None else None
-            for state in (getattr(optimizer, "state", None) or {}).values():
-                if isinstance(state, dict):
-                    tensors += [v for v in state.values() if torch.is_tensor(v)]
-            broadcast_from(tensors, source)
+
+    def _replica_tensors(self) -> list[torch.Tensor]:
+        """The weights and optimizer state a rebroadcast copies, in the same order on every rank."""
+        tensors = [p.data for _, p in self._params]
+        optimizer = unwrap_optimizer(self._optimizer) if self._optimizer is not None else None
+        for state in (getattr(optimizer, "state", None) or {}).values():
+            if isinstance(state, dict):
+                tensors += [v for v in state.values() if torch.is_tensor(v)]
+        return tensors
 
     @hookimpl
     def report_sections(self, run: Any) -> Any:

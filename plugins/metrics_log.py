@@ -17,6 +17,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from harness.appendfile import open_append
 from harness.hookspecs import hookimpl
 
 
@@ -53,8 +54,8 @@ class MetricsLog:
     @hookimpl
     def on_run_start(self, ctx: Any) -> None:
         if ctx.is_main:
-            self._logged = open(ctx.path("metrics.jsonl"), "a", encoding="utf-8")
-            self._steps = open(ctx.path("steps.jsonl"), "a", encoding="utf-8")
+            self._logged = open_append(ctx.path("metrics.jsonl"))
+            self._steps = open_append(ctx.path("steps.jsonl"))
         self._tokens = 0
         self._pending = []
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.findings import Finding, FindingCode, Severity
 from harness.hookspecs import hookimpl
 from harness.journal import Journal
+from harness.offline import disable_telemetry
 from harness.plugins.mlflow_writer import (
     MlflowWriter,
     RunTarget,
@@ -114,6 +115,8 @@ class MlflowTracker:
         return f"sqlite:///{(store / 'mlflow.db').resolve()}", (store / "artifacts").resolve().as_uri()
 
     def _start(self, ctx: Any, resumed_run: str | None) -> None:
+        # no usage telemetry from the harness's tracking (also under wrap/attach); effective when this imports mlflow first
+        disable_telemetry()
         o = self.options
         default_uri, default_artifacts = self._default_store(ctx)
         uri = o.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri

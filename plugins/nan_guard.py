@@ -15,7 +15,7 @@ how many steps were skipped and whether the LR scheduler held still then.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -59,15 +59,19 @@ class NanGuardOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    action: str = Field("skip_step", description="Action for a non-finite step (skip_step, rollback, save_and_stop, stop).")
+    action: Literal["skip_step", "rollback", "save_and_stop", "stop"] = Field(
+        "skip_step", description="Action for a non-finite step (skip_step, rollback, save_and_stop, stop; never continue: "
+        "the update would write NaN into the weights).")
     max_consecutive: int = Field(3, ge=1, description="After this many non-finite steps in a row, escalate instead of skipping.")
-    escalate_to: str = Field("save_and_stop", description="The action once max_consecutive is reached (save_and_stop, rollback, stop).")
+    escalate_to: Literal["save_and_stop", "rollback", "stop"] = Field(
+        "save_and_stop", description="The action once max_consecutive is reached (save_and_stop, rollback, stop).")
     check_grads: bool = Field(True, description="Also check the gradient norm (or, without one, every gradient) before each update.")
     capture: bool = Field(True, description="Write the step's micro-batches to captures/step-<N>/ (token ids, text, per-sample loss).")
     check_params_every: int = Field(
         100, ge=0, description="Every this many optimizer steps, check every parameter for NaN/Inf (one device sync); 0 turns it off."
     )
-    params_action: str = Field("stop", description="Action when parameters are non-finite (stop, rollback; save_and_stop would save broken weights).")
+    params_action: Literal["stop", "rollback"] = Field(
+        "stop", description="Action when parameters are non-finite (stop, rollback; save_and_stop would save broken weights).")
     fp16_skips_in_a_row: int = Field(
         5, ge=1, description="Under fp16 loss scaling the scaler skips a step now and then by design (probing a larger scale); "
         "OPTIMIZER_SKIPPED_STEP only when this many come in a row. Without fp16 every such skip is reported.",

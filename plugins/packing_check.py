@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from harness.appendfile import open_append
 from harness.capture import autocast_dtype, can_recompute
 from harness.findings import FindingCode, Severity
 from harness.hookspecs import hookimpl
@@ -285,7 +286,7 @@ class PackingCheck:
                   "tolerance": tolerance, "verdict": verdict, "per_document_leak": per_doc}
         self.results.append(result)
         if ctx.is_main:
-            with open(ctx.path("packing_check.jsonl"), "a", encoding="utf-8") as handle:
+            with open_append(ctx.path("packing_check.jsonl")) as handle:
                 handle.write(json.dumps(result) + "\n")
         if verdict != "leak" or (form, impl) in self._reported:
             return

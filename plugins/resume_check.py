@@ -46,8 +46,11 @@ RESUME_CONFIG_CHANGED = _code("RESUME_CONFIG_CHANGED", Severity.WARNING, "Traini
 RESUME_LOSS_JUMP = _code(
     "RESUME_LOSS_JUMP", Severity.WARNING, "The loss after the resume does not continue the saved run's (reference batch or first steps)."
 )
+RESUME_UNCHECKED = _code(
+    "RESUME_UNCHECKED", Severity.WARNING, "The checkpoint has no resume_check state: the resume was not verified (no check ran)."
+)
 CODES = [
-    RESUME_MODEL_MISMATCH, RESUME_OPTIMIZER_NOT_RESTORED, RESUME_SCHEDULER_MISMATCH, RESUME_RNG_NOT_RESTORED,
+    RESUME_UNCHECKED, RESUME_MODEL_MISMATCH, RESUME_OPTIMIZER_NOT_RESTORED, RESUME_SCHEDULER_MISMATCH, RESUME_RNG_NOT_RESTORED,
     RESUME_DATA_POSITION, RESUME_WORLD_SIZE_CHANGED, RESUME_CONFIG_CHANGED, RESUME_LOSS_JUMP,
 ]
 SCHEDULE_KEYS = (
@@ -65,6 +68,7 @@ class ResumeCheckOptions(BaseModel):
     stop_on: list[str] = Field(
         default_factory=lambda: [RESUME_MODEL_MISMATCH.code, RESUME_OPTIMIZER_NOT_RESTORED.code, RESUME_DATA_POSITION.code],
         description="Codes that stop training before its first update (on mismatch: stop); every other RESUME_* code warns.",
+        json_schema_extra={"names_codes": True},  # checked against the declared codes by harness.config
     )
     first_steps: int = Field(3, ge=1, description="Steps after the resume compared with the interrupted run's batches and loss band.")
     loss_window: int = Field(20, ge=3, description="Step losses kept before each save: the band the first losses after a resume must fall in.")
@@ -183,7 +187,8 @@ class ResumeCheck:
         self._resume_step = ctx.step
         self._saved = state
         if not state:
-            return  # a checkpoint saved without the harness: nothing to compare with
+            self._report_unchecked(ctx, checkpoint_dir)  # nothing to compare with: say so rather than pass silently
+            return
         trainer = ctx.trainer
         if state.get("world_size") != ctx.world_size:
             ctx.report(
@@ -208,6 +213,25 @@ class ResumeCheck:
         self._check_reference(ctx, trainer, state)
         epoch = float(state.get("epoch", 0.0))
         self._pending_rng = "rng" in state and epoch != int(epoch)  # at an epoch start the loader draws from the RNG first
+
+    def _report_unchecked(self, ctx: Any, checkpoint_dir: Any) -> None:
+        from pathlib import Path
+
+        state_dir = Path(checkpoint_dir) / "harness_state"
+        state_file = state_dir / f"rank-{ctx.rank}.json"
+        if not state_dir.is_dir():
+            why = f"{state_dir.name}/ is missing (saved without the harness, copied without it, or killed during the save)"
+        elif not state_file.is_file():
+            why = f"{state_dir.name}/{state_file.name} is missing (the save was interrupted on this rank, or it ran with another world size)"
+        else:
+            why = f"{state_dir.name}/{state_file.name} has no resume_check entry (resume_check was off when it was saved, or the file is unreadable)"
+        ctx.report(
+            RESUME_UNCHECKED.code,
+            f"resumed from {Path(checkpoint_dir).name} without verifying it: {why}. Weights, optimizer state, scheduler, RNG "
+            "streams, training arguments and the reference-batch loss were not compared with the saved run (only the data "
+            "position is still checked, against the ledger).",
+            evidence={"checkpoint": str(checkpoint_dir), "missing": str(state_file if state_dir.is_dir() else state_dir)},
+        )
 
     def _check_model(self, ctx: Any, trainer: Any, state: dict[str, Any]) -> None:
         saved = state.get("params") or {}

@@ -137,6 +137,50 @@ def check_training_keys(training: dict[str, Any], stage: str, source: str) -> No
         raise ConfigError(problems)
 
 
+TOKENIZER_SET = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")  # the preset takes these from the tokenizer
+
+
+def preset_override_keys() -> list[str]:
+    """What ``model.overrides`` of the tiny-llama preset may set: the preset's own arguments and LlamaConfig's real ones."""
+    import inspect
+
+    from transformers import LlamaConfig
+
+    from harness.tiny import tiny_llama_config
+
+    known = [p for p in inspect.signature(tiny_llama_config).parameters if p != "overrides"]
+    known += [k for k in LlamaConfig().to_dict() if not k.startswith("_")]
+    known += [p for p in inspect.signature(LlamaConfig.__init__).parameters if p not in ("self", "kwargs")]
+    known.append("attn_implementation")  # a PretrainedConfig keyword (the runner sets it for packed pretraining)
+    return sorted(set(known) - set(TOKENIZER_SET))
+
+
+def check_model_overrides(model: ModelSection, source: str) -> None:
+    """Every ``model.overrides`` key must be something the preset's config has: a typo fails before anything is built."""
+    if not model.overrides:
+        return
+    if model.preset is None:
+        raise ConfigError([
+            f"run config error in {source}, key 'model.overrides': overrides apply only to model.preset (a model built "
+            f"from a config); model.path loads '{model.path}' as saved. Fix: remove model.overrides, or use model.preset."
+        ])
+    known = preset_override_keys()
+    problems = []
+    for key in model.overrides:
+        if key in TOKENIZER_SET:
+            problems.append(
+                f"run config error in {source}, key 'model.overrides.{key}': the {model.preset} preset takes {key} from "
+                "the tokenizer, so the ids always agree. Fix: remove it (set tokenizer.vocab_size, or tokenizer.path, instead)."
+            )
+        elif key not in known:
+            problems.append(
+                f"run config error in {source}, key 'model.overrides.{key}': not a setting of the {model.preset} preset "
+                f"(LlamaConfig).{did_you_mean(key, known)} Valid keys: {', '.join(known)}. Fix: rename or remove it."
+            )
+    if problems:
+        raise ConfigError(problems)
+
+
 def _explain(error: dict[str, Any], source: str) -> str:
     loc = ".".join(str(p) for p in error.get("loc", ())) or "(top level)"
     if error.get("type") == "extra_forbidden":
@@ -178,6 +222,7 @@ def load_run_config(path: str | Path, stage: str) -> LoadedRunConfig:
     if config.stage is not None and config.stage != stage:
         raise ConfigError([f"run config error in {path}, key 'stage': the file is for '{config.stage}' but the command runs '{stage}'. Fix: run `harness run {config.stage}` or change 'stage'."])
     check_training_keys(config.training, stage, str(path))
+    check_model_overrides(config.model, str(path))
     if stage == "continue" and config.model.path is None:
         raise ConfigError([f"run config error in {path}, key 'model.path': continued pretraining starts from an existing model directory. Fix: set model.path."])
     return LoadedRunConfig(config=config, path=path, stage=stage)

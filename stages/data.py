@@ -22,7 +22,7 @@ from typing import Any
 
 import datasets as hfds
 import numpy as np
-from datasets import Dataset, DatasetDict, Features
+from datasets import Dataset, DatasetDict, Features, Value
 from pydantic import BaseModel, Field
 
 from harness.errors import HarnessError, did_you_mean
@@ -245,6 +245,59 @@ def check_fields(
             f"data file '{path}' ({where}) has no field '{field}'; its fields are: "
             f"{', '.join(repr(p) for p in present) or 'none'}.{did_you_mean(field, present)} Fix: {fix}."
         )
+    for field in required_fields:
+        check_records(dataset, path, source, where, field)
+
+
+def check_records(dataset: Dataset, path: Path, source: DataSource, where: str, field: str) -> None:
+    """Every record must hold a value in ``field`` (a JSON-lines file with mixed records has the column, with nulls).
+
+    A record without it would be dropped, or trained on as the string 'None'; the message names the records
+    (line numbers of JSON-lines files, else row indices), how many there are and what those records hold instead.
+    """
+    column = dataset.with_format("arrow")[field]
+    feature = dataset.features.get(field)
+    if field == source.text_field and isinstance(feature, Value) and feature.dtype not in ("string", "large_string"):
+        raise DataError(
+            f"data file '{path}' ({where}) field '{field}' holds {feature.dtype} values, not text. "
+            f"Fix: set {where}.text_field to the field that holds the text, or store the text as strings."
+        )
+    missing = column.null_count
+    if not missing:
+        return
+    rows = [int(i) for i in np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))]
+    named = ", ".join(_record_names(path, rows[:5]))
+    others = [k for k, v in dataset[rows[0]].items() if v is not None and k != field]
+    hint = did_you_mean(field, others)
+    if field == source.text_field:
+        fix = f"give every record a '{field}' value or remove those records; if the text is under another name, set {where}.text_field"
+    else:
+        fix = f"give every record a '{field}' value or remove those records"
+    raise DataError(
+        f"data file '{path}' ({where}): {missing} of {len(dataset)} records have no value for field '{field}' "
+        f"(missing or null), first: {named}{', ...' if missing > 5 else ''}. "
+        f"The first of them has the fields: {', '.join(repr(k) for k in others) or 'none'}.{hint} Fix: {fix}."
+    )
+
+
+def _record_names(path: Path, rows: Sequence[int]) -> list[str]:
+    """'line N' of each row of a JSON-lines file (blank lines hold no record), else 'record i' (0-based row index)."""
+    if path.is_file() and path.suffix.lower() in _JSON_SUFFIXES:
+        with open(path, "rb") as handle:
+            head = handle.read(4096).lstrip()
+        if not head.startswith(b"["):  # JSON lines, not a JSON array
+            wanted, found = set(rows), {}
+            with open(path, "rb") as handle:
+                record = -1
+                for number, line in enumerate(handle, 1):
+                    if line.strip():
+                        record += 1
+                        if record in wanted:
+                            found[record] = number
+                            if len(found) == len(wanted):
+                                break
+            return [f"line {found[r]}" if r in found else f"record {r}" for r in rows]
+    return [f"record {r}" for r in rows]
 
 
 # --------------------------------------------------------------------------- mixing

@@ -26,13 +26,25 @@ TEXT_FIELDS = {"sft": (("messages",), ("prompt", "completion")), "dpo": (("promp
 # -- tokenizer and model --------------------------------------------------------------------------
 
 
+def _local_dir(loaded: LoadedRunConfig, path: str, key: str) -> Path:
+    """A model/tokenizer directory of the config; one that does not exist is an error, never a Hugging Face Hub id."""
+    directory = loaded.resolve(path)
+    if not directory.is_dir():
+        raise HarnessError(
+            f"{key} '{path}' in {loaded.path}: {directory} is not a directory. "
+            f"Fix: point {key} at a local model directory (relative paths resolve against {loaded.base_dir})."
+        )
+    return directory
+
+
 def build_tokenizer(loaded: LoadedRunConfig, texts: list[str]) -> Any:
     cfg = loaded.config
     directory = cfg.tokenizer.path or cfg.model.path
     if directory:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(loaded.resolve(directory))
+        key = "tokenizer.path" if cfg.tokenizer.path else "model.path"
+        tokenizer = AutoTokenizer.from_pretrained(_local_dir(loaded, directory, key), local_files_only=True)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
@@ -51,7 +63,7 @@ def build_model(loaded: LoadedRunConfig, tokenizer: Any) -> Any:
     if cfg.model.path:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(loaded.resolve(cfg.model.path), **extra)
+        return AutoModelForCausalLM.from_pretrained(_local_dir(loaded, cfg.model.path, "model.path"), local_files_only=True, **extra)
     from harness.tiny import build_tiny_llama
 
     return build_tiny_llama(tokenizer, seed=cfg.seed, **{**cfg.model.overrides, **extra})
@@ -199,16 +211,15 @@ class _ScaleLearningRate(TrainerCallback):
         return control
 
 
-def _last_checkpoint_before(output_dir: Path, step: int) -> Path | None:
-    candidates = []
-    for path in output_dir.glob("checkpoint-*"):
-        try:
-            number = int(path.name.split("-")[-1])
-        except ValueError:
-            continue
-        if number < step and (path / "trainer_state.json").exists():
-            candidates.append((number, path))
-    return max(candidates)[1] if candidates else None
+def _last_checkpoint_before(output_dir: Path, step: int, world_size: int = 1) -> Path | None:
+    """The last complete checkpoint (for the Trainer and, when it saves state, the harness) before ``step``."""
+    from harness.checkpoints import checkpoint_step, harness_missing, harness_tracked, list_checkpoints, trainer_missing
+
+    tracked = harness_tracked(output_dir)
+    for path in list_checkpoints(output_dir):
+        if (checkpoint_step(path) or 0) < step and not trainer_missing(path) and not (tracked and harness_missing(path, world_size)):
+            return path
+    return None
 
 
 def _rows_per_step(args: Any) -> int:
@@ -227,7 +238,7 @@ def _train_with_rollback(loaded: LoadedRunConfig, trainer: Any, ctx: Any, resume
             return ctx.status
         step = rollback.requested_at
         output_dir = Path(trainer.args.output_dir)
-        checkpoint = _last_checkpoint_before(output_dir, step)
+        checkpoint = _last_checkpoint_before(output_dir, step, ctx.world_size)
         if rollback.performed >= policy.max_retries or checkpoint is None:
             why = "no checkpoint precedes the fault (set training.save_steps)" if checkpoint is None else f"{rollback.performed} rollbacks already"
             if ctx.is_main:
@@ -287,11 +298,11 @@ def run_stage(stage: str, config_path: str | Path, resume: str | bool | None = N
     ctx = harness.attach(trainer, config=harness_config, plugins=["mlflow"])
     ctx.stage = stage
     if resume is True:
-        from transformers.trainer_utils import get_last_checkpoint
+        from harness.checkpoints import list_checkpoints
 
-        resume = get_last_checkpoint(trainer.args.output_dir) or None
-        if resume is None:
+        if not list_checkpoints(Path(trainer.args.output_dir)):
             raise HarnessError(f"harness run --resume: no checkpoint in {trainer.args.output_dir}. Fix: run without --resume, or name a checkpoint.")
+        # stays True: the bridge resumes from the last COMPLETE checkpoint and reports the incomplete ones it passes over
     status = _train_with_rollback(loaded, trainer, ctx, resume)
     if ctx.is_main:
         log.info("harness run %s: %s; findings in %s", stage, status, ctx.run_dir / "findings.jsonl")

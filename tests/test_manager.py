@@ -139,3 +139,32 @@ def test_a_broken_third_party_plugin_only_matters_when_enabled(tmp_path: Path, m
     assert "broken" in catalog.broken and load_config({}, catalog).enabled == catalog.default_enabled
     with pytest.raises(ConfigError, match="plugin 'broken'.*cannot be loaded.*not_installed_module"):
         load_config({"plugins": ["broken"]}, catalog)
+
+
+@pytest.mark.parametrize("kind", ["wrapper", "hookwrapper"])
+def test_wrapper_hookimpl_is_refused(kind: str) -> None:
+    """The manager calls each implementation itself, so a pluggy wrapper's body would never run: refused, by name."""
+    ran: list[int] = []
+
+    class Wrapping:
+        @hookimpl(**{kind: True})
+        def on_step_end(self, step: int) -> Any:
+            ran.append(step)
+            yield
+
+    manager = HarnessPluginManager()
+    with pytest.raises(PluginError) as info:
+        manager.register(_entry(Wrapping(), "wrapping"))
+    message = str(info.value)
+    assert "plugin 'wrapping'" in message and "hook 'on_step_end'" in message and f"{kind}=True" in message
+    assert "plain @hookimpl" in message
+    assert manager.names == [] and manager.plugin("wrapping") is None and not manager.has_impl("on_step_end")
+
+    class Plain:
+        @hookimpl
+        def on_step_end(self, step: int) -> None:
+            ran.append(step)
+
+    manager.register(_entry(Plain(), "wrapping"))  # the name is free again, and a plain hookimpl runs
+    manager.call("on_step_end", ctx=None, step=7, metrics={})
+    assert ran == [7]

@@ -218,3 +218,41 @@ def test_datasets_folders_read_like_jsonl(corpus: dict[str, Any], tmp_path: Path
     from_jsonl = scan([str(root / "train" / "a.jsonl")], [str(root / "eval.jsonl")], eval_field="question", progress=False)
     assert [r["status"] for r in from_folder.rows] == [r["status"] for r in from_jsonl.rows]
     assert [r["id"] for r in from_folder.rows] == [r["id"] for r in from_jsonl.rows]  # the id field is read
+
+
+EVAL_TEXT = " ".join(f"alpha{i}beta" for i in range(20))
+
+
+@pytest.mark.parametrize("case", ["upper_case_jsonl", "csv", "bin", "empty_training_side", "non_utf8_line"])
+def test_scan_refuses_unreadable_training_input(case: str, tmp_path: Path) -> None:
+    """Training input scan cannot read must not make every eval example clean (exit 0): exit 2 with a message."""
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"id": "e1", "text": EVAL_TEXT}) + "\n", encoding="utf-8")
+    document = json.dumps({"id": "d1", "text": f"some words before {EVAL_TEXT} and after"}) + "\n"
+    names = {"upper_case_jsonl": "data.JSONL", "csv": "data.csv", "bin": "data.bin", "empty_training_side": "data.jsonl",
+             "non_utf8_line": "data.jsonl"}
+    train = tmp_path / names[case]
+    if case == "csv":
+        train.write_text(f"id,text\nd1,{EVAL_TEXT}\n", encoding="utf-8")
+    elif case == "empty_training_side":
+        train.write_text("\n" + json.dumps({"id": "d1", "text": "   "}) + "\n", encoding="utf-8")
+    elif case == "non_utf8_line":
+        train.write_bytes(document.encode() + b'{"id": "d2", "text": "caf\xe9 au lait"}\n')
+    else:
+        train.write_text(document, encoding="utf-8")
+    cli = harness_cli("scan", "--train", str(train), "--eval", str(tmp_path / "eval.jsonl"), "--out", str(tmp_path / "out"), "--workers", "1")
+    assert "Traceback" not in cli.stderr, cli.stderr[-3000:]
+    if case == "upper_case_jsonl":  # the extension is matched whatever its case: read, and the planted copy found
+        assert cli.returncode == 1, cli.stderr[-2000:]
+        assert "1 training documents" in (tmp_path / "out" / "report.md").read_text()
+        assert (tmp_path / "out" / "dirty_ids.txt").read_text() == "e1\n"
+        return
+    assert cli.returncode == 2, (cli.returncode, cli.stdout[-2000:], cli.stderr[-2000:])
+    message = " ".join(cli.stderr.split())  # rich-free stderr, but be safe about wrapping
+    assert str(train) in message and "Fix:" in message
+    if case in ("csv", "bin"):
+        assert f"unsupported extension '.{case}'" in message and ".jsonl" in message
+    elif case == "empty_training_side":
+        assert "0 documents" in message and "'text'" in message
+    else:
+        assert "line 2 is not valid UTF-8" in message
+    assert not (tmp_path / "out" / "report.csv").exists()  # nothing written that could pass for a clean result

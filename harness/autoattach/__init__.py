@@ -32,10 +32,18 @@ def patch_trainer_class(trainer_cls: Any) -> None:
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(self, "_harness_bridge", None) is None:
             from harness.bridge import attach
+            from harness.errors import HarnessError, NoCompleteCheckpointError, RunDirError
 
-            attach(self)
-            # run Trainer.train itself under the bridge: a subclass's own train() body already runs
-            return self._harness_bridge.run_train(functools.partial(original, self), args, kwargs)
+            try:
+                attach(self)
+            except HarnessError as exc:  # as the harness CLI does: one paragraph, no traceback, exit status 2
+                sys.stderr.write(f"harness: {exc}\n")
+                raise SystemExit(2) from None
+            try:  # run Trainer.train itself under the bridge: a subclass's own train() body already runs
+                return self._harness_bridge.run_train(functools.partial(original, self), args, kwargs)
+            except (RunDirError, NoCompleteCheckpointError) as exc:  # refused before the first step
+                sys.stderr.write(f"harness: {exc}\n")
+                raise SystemExit(2) from None
         return original(self, *args, **kwargs)
 
     train._harness_patched = True  # type: ignore[attr-defined]

@@ -7,21 +7,24 @@ gets its report.
 """
 from __future__ import annotations
 
+import json
 import os
-import shutil
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from harness.playbook import playbook_dir
 from harness.report.build import build_report
 from harness.report.html import render_html
 from harness.report.markdown import PLAYBOOKS_DIR, PLOTS_DIR, render_markdown
 from harness.report.model import Report, ReportSection
-from harness.report.record import RunRecord
-from harness.runinfo import read_run_info
+from harness.report.record import RunRecord, read_run_config
+from harness.runinfo import RUN_FILE, RUN_FORMAT, read_run_info
+from harness.safe_paths import safe_mkdir, safe_rmtree, safe_target, safe_write_bytes, safe_write_text
 
-__all__ = ["Report", "ReportFiles", "ReportSection", "RunRecord", "find_run_dirs", "write_report"]
+__all__ = ["Report", "ReportFiles", "ReportSection", "RunRecord", "find_run_dirs", "is_run_dir", "scan_run_dirs", "write_report"]
 
 
 @dataclass(frozen=True)
@@ -31,28 +34,70 @@ class ReportFiles:
     report: Report
 
 
-def write_report(run_dir: Path, manager: Any = None, resolved: Any = None, plots: bool = True) -> ReportFiles:
+def write_report(run_dir: Path, manager: Any = None, resolved: Any = None, plots: bool = True, out_dir: Path | None = None) -> ReportFiles:
     """Build and write the report of ``run_dir`` (``<output_dir>/harness``).
 
     ``manager``/``resolved`` are the live run's plugin manager and config; when
-    None (``harness report``) the plugins are rebuilt from the run's config.yaml.
+    None (``harness report``) the plugins are rebuilt from the run's config.yaml,
+    built-in and installed (entry-point) plugins only: nothing a run directory
+    names is imported. ``out_dir``: write the report there instead (a
+    read-only run directory); its links to the run's files point back into it.
+    Nothing is ever written or deleted through a symlink (:mod:`harness.safe_paths`).
     """
     run_dir = Path(run_dir)
+    target = Path(out_dir) if out_dir is not None else run_dir
+    if out_dir is not None:
+        target.mkdir(parents=True, exist_ok=True)  # the user's own choice of folder
+    _check_targets(target)  # before anything is read or deleted: a link anywhere on the way refuses the whole rebuild
     record = RunRecord.load(run_dir)
+    offline_notes: list[str] = []
     if manager is None:
-        manager, resolved = offline_plugins(run_dir)
-    report = build_report(record, lambda run: collect_sections(run, manager, resolved), plots=plots)
-    assets = run_dir / "report"
-    if assets.exists():
-        shutil.rmtree(assets / "plots", ignore_errors=True)
-    (run_dir / PLOTS_DIR).mkdir(parents=True, exist_ok=True)
+        manager, resolved, offline_notes = offline_plugins(run_dir)
+
+    def sections(run: RunRecord) -> tuple[list[ReportSection], list[str]]:
+        found, notes = collect_sections(run, manager, resolved)
+        return found, offline_notes + notes
+
+    report = build_report(record, sections, plots=plots)
+    safe_rmtree(target, target / PLOTS_DIR)
+    safe_mkdir(target, target / PLOTS_DIR)
     for plot in report.plots:
-        (run_dir / PLOTS_DIR / f"{plot.name}.png").write_bytes(plot.png)
-    _copy_playbooks(run_dir / PLAYBOOKS_DIR)
-    markdown, html = run_dir / "report.md", run_dir / "report.html"
-    _write_atomic(markdown, render_markdown(report))
-    _write_atomic(html, render_html(report))
+        safe_write_bytes(target, target / PLOTS_DIR / f"{plot.name}.png", plot.png)
+    _copy_playbooks(target, target / PLAYBOOKS_DIR)
+    markdown, html = target / "report.md", target / "report.html"
+    text_md, text_html = render_markdown(report), render_html(report)
+    if out_dir is not None:
+        back = quote(Path(os.path.relpath(run_dir.resolve(), target.resolve())).as_posix())
+        text_md, text_html = relink(text_md, back, _MD_LINK), relink(text_html, back, _HTML_LINK)
+    safe_write_text(target, markdown, text_md)
+    safe_write_text(target, html, text_html)
     return ReportFiles(markdown, html, report)
+
+
+_MD_LINK = re.compile(r"(?<!\\)(\]\()([^)\s]+)(\))")
+_HTML_LINK = re.compile(r'(\b(?:href|src)=")([^"]+)(")')
+
+
+def relink(text: str, prefix: str, pattern: re.Pattern[str]) -> str:
+    """Links relative to the run directory made relative to a report written elsewhere (``--out``).
+
+    The report's own files (``report/...``), anchors, absolute paths and URLs stay as they are.
+    """
+    def fix(match: re.Match[str]) -> str:
+        link = match.group(2)
+        if link.startswith(("report/", "#", "/")) or re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", link):
+            return match.group(0)
+        return f"{match.group(1)}{prefix}/{link}{match.group(3)}"
+
+    return pattern.sub(fix, text)
+
+
+def _check_targets(target: Path) -> None:
+    """Every path a rebuild writes or deletes, checked before the first write: no symlink, nothing outside."""
+    paths = [target, target / "report", target / PLOTS_DIR, target / PLAYBOOKS_DIR, target / "report.md", target / "report.html"]
+    paths += [target / PLAYBOOKS_DIR / source.name for source in playbook_dir().glob("*.md")]
+    for path in paths:
+        safe_target(target, path)
 
 
 def collect_sections(run: RunRecord, manager: Any, resolved: Any) -> tuple[list[ReportSection], list[str]]:
@@ -74,63 +119,150 @@ def collect_sections(run: RunRecord, manager: Any, resolved: Any) -> tuple[list[
     return sections, notes
 
 
-def offline_plugins(run_dir: Path) -> tuple[Any, Any]:
-    """The run's plugins, rebuilt from its config.yaml (those that are not installed here are left out)."""
-    from harness.config import CORE_KEYS, Catalog, read_yaml, resolve_config
+def offline_plugins(run_dir: Path) -> tuple[Any, Any, list[str]]:
+    """The run's plugins, rebuilt from its config.yaml: (manager, resolved config, notes on what was left out).
+
+    Only plugins installed here are used: the built-in ones and the user's own
+    entry-point plugins. A run directory is data: a ``module:Class`` path it
+    names (config.yaml's ``plugins``, run.json's ``plugin_classes``) is shown in
+    a note, never imported, so unpacking a run and reporting on it runs no code from it.
+    """
+    from harness.config import CORE_KEYS, Catalog, resolve_config
     from harness.errors import HarnessError
     from harness.manager import HarnessPluginManager
 
     catalog = Catalog.build()
-    try:
-        data = read_yaml(run_dir / "config.yaml") if (run_dir / "config.yaml").exists() else {}
-    except HarnessError:
-        data = {}
-    classes = read_run_info(run_dir).get("plugin_classes") or {}
-    for name in data.get("plugins") or []:
-        if name not in catalog.entries and isinstance(classes.get(name), str):
-            try:  # a plugin the run was given as an object or a path: importable here?
-                catalog.add(classes[name])
-            except Exception:  # noqa: BLE001 - not importable here: its section is left out
-                pass
+    data, _ = read_run_config(run_dir)  # damaged values are already noted by RunRecord.load
+    classes = read_run_info(run_dir).get("plugin_classes")
+    classes = classes if isinstance(classes, dict) else {}
+    notes: list[str] = []
+    listed = [p for p in data.get("plugins") or [] if p != "defaults"]
+    for name in listed:
+        if name in catalog.entries:
+            continue
+        path = classes.get(name)
+        if ":" in name:
+            notes.append(f"plugin {name!r} is a class path from the run's config.yaml; classes a run directory names are "
+                         "never imported offline: its section is left out.")
+        elif isinstance(path, str):
+            notes.append(f"plugin {name!r} ({path}) is not installed here: its section is left out "
+                         "(a class path from a run directory is never imported).")
+        else:
+            notes.append(f"plugin {name!r} is not installed here: its section is left out.")
     known = {k: v for k, v in data.items() if k in CORE_KEYS or k in catalog.entries}
-    if isinstance(known.get("plugins"), list):
-        known["plugins"] = [p for p in known["plugins"] if p in catalog.entries]
+    if "plugins" in known:
+        known["plugins"] = [p for p in listed if p in catalog.entries]
+    if "disable" in known:
+        disable = known["disable"] if isinstance(known["disable"], list) else []
+        known["disable"] = [p for p in disable if isinstance(p, str) and p in catalog.entries]
     for key in ("severity", "policy"):
         if isinstance(known.get(key), dict):
             known[key] = {c: v for c, v in known[key].items() if c in catalog.codes}
-    try:
-        resolved = resolve_config(known, catalog, str(run_dir / "config.yaml"))
-    except HarnessError:
-        resolved = resolve_config({}, catalog, "<defaults>")
+    source = str(run_dir / "config.yaml")
+    resolved = None
+    for attempt in (known, {"plugins": known["plugins"]} if "plugins" in known else None, {}):
+        if attempt is None:
+            continue
+        try:
+            resolved = resolve_config(attempt, catalog, source if attempt else "<defaults>")
+            break
+        except HarnessError as exc:
+            notes.append(f"config.yaml's options could not be used here ({' '.join(str(exc).split())[:300]}): "
+                         + ("the plugins run with their default options." if attempt is known else "the default plugins are used."))
+    assert resolved is not None  # {} always resolves
     manager = HarnessPluginManager()
     for name in resolved.enabled:
         manager.register(catalog.entries[name])
-    return manager, resolved
+    return manager, resolved, notes
 
 
 def find_run_dirs(path: Path) -> list[Path]:
     """Run directories at or below ``path``: ``path/harness``, or ``path`` itself, and nested runs (depth 3)."""
+    return scan_run_dirs(path)[0]
+
+
+def scan_run_dirs(path: Path) -> tuple[list[Path], list[Path]]:
+    """(run directories at or below ``path``, symlinks that were not followed).
+
+    Only real harness run directories count (:func:`is_run_dir`); no symlink
+    below ``path`` is followed (``path`` itself is the user's own choice), and
+    checkpoints are not searched.
+    """
     path = Path(path)
     found: list[Path] = []
+    links: list[Path] = []
     for candidate in [path, path / "harness"]:
-        if (candidate / "findings.jsonl").exists() or (candidate / "run.json").exists() or (candidate / "config.yaml").exists() and candidate.name == "harness":
+        if candidate != path and candidate.is_symlink():
+            links.append(candidate)
+            break
+        if is_run_dir(candidate):
             found.append(candidate)
             break
-    for depth in ("*/harness", "*/*/harness", "*/*/*/harness"):
-        for candidate in sorted(path.glob(depth)):
-            is_run = (candidate / "findings.jsonl").exists() or (candidate / "run.json").exists()  # not any folder named harness
-            if is_run and candidate not in found and "checkpoint-" not in str(candidate.relative_to(path)):
+    level = [path]
+    for _ in range(3):  # <path>/*/harness, */*/harness, */*/*/harness
+        below: list[Path] = []
+        for folder in level:
+            try:
+                entries = sorted(os.scandir(folder), key=lambda e: e.name)
+            except OSError:
+                continue
+            for entry in entries:
+                child = Path(entry.path)
+                if entry.name.startswith("checkpoint-"):
+                    continue
+                if entry.is_symlink():
+                    if entry.name == "harness" or (child / "harness").exists():
+                        links.append(child)
+                    continue
+                if not entry.is_dir(follow_symlinks=False):
+                    continue
+                below.append(child)
+        for folder in below:
+            candidate = folder / "harness"
+            if candidate.is_symlink():
+                if candidate not in links:
+                    links.append(candidate)
+            elif candidate not in found and is_run_dir(candidate):
                 found.append(candidate)
-    return found
+        level = below
+    return found, links
 
 
-def _copy_playbooks(target: Path) -> None:
-    target.mkdir(parents=True, exist_ok=True)
+def is_run_dir(candidate: Path) -> bool:
+    """Whether ``candidate`` is a run directory this harness wrote (and so one ``harness report`` may rebuild).
+
+    Its run.json carries ``"format": "train-harness-run/..."``; or (runs from
+    before the marker) it is named ``harness`` and holds the harness's resolved
+    config.yaml (``plugins`` and ``max_plugin_errors`` at the top level) and
+    either findings.jsonl or a run.json whose attempts are the harness's. A
+    user's folder that merely has a run.json is not one.
+    """
+    candidate = Path(candidate)
+    if not candidate.is_dir():
+        return False
+    info = _read_json_object(candidate / RUN_FILE)
+    if isinstance(info.get("format"), str) and info["format"].startswith(RUN_FORMAT.split("/")[0] + "/"):
+        return True
+    if candidate.name != "harness":
+        return False
+    config, _ = read_run_config(candidate)
+    if not {"plugins", "max_plugin_errors"} <= set(config):
+        return False
+    attempts = info.get("attempts")
+    harness_attempts = isinstance(attempts, list) and bool(attempts) and all(
+        isinstance(a, dict) and {"status", "start_step"} <= set(a) for a in attempts)
+    return (candidate / "findings.jsonl").is_file() or harness_attempts
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _copy_playbooks(root: Path, target: Path) -> None:
+    safe_mkdir(root, target)
     for source in playbook_dir().glob("*.md"):
-        shutil.copyfile(source, target / source.name)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+        safe_write_bytes(root, target / source.name, source.read_bytes())

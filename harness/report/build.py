@@ -13,6 +13,7 @@ from harness.report.model import FindingGroup, Raw, Report, ReportSection, md_ta
 from harness.report.plots import make_plots
 from harness.report.record import RunRecord, as_float
 from harness.report.verdict import symptoms_of, verdict_of
+from harness.textsafe import md_escape
 
 MAX_EVIDENCE_LINKS = 6
 
@@ -29,6 +30,7 @@ def build_report(
         sections.insert(0, captured)
     if not (run.run_dir / "run.json").exists():
         notes.append("run.json is missing: the run card and the attempts are incomplete (a run from before the report existed?).")
+    notes.extend(run.damage_notes())
     drawn = []
     if plots:
         try:
@@ -87,7 +89,7 @@ def captures_section(run: RunRecord) -> ReportSection | None:
         suspect = _suspect(top)
         table = summary.with_name(summary.name.replace("capture.", "summary.").replace(".json", ".md"))
         folder = summary.parent.relative_to(run.run_dir).as_posix()
-        links = [f"[capture]({folder}/{summary.name})"] + ([f"[samples]({folder}/{table.name})"] if table.exists() else [])
+        links = [f"[capture]({quote(f'{folder}/{summary.name}')})"] + ([f"[samples]({quote(f'{folder}/{table.name}')})"] if table.exists() else [])
         rows.append([data.get("step", "?"), data.get("rank", "?"), data.get("code", "?"), data.get("reason", ""),
                      "yes" if data.get("after_resume") else "no", suspect, Raw(", ".join(links)), f"harness replay {summary.parent}"])
     if not rows:
@@ -126,8 +128,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 def run_card(run: RunRecord) -> list[tuple[str, str]]:
     """The run card: what was trained, on what, how far it got."""
     info = run.info
-    model = info.get("model", {}) or {}
-    training = info.get("training", {}) or {}
+    model = info.get("model") if isinstance(info.get("model"), dict) else {}
+    training = info.get("training") if isinstance(info.get("training"), dict) else {}
     rows: list[tuple[str, Any]] = [
         ("stage", info.get("stage")),
         ("trainer", info.get("trainer")),
@@ -148,7 +150,7 @@ def run_card(run: RunRecord) -> list[tuple[str, str]]:
         ("tokens processed", _count(_last_tokens(run))),
         ("attempts (train() calls)", len(run.attempts) or None),
         ("plugins", ", ".join(run.config.get("plugins") or []) or None),
-        ("versions", ", ".join(f"{k} {v}" for k, v in (info.get("versions") or {}).items()) or None),
+        ("versions", ", ".join(f"{k} {v}" for k, v in info["versions"].items()) if isinstance(info.get("versions"), dict) else None),
     ]
     return [(label, str(value)) for label, value in rows if value not in (None, "", "None")]
 
@@ -177,7 +179,7 @@ def _global_batch(training: dict[str, Any], info: dict[str, Any]) -> str | None:
 
 
 def _schedule(training: dict[str, Any]) -> str | None:
-    if not training.get("learning_rate"):
+    if not isinstance(training.get("learning_rate"), (int, float)) or not training["learning_rate"]:
         return None
     warmup = f", warmup {training['warmup_steps']}" if training.get("warmup_steps") else ""
     return f"{training['learning_rate']:g} ({training.get('lr_scheduler_type')}{warmup})"
@@ -203,7 +205,7 @@ def next_step(group: FindingGroup, output_dir: Path | None = None) -> str:
     become the finding's step and rank when the group has only one of each.
     """
     if group.playbook is None or group.playbook.next_step is None:
-        return f"no playbook section for {group.code}; read the finding's message and evidence."
+        return f"no playbook section for {md_escape(group.code)}; read the finding's message and evidence."  # markdown: the code is data
     text = group.playbook.next_step
     if output_dir is not None:
         text = text.replace("<output_dir>", str(output_dir))

@@ -7,6 +7,7 @@ from typing import Any
 from harness.findings import Severity
 from harness.report.build import next_step, steps_to_take
 from harness.report.model import FindingGroup, Report, cell
+from harness.textsafe import md_code, md_escape
 
 PLOTS_DIR = "report/plots"
 PLAYBOOKS_DIR = "report/playbooks"
@@ -19,14 +20,17 @@ def playbook_href(group_or_link: Any) -> str | None:
 
 
 def when(seconds: Any) -> str:
-    if not isinstance(seconds, (int, float)):
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
         return "-"
-    return dt.datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return dt.datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, OSError, ValueError):  # a damaged run.json: nonsense times are shown as unknown
+        return "-"
 
 
 def render_markdown(report: Report) -> str:
-    out: list[str] = [f"# {report.title}", ""]
-    out += [f"**Verdict: {report.verdict.label}.** {report.verdict.reason}", ""]
+    out: list[str] = [f"# {md_escape(report.title)}", ""]  # text from the run (folder names, codes, errors) is data: escaped
+    out += [f"**Verdict: {report.verdict.label}.** {md_escape(report.verdict.reason)}", ""]
     out += _findings(report)
     out += _next_steps(report)
     if report.symptoms:
@@ -48,7 +52,7 @@ def render_markdown(report: Report) -> str:
         out += [f"## {section.title}", "", section.markdown.strip(), ""]
     if report.notes:
         out += ["## Notes", ""] + [f"- {cell(note, 1000)}" for note in report.notes] + [""]
-    out += [f"_Built from `{report.run_dir}` at {when(dt.datetime.now().timestamp())}; rebuild with `harness report {report.run_dir.parent}`._", ""]
+    out += [f"_Built from {md_code(report.run_dir)} at {when(dt.datetime.now().timestamp())}; rebuild with {md_code(f'harness report {report.run_dir.parent}')}._", ""]
     return "\n".join(out)
 
 
@@ -64,10 +68,10 @@ def _findings(report: Report) -> list[str]:
         out += ["| code | count | steps | ranks | what happened | action | evidence |", "|---|---|---|---|---|---|---|"]
         for g in groups:
             href = playbook_href(g)
-            code = f"[{g.code}]({href})" if href else g.code
+            code = f"[{cell(g.code, 80)}]({href})" if href else cell(g.code, 80)
             evidence = ", ".join(f"[{cell(label, 40)}]({path})" for label, path in g.evidence) or "-"
             ranks = ",".join(str(r) for r in g.ranks)
-            out.append(f"| {code} | {g.count} | {g.step_range} | {ranks} | {cell(g.message)} | {', '.join(g.actions) or '-'} | {evidence} |")
+            out.append(f"| {code} | {g.count} | {g.step_range} | {ranks} | {cell(g.message)} | {cell(', '.join(g.actions) or '-')} | {evidence} |")
         out.append("")
     return out
 
@@ -80,7 +84,7 @@ def _next_steps(report: Report) -> list[str]:
     for i, group in enumerate(groups, 1):
         href = playbook_href(group)
         more = f" ([playbook]({href}))" if href else ""
-        out.append(f"{i}. **{group.code}** (step {group.step_range}): {next_step(group, report.run_dir.parent)}{more}")
+        out.append(f"{i}. **{cell(group.code, 80)}** (step {group.step_range}): {next_step(group, report.run_dir.parent)}{more}")
     return out + [""]
 
 
@@ -90,8 +94,8 @@ def _attempts(report: Report) -> list[str]:
     out = ["## Attempts", "", "| # | started | resumed from | steps | ended | error |", "|---|---|---|---|---|---|"]
     for i, attempt in enumerate(report.attempts, 1):
         status = attempt.get("status", "?")
-        status = "never recorded its end (killed?)" if status == "running" else status
-        span = f"{attempt.get('start_step', '?')}-{attempt.get('end_step', '?')}"
+        status = "never recorded its end (killed?)" if status == "running" else cell(status, 80)
+        span = cell(f"{attempt.get('start_step', '?')}-{attempt.get('end_step', '?')}", 80)
         resumed = attempt.get("resumed_from") or "-"
         out.append(f"| {i} | {when(attempt.get('started'))} | {cell(resumed, 120)} | {span} | {status} | {cell(attempt.get('error', '-'), 200)} |")
     return out + [""]

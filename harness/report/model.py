@@ -9,16 +9,12 @@ from harness.findings import Finding, Severity
 from harness.playbook import Section
 from harness.report.plots import Plot
 from harness.report.verdict import Symptom, Verdict
+from harness.textsafe import md_cell
 
 
 def cell(text: Any, limit: int = 400) -> str:
-    """Text made safe for one markdown table cell: one line, pipes escaped, long text cut."""
-    if isinstance(text, float):
-        text = f"{text:.4g}"
-    value = " ".join(str(text).split())
-    if len(value) > limit:
-        value = value[: limit - 1] + "…"
-    return value.replace("|", "\\|").replace("<", "&lt;")  # a raw <tag> in a message is text, not HTML
+    """Text made safe for one markdown table cell: one line, escaped (no link or HTML comes through), long text cut."""
+    return md_cell(text, limit)
 
 
 def md_table(headers: list[str], rows: Any, limit: int = 400) -> str:

@@ -27,22 +27,34 @@ class RunRecord:
     steps: list[dict[str, Any]]
     logs: list[dict[str, Any]]
     config: dict[str, Any] = field(default_factory=dict)
+    unreadable: dict[str, int] = field(default_factory=dict)  # file name -> lines (or 1: the whole file) skipped
+    problems: list[str] = field(default_factory=list)  # what else could not be read, one sentence each
 
     @classmethod
     def load(cls, run_dir: Path) -> "RunRecord":
         run_dir = Path(run_dir)
-        try:
-            config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError):
-            config = {}
+        unreadable: dict[str, int] = {}
+        config, problems = read_run_config(run_dir)
+        findings = read_run_findings(run_dir, unreadable)
         return cls(
             run_dir=run_dir,
             info=read_run_info(run_dir),
-            findings=sorted(read_run_findings(run_dir), key=lambda f: (f.step if f.step is not None else -1, f.time)),
-            steps=list(read_jsonl(run_dir / "steps.jsonl")),
-            logs=list(read_jsonl(run_dir / "metrics.jsonl")),
-            config=config if isinstance(config, dict) else {},
+            findings=sorted(findings, key=lambda f: (f.step if f.step is not None else -1, f.time)),
+            steps=list(read_jsonl(run_dir / "steps.jsonl", unreadable, require_step=True)),
+            logs=list(read_jsonl(run_dir / "metrics.jsonl", unreadable)),
+            config=config,
+            unreadable=unreadable,
+            problems=problems,
         )
+
+    def damage_notes(self) -> list[str]:
+        """What could not be read, in sentences for the report (empty for an intact run)."""
+        notes = []
+        for name, count in sorted(self.unreadable.items()):
+            lines = "1 line" if count == 1 else f"{count} lines"
+            notes.append(f"{lines} of {name} could not be read and {'was' if count == 1 else 'were'} skipped "
+                         "(a torn last line after a kill, or a damaged/edited file).")
+        return notes + self.problems
 
     @property
     def output_dir(self) -> Path:
@@ -73,8 +85,8 @@ class RunRecord:
         xs, ys = [], []
         for record in self.steps:
             value = as_float(record.get(key))
-            if value is not None and math.isfinite(value):
-                xs.append(int(record["step"]))
+            if value is not None and math.isfinite(value) and _is_int(record.get("step")):
+                xs.append(record["step"])
                 ys.append(value)
         return xs, ys
 
@@ -105,20 +117,61 @@ class RunRecord:
         return None
 
 
-def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """Records of a JSONL file; torn or foreign lines are skipped."""
+def read_jsonl(path: Path, skipped: dict[str, int] | None = None, require_step: bool = False) -> Iterator[dict[str, Any]]:
+    """Records of a JSONL file; torn, foreign or damaged lines (not UTF-8, not JSON, not an object) are skipped.
+
+    ``skipped`` counts them under the file's name; ``require_step``: a record
+    without an integer ``step`` is damaged too (every step record has one).
+    """
+    path = Path(path)
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(path, "rb")  # bytes: one non-UTF-8 byte costs its line, not the file
     except OSError:
         return
     with handle:
-        for line in handle:
-            try:
-                record = json.loads(line)
-            except ValueError:
+        for raw in handle:
+            if not raw.strip():
                 continue
-            if isinstance(record, dict):
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, RecursionError, ValueError):
+                record = None
+            if isinstance(record, dict) and (not require_step or _is_int(record.get("step"))):
                 yield record
+            elif skipped is not None:
+                skipped[path.name] = skipped.get(path.name, 0) + 1
+
+
+def read_run_config(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
+    """The run's resolved ``config.yaml`` as a mapping, its ``plugins`` a list of names; (config, problems found).
+
+    A damaged file (not UTF-8, not YAML, not a mapping, ``plugins: 5``) costs
+    what is damaged, said in ``problems``; the report is built without it.
+    """
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return {}, []
+    try:
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError) as exc:
+        return {}, [f"config.yaml could not be read ({type(exc).__name__}): the run's plugins and options are left out."]
+    if data is None:
+        return {}, []
+    if not isinstance(data, dict):
+        return {}, [f"config.yaml holds a {type(data).__name__}, not a mapping of options: the run's plugins and options are left out."]
+    data = {str(k): v for k, v in data.items()}
+    problems = []
+    plugins = data.get("plugins")
+    if plugins is not None and not (isinstance(plugins, list) and all(isinstance(p, str) for p in plugins)):
+        kept = [p for p in plugins if isinstance(p, str)] if isinstance(plugins, list) else []
+        problems.append(f"config.yaml: 'plugins' is not a list of names (got {repr(plugins)[:80]}): "
+                        + (f"only {', '.join(kept)} kept." if kept else "the run's plugins are left out."))
+        data["plugins"] = kept
+    return data, problems
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def as_float(value: Any) -> float | None:

@@ -94,3 +94,32 @@ def test_planted_eval_examples_through_wrap(tmp_path: Path) -> None:
     assert expected and set(expected) <= set(found)  # every planted row that was trained is found ...
     assert all(found[example] <= step for example, step in expected.items())  # ... at its step or at an earlier row sharing its text
     assert not {"ex0", "ex1", "ex2", "ex3"} & set(found)  # the made-up examples never
+
+
+def test_contamination_worker_failure_does_not_hang(make_trainer: Any, tokenizer: Any, lm_rows: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    """The index lookup raises in the background thread: one INTERNAL_PLUGIN_ERROR, and training (104 micro-batches) goes on.
+
+    Before, the dead thread left its queue (64 deep) full, so the 66th micro-batch waited forever."""
+    import threading
+
+    from harness.ngrams import NgramIndex
+
+    def broken_query(self: Any, rows: Any) -> Any:
+        raise MemoryError("index lookup failed on purpose")
+
+    monkeypatch.setattr(NgramIndex, "query_rows", broken_query)
+    texts = _made_up(6)
+    trainer = make_trainer(max_steps=26, gradient_accumulation_steps=4, eval_dataset=lm_rows.select([40]), processing_class=tokenizer)
+    harness.attach(trainer, config={"contamination": {"eval_sets": [{"path": str(_eval_file(tmp_path / "eval.jsonl", texts)), "field": "question"}]}})
+    done: list[Any] = []
+    runner = threading.Thread(target=lambda: done.append(trainer.train()), daemon=True)
+    runner.start()
+    runner.join(timeout=240)
+    assert not runner.is_alive(), "training hung behind the dead contamination worker"
+    assert done and trainer.state.global_step == 26
+    out = Path(trainer.args.output_dir)
+    (error,) = [f for f in findings_of(out, "INTERNAL_PLUGIN_ERROR") if f["plugin"] == "contamination"]
+    assert error["evidence"]["hook"] == "inspect_batch" and "background checker died (MemoryError" in error["message"]
+    assert "index lookup failed on purpose" in error["evidence"]["traceback"]
+    summary = json.loads((out / "harness" / "contamination" / "summary.rank-0.json").read_text())
+    assert summary["complete"] is False and summary["checked_tokens"] == 0

@@ -169,3 +169,24 @@ def test_duplicate_source_names_rejected() -> None:
     sources = [DataSource(path="x/train.jsonl"), DataSource(path="y/train.jsonl")]
     with pytest.raises(DataError, match=r"data\[0\] and data\[1\] are both named 'train'.*data\[1\]\.name"):
         mix_sources([corpus("a", 3), corpus("b", 3)], sources)
+
+
+def test_records_missing_a_required_field_are_named(tmp_path: Path) -> None:
+    """A field present in some records only: the column exists (null elsewhere), so the field check alone passes."""
+    from harness.stages.data import check_fields
+
+    rows = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(6)]
+    rows[3] = {"prompt": "q3", "answer": "a3"}
+    path = tmp_path / "sft.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n" + "\n".join(json.dumps(r) for r in rows[2:]) + "\n", encoding="utf-8")
+    source = DataSource(path="sft.jsonl")
+    dataset = load_source(source, tmp_path, [], index=1)  # loads: the file is fine as data
+    with pytest.raises(DataError) as info:
+        check_fields(dataset, path, source, "data[1]", ["prompt", "completion"])
+    message = str(info.value)
+    assert str(path) in message and "(data[1])" in message and "1 of 6 records have no value for field 'completion'" in message
+    assert "first: line 5." in message  # a blank line holds no record: line numbers, not row indices
+    assert "'prompt', 'answer'" in message and "Fix:" in message
+    (tmp_path / "n.jsonl").write_text("".join(json.dumps({"text": i}) + "\n" for i in range(3)), encoding="utf-8")
+    with pytest.raises(DataError, match=r"field 'text' holds int64 values, not text.*data\[0\].text_field"):
+        load_source(DataSource(path="n.jsonl"), tmp_path, ["text"], index=0)

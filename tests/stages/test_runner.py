@@ -162,3 +162,42 @@ def test_stage_mismatch_and_unknown_harness_option(tmp_path: Path) -> None:
     config = example_config("pretrain", tmp_path, harness={"max_plugin_error": 2})
     with pytest.raises(ConfigError, match=r"section 'harness'.*max_plugin_error.*Did you mean 'max_plugin_errors'"):
         run_stage("pretrain", config)
+
+
+def test_runner_refuses_records_without_text_field(tmp_path: Path) -> None:
+    """A mixed JSON-lines file: half the records lack 'text'. They were dropped in silence (and the tokenizer trained on
+    the string 'None'); now the run fails before anything is built, naming the file, the records' lines and the key."""
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(
+        json.dumps({"text": f"document {i} about the weather and the sea"} if i % 2 == 0 else {"txt": f"document {i}"}) + "\n"
+        for i in range(20)
+    ), encoding="utf-8")
+    config = example_config("pretrain", tmp_path, training={"max_steps": 2, "save_strategy": "no"})
+    data = yaml.safe_load(config.read_text())
+    data["data"]["sources"] = [{"path": str(mixed)}]
+    config.write_text(yaml.safe_dump(data))
+    result = harness_cli("run", "pretrain", "--config", str(config))
+    assert result.returncode == 2, result.stderr[-3000:]
+    message = " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr
+    assert str(mixed) in message and "data.sources[0]" in message and "10 of 20 records have no value for field 'text'" in message
+    assert "line 2, line 4, line 6" in message and "Did you mean 'txt'?" in message and "text_field" in message
+    assert not (tmp_path / "pretrain").exists()  # failed before tokenizer, model or Trainer were built
+
+
+def test_runner_refuses_unknown_model_override(tmp_path: Path) -> None:
+    config = example_config("pretrain", tmp_path, training={"max_steps": 2, "save_strategy": "no"})
+    data = yaml.safe_load(config.read_text())
+    data["model"]["overrides"] = {"hidden_sise": 32, "num_layers": 1, "rms_norm_eps": 1e-5}
+    config.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as info:
+        run_stage("pretrain", config)
+    (problem,) = info.value.problems  # the real LlamaConfig settings (num_layers, rms_norm_eps) pass
+    assert str(config) in problem and "model.overrides.hidden_sise" in problem and "Did you mean 'hidden_size'?" in problem
+    assert not (tmp_path / "pretrain").exists()
+    data["model"]["overrides"] = {"vocab_size": 1000}  # set from the tokenizer: a second value would be a TypeError later
+    config.write_text(yaml.safe_dump(data))
+    result = harness_cli("run", "pretrain", "--config", str(config))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "model.overrides.vocab_size" in result.stderr and "from the tokenizer" in result.stderr
+    assert not (tmp_path / "pretrain").exists()
