@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import time
-import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
@@ -41,7 +40,7 @@ from harness.tokens import token_positions
 RANK_END_WAIT_S = 90.0  # rank 0 waits this long at most for the other ranks' run-end files
 
 log = logging.getLogger("harness")
-STATE_DIR = "harness_state"
+STATE_DIR = checkpoints.STATE_DIR
 
 
 def attach(trainer: Any, config: Any = None, plugins: list[Any] | None = None) -> RunContext:
@@ -74,10 +73,10 @@ class Bridge:
         output_dir = Path(resolved.model.output_dir or args.output_dir or "trainer_output")
         run_dir = output_dir / "harness"
         rundir.check_writable(run_dir)  # a clear error now, not a PermissionError from inside train()
-        self._lock_dir = run_dir if dist.is_main else None  # rank 0 holds the run lock for the whole job
-        if self._lock_dir is not None:
+        self._lock_dir = run_dir if dist.is_main else None  # rank 0 holds the run lock while a train() call runs
+        if self._lock_dir is not None:  # refused at attach already (before config.yaml is written), held only in train()
             rundir.acquire(self._lock_dir, id(self))
-            weakref.finalize(self, rundir.release, self._lock_dir, id(self))  # a bridge never trained lets go when collected
+            rundir.release(self._lock_dir, id(self))
         manager = HarnessPluginManager(resolved.model.max_plugin_errors)
         for name in resolved.enabled:
             manager.register(catalog.entries[name])
@@ -134,7 +133,7 @@ class Bridge:
         if self._in_train:
             return train(*args, **kwargs)
         if self._lock_dir is not None:
-            rundir.acquire(self._lock_dir, id(self))  # again: the previous train() call let go at its end
+            rundir.acquire(self._lock_dir, id(self))  # held until this call ends
         self._stopped = False
         self.ctx.pending_action = Action.CONTINUE
         try:
@@ -157,9 +156,11 @@ class Bridge:
             if status == "completed" and self._stopped:
                 status = "stopped"
             self.ctx.status = status
-            self.ctx.manager.call("on_run_end", ctx=self.ctx, status=status, error=error)
-            self._finish_run(status, error)
-            self._release_lock()
+            try:
+                self.ctx.manager.call("on_run_end", ctx=self.ctx, status=status, error=error)
+                self._finish_run(status, error)
+            finally:  # also after a KeyboardInterrupt while the report is written
+                self._release_lock()
             if status == "crashed":
                 log.error("harness: training crashed; findings are in %s", self.ctx.run_dir / "findings.jsonl")
 
@@ -258,14 +259,19 @@ class Bridge:
         chosen = found.chosen
         if ctx.is_main:
             for folder, missing in found.skipped:
+                # set aside only when resuming from an older one: save_total_limit would keep it and rotate the good ones away
+                moved = checkpoints.set_aside(folder) if chosen is not None else None
                 ctx.report(
                     CHECKPOINT_INCOMPLETE.code,
                     f"{folder.name} is incomplete: it lacks {', '.join(missing)} (a save interrupted by a kill, a crash or a "
                     "full disk); "
                     + (f"resume_from_checkpoint=True resumes from {chosen.name} instead." if chosen is not None
-                       else "no complete checkpoint is left to resume from."),
+                       else "no complete checkpoint is left to resume from.")
+                    + (f" It was renamed {moved.name} (kept, outside the checkpoint-* names that the Trainer resumes from and "
+                       "rotates)." if moved is not None else ""),
                     step=checkpoints.checkpoint_step(folder),
-                    evidence={"checkpoint": str(folder), "missing": missing, "resumed_from": str(chosen) if chosen else None},
+                    evidence={"checkpoint": str(folder), "missing": missing, "resumed_from": str(chosen) if chosen else None,
+                              "renamed_to": str(moved) if moved is not None else None},
                     plugin="harness",
                 )
             if chosen is not None and found.chosen_missing:

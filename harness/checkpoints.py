@@ -34,7 +34,7 @@ from pathlib import Path
 STATE_DIR = "harness_state"
 TRAINER_STATE = "trainer_state.json"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-WEIGHT_FILE_RE = re.compile(r"^(model|pytorch_model|adapter_model|consolidated)([-.].*)?\.(safetensors|bin|pt)$|^.*\.safetensors(\.index\.json)?$|^pytorch_model\.bin\.index\.json$")
+WEIGHT_FILE_RE = re.compile(r"^(model|pytorch_model|adapter_model|consolidated)([-._].*)?\.(safetensors|bin|pt)$|^.*\.safetensors(\.index\.json)?$|^pytorch_model\.bin\.index\.json$")
 WEIGHT_DIR_RE = re.compile(r"^(global_step\d+|pytorch_model_fsdp_\d+|model_\d+)$")  # DeepSpeed, FSDP sharded
 
 
@@ -53,6 +53,29 @@ def write_marker(checkpoint_dir: Path, rank: int, world_size: int, step: int) ->
     tmp = target.with_name(target.name + ".tmp")
     tmp.write_text(json.dumps({"step": step, "rank": rank, "world_size": world_size}), encoding="utf-8")
     os.replace(tmp, target)
+
+
+def set_aside(checkpoint: Path) -> Path | None:
+    """Rename an incomplete ``checkpoint-<N>`` to ``incomplete-checkpoint-<N>`` (``.2``, ``.3`` ... if taken); None if it cannot be.
+
+    Left under its name, it is still a ``checkpoint-*`` folder: the next
+    ``get_last_checkpoint`` of a script without the harness picks it again,
+    and transformers 4.x's ``save_total_limit`` rotation (by step number,
+    ``use_mtime=False``) keeps the highest-numbered folder, so the broken one
+    outlives the good checkpoints saved after the resume. Outside that
+    pattern neither HF nor the harness picks it, and nothing is deleted.
+    """
+    checkpoint = Path(checkpoint)
+    target = checkpoint.with_name(f"incomplete-{checkpoint.name}")
+    n = 1
+    while target.exists() or target.is_symlink():
+        n += 1
+        target = checkpoint.with_name(f"incomplete-{checkpoint.name}.{n}")
+    try:
+        os.rename(checkpoint, target)
+    except OSError:
+        return None
+    return target
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -76,7 +99,7 @@ def has_weights(checkpoint: Path) -> bool:
     except OSError:
         return False
     return any(
-        (e.is_file() and e.name != "training_args.bin" and WEIGHT_FILE_RE.match(e.name)) or (e.is_dir() and WEIGHT_DIR_RE.match(e.name))
+        (e.is_file() and WEIGHT_FILE_RE.match(e.name)) or (e.is_dir() and WEIGHT_DIR_RE.match(e.name))
         for e in entries
     )
 
@@ -91,7 +114,9 @@ def trainer_missing(checkpoint: Path) -> list[str]:
     missing = []
     if not (Path(checkpoint) / TRAINER_STATE).is_file():
         missing.append(TRAINER_STATE)
-    if not has_weights(checkpoint):
+    # a harness marker is written after the Trainer's save returned, weights included, in whatever format (a Trainer
+    # subclass's own _save, FSDP's per-rank files): the name patterns are needed only for checkpoints without one
+    if not has_weights(checkpoint) and not (Path(checkpoint) / STATE_DIR / marker_name(0)).is_file():
         missing.append("the weights (model.safetensors / pytorch_model.bin)")
     return missing
 

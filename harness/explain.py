@@ -20,9 +20,9 @@ def _scan_or_fail(path: Path) -> tuple[list[Path], list[Path]]:
     if not path.exists():
         raise HarnessError(f"'{path}' does not exist. Fix: pass the training run's output_dir (the folder that holds harness/).")
     found, links = scan_run_dirs(path)
-    for link in links:
-        sys.stderr.write(f"harness: not following the symlink '{link}': a run directory is data, and links in it are "
-                         "never followed. Fix: pass the real folder it points to, if you trust it.\n")
+    for link in links:  # a note, not a failure: `runs/latest -> runs/2024-...` is common and its run is found anyway
+        sys.stderr.write(f"harness: note: not followed: {link} is a symbolic link (links found while searching for runs "
+                         "are never followed; pass the real folder it points to, if you trust it).\n")
     if not found:
         looks = [name for name in ("run.json", "findings.jsonl", "config.yaml", "report.md") if (path / name).exists()]
         if looks:
@@ -43,32 +43,34 @@ def _scan_or_fail(path: Path) -> tuple[list[Path], list[Path]]:
 def print_report(path: Path, plots: bool, out: Path | None = None) -> int:
     """Rebuild the report of every run under ``path`` (or write them under ``out``); print where it went and the verdict.
 
-    Exit status 2 when a symlink was refused (the other runs are still rebuilt).
+    Exit status 2 when a run could not be rebuilt: a write target in it is a symlink, or it cannot be written (the
+    other runs are still rebuilt). A symlink met while searching for runs is only a note on stderr.
     """
     import os
 
+    from harness.errors import RunDirNotWritableError
     from harness.report import write_report
     from harness.safe_paths import UnsafePathError
 
-    found, links = _scan_or_fail(path)
+    found, _ = _scan_or_fail(path)  # links met on the way are notes there
     targets = {}
     for run_dir in found:
         if out is None:
             targets[run_dir] = None
             for folder in (run_dir, run_dir / "report"):
                 if folder.is_dir() and not folder.is_symlink() and not os.access(folder, os.W_OK):
-                    raise HarnessError(
+                    raise RunDirNotWritableError(
                         f"the run directory '{folder}' is not writable here, so its report cannot be rebuilt in place. "
                         f"Fix: write it elsewhere with `harness report {path} --out DIR` (the run directory is left untouched)."
                     )
         else:
             inside = run_dir.relative_to(path) if run_dir.is_relative_to(path) else Path(run_dir.name)
             targets[run_dir] = out if len(found) == 1 else out / inside
-    refused = bool(links)
+    refused = False
     for run_dir, target in targets.items():
         try:
             files = write_report(run_dir, plots=plots, out_dir=target)
-        except UnsafePathError as exc:
+        except (UnsafePathError, RunDirNotWritableError) as exc:
             sys.stderr.write(f"harness: {run_dir}: {exc}\n")
             refused = True
             continue

@@ -63,31 +63,48 @@ def find_capture_file(capture_dir: Path, rank: int | None) -> Path:
 def find_checkpoint(meta: dict[str, Any], capture_file: Path) -> tuple[Path, bool]:
     """The checkpoint saved at the step before the capture, else the latest before it; (path, exact).
 
+    Only a checkpoint complete for the Trainer counts (``trainer_state.json``
+    and the weights, :func:`harness.checkpoints.trainer_missing`): a save
+    killed half-way leaves a ``checkpoint-<N>`` whose weights may be partial.
     The run directory the capture lies in comes first: the ``output_dir``
     stored in ``capture.json`` is absolute, so for a run directory copied or
     moved elsewhere it names the old place (or another run now living
     there). It is looked at only when no checkpoint lies beside the capture.
     """
+    checkpoint, exact, _ = _find_checkpoint(meta, capture_file)
+    return checkpoint, exact
+
+
+def _find_checkpoint(meta: dict[str, Any], capture_file: Path) -> tuple[Path, bool, list[tuple[Path, list[str]]]]:
+    """:func:`find_checkpoint`, and the newer checkpoints it passed over as incomplete (folder, what it lacks)."""
+    from harness.checkpoints import checkpoint_step, list_checkpoints, trainer_missing
+
     wanted = int(meta["weights_from_step"])
     beside = capture_file.parents[3] if len(capture_file.parents) > 3 else capture_file.parent
     candidates = [beside]
     if meta.get("output_dir") and Path(meta["output_dir"]).resolve() != beside.resolve():
         candidates.append(Path(meta["output_dir"]))
-    found: dict[int, Path] = {}
     for base in candidates:
-        for ckpt in base.glob("checkpoint-*"):
-            m = re.fullmatch(r"checkpoint-(\d+)", ckpt.name)
-            if m and ckpt.is_dir() and int(m.group(1)) <= wanted:
-                found.setdefault(int(m.group(1)), ckpt)
-        if found:
-            break  # the first place with a checkpoint wins: never mix the copy's checkpoints with the original's
-    if not found:
+        found = [c for c in list_checkpoints(base) if checkpoint_step(c) <= wanted]  # type: ignore[operator]  # newest first
+        if not found:
+            continue
+        # the first place with a checkpoint wins: never mix the copy's checkpoints with the original's
+        skipped: list[tuple[Path, list[str]]] = []
+        for checkpoint in found:
+            missing = trainer_missing(checkpoint)
+            if not missing:
+                return checkpoint, checkpoint_step(checkpoint) == wanted, skipped
+            skipped.append((checkpoint, missing))
+        lacks = "; ".join(f"{c} lacks {', '.join(m)}" for c, m in skipped)
         raise HarnessError(
-            f"no checkpoint at or before step {wanted} next to the capture (looked in {', '.join(str(c) for c in candidates)}); "
-            "pass --checkpoint DIR (a Trainer checkpoint or a saved model directory)."
+            f"no complete checkpoint at or before step {wanted} in {base}: {lacks} (a save that did not finish; "
+            "the weights in it may be partial). Fix: pass --checkpoint DIR (a complete Trainer checkpoint or a saved "
+            "model directory)."
         )
-    best = max(found)
-    return found[best], best == wanted
+    raise HarnessError(
+        f"no checkpoint at or before step {wanted} next to the capture (looked in {', '.join(str(c) for c in candidates)}); "
+        "pass --checkpoint DIR (a Trainer checkpoint or a saved model directory)."
+    )
 
 
 def load_model(checkpoint: Path, meta: dict[str, Any], device: str) -> Any:
@@ -167,12 +184,18 @@ def print_replay(capture_dir: Path, checkpoint: Path | None, rank: int | None, d
     from rich.console import Console
     from rich.table import Table
 
-    meta = json.loads(find_capture_file(Path(capture_dir), rank).read_text(encoding="utf-8"))
+    capture_file = find_capture_file(Path(capture_dir), rank)
+    meta = json.loads(capture_file.read_text(encoding="utf-8"))
     captured_on = meta.get("model", {}).get("device_type") or "cpu"
     device = device or (captured_on if captured_on == "cpu" or torch.cuda.is_available() else "cpu")
     tolerance = default_tolerance(meta) if tolerance is None else tolerance
-    meta, used, exact, rows = replay(capture_dir, checkpoint, rank, device)
     console = Console()
+    if checkpoint is None:
+        checkpoint, _, skipped = _find_checkpoint(meta, capture_file)
+        for folder, missing in skipped:
+            console.print(f"skipped {folder}: it lacks {', '.join(missing)} (a save that did not finish).",
+                          style="yellow", markup=False, highlight=False)  # a path is no markup
+    meta, used, exact, rows = replay(capture_dir, checkpoint, rank, device)
     if device != captured_on:
         console.print(f"[yellow]the capture ran on {captured_on}, this replay on {device}: kernels differ, expect small differences.[/yellow]")
     table = Table(title=f"{meta['code']} at step {meta['step']}, rank {meta['rank']}: per-sample loss on {used}")

@@ -4,14 +4,19 @@
 small file there: ``os.access`` answers "yes" for root on read-only mounts
 and on paths it cannot create, so only a real write tells.
 
-``RunDirLock`` is an ``fcntl.flock`` on ``<output_dir>/harness/.lock``,
-taken by rank 0 from attach until the end of each ``train()`` call (taken
-again by the next one). The kernel drops a flock when its process dies, so
-a killed run never leaves a stale lock behind; the lock file keeps the pid
-of its holder only so that the error can name it. Within one process the
-lock is shared: several trainers attached to the same output directory one
-after the other (a resume in the same script, the stage runner's rollback)
-do not lock each other out.
+The lock is a POSIX record lock (``fcntl.lockf``) on ``<output_dir>/harness/.lock``,
+taken by rank 0 for the length of each ``train()`` call (``attach`` only
+checks that it is free, so a second run is refused before it writes
+anything). A record lock belongs to the process, is not inherited by forked
+children (data-loader workers, ``datasets.map`` pools: with ``flock`` an
+orphaned worker of a killed run would keep holding it) and the kernel drops
+it when the process dies, so a killed run never leaves a stale lock behind;
+the lock file keeps the pid of its holder only so that the error can name
+it. Within one process the lock is shared: several trainers attached to the
+same output directory one after the other (a resume in the same script, the
+stage runner's rollback) do not lock each other out. (A record lock is also
+dropped when the process closes any descriptor of the file, so nothing but
+this module opens it.)
 """
 from __future__ import annotations
 
@@ -85,11 +90,11 @@ def acquire(run_dir: Path, holder: int) -> None:
         log.warning("harness: could not create the run lock %s (%s); a second run on this directory will not be refused", path, exc)
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # a filesystem without flock
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # a filesystem without record locks
             os.close(fd)
-            log.warning("harness: the file system of %s does not support flock (%s); a second run on it will not be refused", path, exc)
+            log.warning("harness: the file system of %s does not support file locks (%s); a second run on it will not be refused", path, exc)
             return
         owner = _read_owner(fd)
         os.close(fd)
@@ -121,7 +126,7 @@ def release(run_dir: Path, holder: int) -> None:
         return
     del _HELD[key]
     try:
-        fcntl.flock(fd, fcntl.LOCK_UN)  # also for forked data-loader workers that share the descriptor
+        fcntl.lockf(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
 

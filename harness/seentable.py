@@ -21,6 +21,7 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
+import numpy as np
 import xxhash
 
 _M64 = 0xFFFF_FFFF_FFFF_FFFF
@@ -98,14 +99,35 @@ class SeenTable:
         return slot
 
     def _grow(self) -> None:
-        old_keys, old_values = self._keys, self._values
+        """Double the table, rehashing in numpy: a Python loop over millions of keys would stall the step it lands in.
+
+        Linear probing stays valid for any placement in which every key sits at
+        or after its home slot with no empty slot in between. Sorted by home
+        slot, ``pos_i = max(home_i, pos_{i-1} + 1)`` is such a placement (one
+        cumulative maximum); the few keys it would push past the last slot are
+        inserted by ordinary probing, which wraps around.
+        """
+        old_keys = np.frombuffer(self._keys, dtype=np.uint64)
+        old_values = np.frombuffer(self._values, dtype=np.uint64)
+        held = old_keys != 0
+        keys, values = old_keys[held], old_values[held]
         self._reset(self._bits + 1)
-        for key, value in zip(old_keys, old_values):
-            if key:
-                slot = self._slot(key)
-                self._keys[slot] = key
-                self._values[slot] = value
-                self._size += 1
+        home = ((keys * np.uint64(_MIX)) >> np.uint64(64 - self._bits)).astype(np.int64)  # uint64 products wrap mod 2^64
+        order = np.argsort(home, kind="stable")
+        keys, values, home = keys[order], values[order], home[order]
+        steps = np.arange(len(keys), dtype=np.int64)
+        pos = np.maximum.accumulate(home - steps) + steps if len(keys) else home
+        fits = pos < self.slots
+        new_keys = np.frombuffer(self._keys, dtype=np.uint64)
+        new_values = np.frombuffer(self._values, dtype=np.uint64)
+        new_keys[pos[fits]] = keys[fits]
+        new_values[pos[fits]] = values[fits]
+        self._size = int(fits.sum())
+        for key, value in zip(keys[~fits].tolist(), values[~fits].tolist()):
+            slot = self._slot(key)
+            self._keys[slot] = key
+            self._values[slot] = value
+            self._size += 1
 
     def add(self, key: int) -> int:
         """Count ``key`` once more: its count now (0 when the table is full and does not hold it)."""

@@ -124,6 +124,7 @@ class Contamination:
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
+        self.index, self._thread = None, None  # a second train() call starts from nothing (no index, no worker) until built
         tokenizer = getattr(trainer, "processing_class", None)
         self._tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         examples: list[EvalExample] = []
@@ -148,7 +149,7 @@ class Contamination:
         self.index = NgramIndex.build(examples, self.options.n, self.options.template_min_examples, self.options.min_length)
         self._worker_error, self._worker_error_reported = None, False
         self._queue = queue.Queue(maxsize=QUEUE_SIZE)  # a second train() call: nothing left over from the last
-        self._thread = threading.Thread(target=self._work, name="harness-contamination", daemon=True)
+        self._thread = threading.Thread(target=self._work, args=(self._queue, self.index), name="harness-contamination", daemon=True)
         self._thread.start()
 
     # -- per micro-batch: a host copy, the lookup in the background ------------------------------------------------
@@ -202,19 +203,19 @@ class Contamination:
             f"eval sets after {self.checked_tokens} tokens. The run-end summary covers only those."
         ) from error
 
-    def _work(self) -> None:
-        assert self.index is not None
+    def _work(self, jobs: "queue.Queue[Any]", index: NgramIndex) -> None:
+        """The worker of one train() call: its own queue and index (one stuck past the run end never serves the next call)."""
         while True:
-            item = self._queue.get()
+            item = jobs.get()
             if item is None:
-                self._queue.task_done()
+                jobs.task_done()
                 return
             step, micro, rank, ids, host, ready = item
             try:
                 if ready is not None:
                     ready.synchronize()
                 rows = host.numpy().astype(np.int64, copy=False)
-                hits = self.index.query_rows(rows)
+                hits = index.query_rows(rows)
                 self.checked_tokens += rows.size
                 if hits:
                     self._hits.put((step, micro, rank, ids, hits, rows))
@@ -222,7 +223,7 @@ class Contamination:
                 self._worker_error = exc
                 return
             finally:
-                self._queue.task_done()
+                jobs.task_done()
 
     def _drain(self, ctx: Any) -> None:
         """Report what the background thread found (on the training thread: findings are not thread-safe)."""

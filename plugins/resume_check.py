@@ -20,6 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from harness.capture import can_recompute, per_sample_loss, recompute_losses
+from harness.checkpoints import STATE_DIR
 from harness.findings import Finding, FindingCode, Severity
 from harness.fingerprints import differing, optimizer_tensors, param_tensors, rng_fingerprints, scheduler_state, tensor_sums
 from harness.hashing import combine_row_hashes, device_row_hashes, hex64
@@ -217,7 +218,7 @@ class ResumeCheck:
     def _report_unchecked(self, ctx: Any, checkpoint_dir: Any) -> None:
         from pathlib import Path
 
-        state_dir = Path(checkpoint_dir) / "harness_state"
+        state_dir = Path(checkpoint_dir) / STATE_DIR
         state_file = state_dir / f"rank-{ctx.rank}.json"
         if not state_dir.is_dir():
             why = f"{state_dir.name}/ is missing (saved without the harness, copied without it, or killed during the save)"

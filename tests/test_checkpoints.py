@@ -66,6 +66,9 @@ def test_resume_skips_incomplete_checkpoint(make_trainer: Any, tmp_path: Path) -
     assert _resume_codes(out) == []  # checkpoint-5 is intact: the resume from it verifies clean
     assert (out / "checkpoint-10" / "trainer_state.json").exists()  # the resumed run saved step 10 again
     assert resolve_last(out).chosen == out / "checkpoint-14" and resolve_last(out).skipped == []
+    kept = out / "incomplete-checkpoint-10"  # set aside, not deleted: out of the names HF resumes from and rotates
+    assert incomplete["evidence"]["renamed_to"] == str(kept) and kept.name in incomplete["message"]
+    assert (kept / "model.safetensors").exists() and not (kept / "trainer_state.json").exists()
 
 
 def test_resume_passes_over_a_checkpoint_without_the_harness_part_of_its_save(make_trainer: Any, tmp_path: Path) -> None:
@@ -204,3 +207,29 @@ def test_two_processes_each_mark_their_part_of_the_save(tmp_path: Path) -> None:
     assert incomplete["rank"] == 0 and incomplete["evidence"]["missing"] == ["harness_state/complete.rank-1"]
     assert _attempts(out)[-1]["resumed_from"] == str(out / "checkpoint-5")
     assert (out / "checkpoint-10" / "harness_state" / "complete.rank-1").exists()
+
+
+@pytest.mark.parametrize(
+    "files, complete",
+    [
+        (["model.safetensors"], True),
+        (["pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json"], True),
+        (["pytorch_model_fsdp_rank0.bin"], True),  # FSDP LOCAL_STATE_DICT
+        (["adapter_model.safetensors"], True),  # PEFT
+        (["global_step10/"], True),  # DeepSpeed
+        (["custom_weights.npz", "harness_state/complete.rank-0"], True),  # a Trainer subclass's own _save, then the harness
+        (["custom_weights.npz"], False),  # unknown format, no harness marker: not provably complete
+        (["training_args.bin", "optimizer.pt", "scheduler.pt"], False),  # no weights
+    ],
+)
+def test_weights_are_recognised_in_every_format(tmp_path: Path, files: list[str], complete: bool) -> None:
+    from harness.checkpoints import trainer_missing
+
+    checkpoint = tmp_path / "checkpoint-10"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text("{}")
+    for name in files:
+        target = checkpoint / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.mkdir() if name.endswith("/") else target.write_text("x")
+    assert (trainer_missing(checkpoint) == []) is complete

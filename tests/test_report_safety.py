@@ -132,14 +132,25 @@ def test_report_never_writes_through_symlinks(tmp_path: Path, case: str) -> None
         link = project / "b"
     before = snapshot(victim)
     result = harness_cli("report", str(project))
-    assert result.returncode == 2, (result.stdout, result.stderr[-3000:])
-    assert str(link) in result.stderr and "symlink" in result.stderr, result.stderr[-3000:]
     assert snapshot(victim) == before  # nothing deleted, nothing written there
     assert link.is_symlink()  # and the link itself is left as it was
     if case == "nested_run":
+        # a link met while searching for runs (`runs/latest -> runs/2024-...`) is a note, not a failure, once a real
+        # run was rebuilt; the run it points to is not rebuilt (nor read)
+        assert result.returncode == 0, (result.stdout, result.stderr[-3000:])
+        assert f"not followed: {link} is a symbolic link" in result.stderr, result.stderr[-3000:]
         assert not (other / "report.md").exists()
-        assert (run_dir / "report.md").is_file()  # the real run below proj is still rebuilt
-    else:
+        assert (run_dir / "report.md").is_file() and str(run_dir) in result.stdout  # the real run below proj is rebuilt
+        only_links = tmp_path / "only_links"
+        only_links.mkdir()
+        (only_links / "latest").symlink_to(victim / "other", target_is_directory=True)
+        alone = harness_cli("report", str(only_links))  # no real run found at all, only a link: exit 2
+        assert alone.returncode == 2, (alone.stdout, alone.stderr[-3000:])
+        assert "no harness run directory" in alone.stderr and f"not followed: {only_links / 'latest'}" in alone.stderr
+        assert snapshot(victim) == before
+    else:  # a write target inside the run being rebuilt is a link: refused, exit 2
+        assert result.returncode == 2, (result.stdout, result.stderr[-3000:])
+        assert str(link) in result.stderr and "symlink" in result.stderr, result.stderr[-3000:]
         assert not (run_dir / "report.html").exists() or case == "report_md"  # refused before the first write
 
 
@@ -276,6 +287,34 @@ def test_report_on_an_unwritable_run_dir_suggests_out(tmp_path: Path) -> None:
         for path in [base, *base.rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
         shutil.rmtree(base)
+
+
+@pytest.mark.parametrize("case", ["html_is_a_folder", "report_is_a_file"])
+def test_report_that_cannot_be_written_suggests_out(tmp_path: Path, case: str) -> None:
+    """A write that fails for real (for root too, where os.access says yes): exit 2 with the --out hint, no traceback."""
+    project = tmp_path / "proj"
+    broken = make_run(project / "a")
+    fine = make_run(project / "b")
+    if case == "html_is_a_folder":  # renaming the new report.html over it fails: IsADirectoryError
+        (broken / "report.html").mkdir()
+        (broken / "report.html" / "keep.txt").write_text("mine\n", encoding="utf-8")
+    else:  # report/plots cannot be made: NotADirectoryError
+        (broken / "report").write_text("a file where the report's folder goes\n", encoding="utf-8")
+    result = harness_cli("report", str(project), "--no-plots")
+    assert result.returncode == 2, (result.stdout, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"the run directory '{broken}' is not writable here" in result.stderr, result.stderr[-3000:]
+    assert f"`harness report {broken.parent} --out DIR`" in result.stderr, result.stderr[-3000:]
+    assert (fine / "report.html").is_file() and str(fine) in result.stdout  # the other run is still rebuilt
+    if case == "html_is_a_folder":
+        assert (broken / "report.html" / "keep.txt").read_text(encoding="utf-8") == "mine\n"
+        assert not list(broken.glob(".report.html.*.tmp"))  # the temporary file is cleaned up
+        elsewhere = harness_cli("report", str(broken.parent), "--out", str(tmp_path / "elsewhere"), "--no-plots")
+        assert elsewhere.returncode == 0 and (tmp_path / "elsewhere" / "report.html").is_file(), elsewhere.stderr[-3000:]
+    else:
+        assert (broken / "report").is_file() and not (broken / "report.md").exists()  # failed before the report files
+    explain = harness_cli("explain", str(project))  # reads only: not affected
+    assert explain.returncode == 0 and "NONFINITE_LOSS" in explain.stdout, explain.stderr[-3000:]
 
 
 # -- text from training data is escaped everywhere ---------------------------------------------------------------------

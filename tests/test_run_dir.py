@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from transformers import TrainerCallback
 
 import harness
 from conftest import EXAMPLE, FAULTS, REPO, findings_of, harness_cli, write_yaml
@@ -116,18 +117,25 @@ def test_second_run_on_same_output_dir_is_refused(make_trainer: Any, tmp_path: P
         assert str(run_dir) in message and f"pid {holder.pid}" in message and f"kill {holder.pid}" in message
         assert "another output_dir" in message
     finally:
-        holder.send_signal(signal.SIGKILL)  # a killed run: the kernel drops its flock, nothing stale is left
+        holder.send_signal(signal.SIGKILL)  # a killed run: the kernel drops its lock, nothing stale is left
         holder.wait()
     assert (run_dir / ".lock").exists()
 
-    trainer = make_trainer(output_dir=out, max_steps=2)
+    tries: list[subprocess.CompletedProcess[str]] = []
+
+    class TryLockWhileTraining(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if not tries:
+                tries.append(_try_lock(run_dir))
+
+    trainer = make_trainer(output_dir=out, max_steps=2, callbacks=[TryLockWhileTraining()])
     harness.attach(trainer)  # the stale lock file of the killed run does not block
-    refused = _try_lock(run_dir)  # while this run is attached, another process is refused
-    assert refused.returncode == 3 and f"pid {os.getpid()}" in refused.stdout, refused.stdout + refused.stderr
+    assert _try_lock(run_dir).returncode == 0  # attached, not training: attach only checks the lock
     again = make_trainer(output_dir=out, max_steps=4, save_strategy="steps", save_steps=2)
     harness.attach(again)  # a second trainer of the same process on the same directory: not locked out
     again.train()
     trainer.train()
+    assert tries and tries[0].returncode == 3 and f"pid {os.getpid()}" in tries[0].stdout, tries  # refused while it trains
     trainer.train()  # repeated train() calls re-take the lock
     again.train(resume_from_checkpoint=True)
     assert again.state.global_step >= 4 and trainer.state.global_step == 2
@@ -157,3 +165,67 @@ def test_replay_prefers_checkpoint_beside_capture(make_trainer: Any, tmp_path: P
     result = harness_cli("replay", str(moved / "harness" / "captures" / "step-4"))
     # on the other run's checkpoint-3 the numbers would differ: exit status 1, "not reproduced"
     assert result.returncode == 0 and "reproduced: every per-sample loss" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+HOLD_AND_FORK = """
+import os, sys, time
+from pathlib import Path
+from harness import rundir
+rundir.acquire(Path(sys.argv[1]), 1)
+child = os.fork()  # a data-loader worker of the run: it outlives a SIGKILL of its parent
+if child == 0:
+    time.sleep(300)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_killed_runs_forked_workers_do_not_keep_the_lock(tmp_path: Path) -> None:
+    run_dir = tmp_path / "out" / "harness"
+    run_dir.mkdir(parents=True)
+    parent = subprocess.Popen([sys.executable, "-c", HOLD_AND_FORK, str(run_dir)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline().strip())
+    try:
+        assert _try_lock(run_dir).returncode == 3  # held by the live run
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        os.kill(child, 0)  # the orphaned worker is still alive...
+        retry = _try_lock(run_dir)
+        assert retry.returncode == 0, retry.stdout + retry.stderr  # ...and does not hold the killed run's lock
+    finally:
+        parent.kill()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_replay_skips_an_incomplete_checkpoint(make_trainer: Any, tmp_path: Path) -> None:
+    """A save killed half-way leaves checkpoint-<N> without trainer_state.json: replay passes it over, or says so."""
+    from harness.replay import replay
+
+    out = tmp_path / "out"
+    trainer = make_trainer(output_dir=out, max_steps=4, save_strategy="steps", save_steps=1)
+    harness.attach(trainer, config={"plugins": ["nan_guard", FAULTS], "fault_injector": {"nonfinite_loss_at_steps": [4]}})
+    trainer.train()
+    capture_dir = out / "harness" / "captures" / "step-4"
+    assert all((out / f"checkpoint-{n}" / "trainer_state.json").is_file() for n in (1, 2, 3))
+    (out / "checkpoint-3" / "trainer_state.json").unlink()  # the capture's own checkpoint (step 3), left incomplete
+
+    _, used, exact, _ = replay(capture_dir)
+    assert used == out / "checkpoint-2" and not exact  # the newest complete one before it, never the broken one
+    result = harness_cli("replay", str(capture_dir), env={"COLUMNS": "1000"})
+    stdout = " ".join(result.stdout.split())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"skipped {out / 'checkpoint-3'}: it lacks trainer_state.json" in stdout, stdout[-3000:]
+    assert "is not the checkpoint of step 3" in stdout
+
+    shutil.rmtree(out / "checkpoint-1")
+    shutil.rmtree(out / "checkpoint-2")  # now the only candidate (checkpoint-4 is after the capture) is the broken one
+    result = harness_cli("replay", str(capture_dir))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stdout[-3000:] + result.stderr[-3000:]
+    message = " ".join(result.stderr.split())
+    assert f"no complete checkpoint at or before step 3 in {out}: {out / 'checkpoint-3'} lacks trainer_state.json" in message, message
+    assert "--checkpoint DIR" in message

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from harness.errors import RunDirNotWritableError
 from harness.playbook import playbook_dir
 from harness.report.build import build_report
 from harness.report.html import render_html
@@ -47,7 +48,10 @@ def write_report(run_dir: Path, manager: Any = None, resolved: Any = None, plots
     run_dir = Path(run_dir)
     target = Path(out_dir) if out_dir is not None else run_dir
     if out_dir is not None:
-        target.mkdir(parents=True, exist_ok=True)  # the user's own choice of folder
+        try:
+            target.mkdir(parents=True, exist_ok=True)  # the user's own choice of folder
+        except OSError as exc:
+            raise _not_writable(run_dir, target, True, exc) from exc
     _check_targets(target)  # before anything is read or deleted: a link anywhere on the way refuses the whole rebuild
     record = RunRecord.load(run_dir)
     offline_notes: list[str] = []
@@ -59,19 +63,38 @@ def write_report(run_dir: Path, manager: Any = None, resolved: Any = None, plots
         return found, offline_notes + notes
 
     report = build_report(record, sections, plots=plots)
-    safe_rmtree(target, target / PLOTS_DIR)
-    safe_mkdir(target, target / PLOTS_DIR)
-    for plot in report.plots:
-        safe_write_bytes(target, target / PLOTS_DIR / f"{plot.name}.png", plot.png)
-    _copy_playbooks(target, target / PLAYBOOKS_DIR)
     markdown, html = target / "report.md", target / "report.html"
     text_md, text_html = render_markdown(report), render_html(report)
     if out_dir is not None:
         back = quote(Path(os.path.relpath(run_dir.resolve(), target.resolve())).as_posix())
         text_md, text_html = relink(text_md, back, _MD_LINK), relink(text_html, back, _HTML_LINK)
-    safe_write_text(target, markdown, text_md)
-    safe_write_text(target, html, text_html)
+    try:  # a read-only mount (root too: os.access says yes there), a full disk, a folder where a file goes
+        safe_rmtree(target, target / PLOTS_DIR)
+        safe_mkdir(target, target / PLOTS_DIR)
+        for plot in report.plots:
+            safe_write_bytes(target, target / PLOTS_DIR / f"{plot.name}.png", plot.png)
+        _copy_playbooks(target, target / PLAYBOOKS_DIR)
+        safe_write_text(target, markdown, text_md)
+        safe_write_text(target, html, text_html)
+    except OSError as exc:
+        raise _not_writable(run_dir, target, out_dir is not None, exc) from exc
     return ReportFiles(markdown, html, report)
+
+
+def _not_writable(run_dir: Path, target: Path, elsewhere: bool, exc: OSError) -> RunDirNotWritableError:
+    """The one-paragraph error for a report that could not be written (the OS's reason in it)."""
+    where = exc.filename2 or exc.filename  # os.replace(tmp, name): the name is the second
+    reason = f"{exc.strerror or type(exc).__name__}: '{where}'" if where else (str(exc) or type(exc).__name__)
+    if elsewhere:
+        return RunDirNotWritableError(
+            f"the report could not be written under '{target}' ({reason}). Fix: pass another folder to --out DIR "
+            "(one this user can write, with room left)."
+        )
+    output_dir = run_dir.parent if run_dir.name == "harness" else run_dir
+    return RunDirNotWritableError(
+        f"the run directory '{run_dir}' is not writable here ({reason}), so its report cannot be rebuilt in place. "
+        f"Fix: write it elsewhere with `harness report {output_dir} --out DIR` (the run directory is left untouched)."
+    )
 
 
 _MD_LINK = re.compile(r"(?<!\\)(\]\()([^)\s]+)(\))")
