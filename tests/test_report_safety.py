@@ -260,28 +260,42 @@ def test_report_out_writes_elsewhere_for_readonly_run(tmp_path: Path) -> None:
             path.chmod(0o755 if path.is_dir() else 0o644)
 
 
-def test_report_on_an_unwritable_run_dir_suggests_out(tmp_path: Path) -> None:
-    """A run directory this user cannot write: a clear message naming --out (as root, checked as the user nobody)."""
-    as_user: list[str] = []
-    if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("running as root without setpriv: cannot be an unprivileged user here")
-        as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
-    base = Path(tempfile.mkdtemp(prefix="harness-ro-"))  # readable by the other user (pytest's tmp_path is not)
+def test_report_on_an_unwritable_run_dir_suggests_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run directory this user cannot write: a clear message naming --out (as root: in this process, as the user nobody).
+
+    In-process with ``seteuid``, as tests/test_run_dir.py does: a subprocess as another user would have to read the
+    repository, which a fresh clone in a private temporary folder does not allow. Every module the command needs is
+    imported first, as root, by the same command on a writable copy.
+    """
+    from harness.cli import main
+
+    base = Path(tempfile.mkdtemp(prefix="harness-ro-"))  # reachable by the other user (pytest's tmp_path is not)
     try:
         base.chmod(0o755)
+        warm = base / "warm"
+        make_run(warm)
+        assert main(["report", str(warm), "--no-plots"]) == 0  # imports done as root
         out = base / "run"
         run_dir = make_run(out)
         for path in [out, *out.rglob("*")]:
             path.chmod(0o555 if path.is_dir() else 0o444)
-        home = base / "home"
-        home.mkdir()
-        home.chmod(0o777)
-        env = {**os.environ, "HOME": str(home), "MPLCONFIGDIR": str(home)}
-        result = subprocess.run([*as_user, sys.executable, "-m", "harness.cli", "report", str(out), "--no-plots"],
-                                capture_output=True, text=True, env=env, cwd=str(REPO), timeout=300)
-        assert result.returncode == 2, (result.stdout, result.stderr[-3000:])
-        assert "not writable" in result.stderr and "--out DIR" in result.stderr, result.stderr
+        capsys.readouterr()
+        if os.geteuid() == 0:
+            try:
+                os.seteuid(65534)
+            except OSError as exc:
+                pytest.skip(f"cannot drop privileges here: {exc}")
+        try:
+            try:
+                code = main(["report", str(out), "--no-plots"])
+            except SystemExit as exc:
+                code = exc.code
+        finally:
+            if os.getuid() == 0:
+                os.seteuid(0)
+        stderr = capsys.readouterr().err
+        assert code == 2, stderr[-3000:]
+        assert "not writable" in stderr and "--out DIR" in stderr, stderr
         assert not (run_dir / "report.md").exists()
     finally:
         for path in [base, *base.rglob("*")]:

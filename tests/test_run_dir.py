@@ -143,14 +143,19 @@ def test_second_run_on_same_output_dir_is_refused(make_trainer: Any, tmp_path: P
     assert findings_of(out, "INTERNAL_PLUGIN_ERROR") == []
 
 
+def _captured_nan_run(make_trainer: Any, out: Path, save_steps: int) -> Path:
+    """A run whose step 4 has a NaN loss (captured by nan_guard) and checkpoints every ``save_steps``; the capture folder."""
+    trainer = make_trainer(output_dir=out, max_steps=4, save_strategy="steps", save_steps=save_steps)
+    harness.attach(trainer, config={"plugins": ["nan_guard", FAULTS], "fault_injector": {"nonfinite_loss_at_steps": [4]}})
+    trainer.train()
+    return out / "harness" / "captures" / "step-4"
+
+
 def test_replay_prefers_checkpoint_beside_capture(make_trainer: Any, tmp_path: Path) -> None:
     from harness.replay import find_capture_file, replay
 
     original = tmp_path / "original"
-    trainer = make_trainer(output_dir=original, max_steps=4, save_strategy="steps", save_steps=3)
-    harness.attach(trainer, config={"plugins": ["nan_guard", FAULTS], "fault_injector": {"nonfinite_loss_at_steps": [4]}})
-    trainer.train()
-    capture_dir = original / "harness" / "captures" / "step-4"
+    capture_dir = _captured_nan_run(make_trainer, original, save_steps=3)
     assert find_capture_file(capture_dir, None).exists() and (original / "checkpoint-3").is_dir()
     moved = tmp_path / "copied" / "run"
     shutil.copytree(original, moved)
@@ -207,10 +212,7 @@ def test_replay_skips_an_incomplete_checkpoint(make_trainer: Any, tmp_path: Path
     from harness.replay import replay
 
     out = tmp_path / "out"
-    trainer = make_trainer(output_dir=out, max_steps=4, save_strategy="steps", save_steps=1)
-    harness.attach(trainer, config={"plugins": ["nan_guard", FAULTS], "fault_injector": {"nonfinite_loss_at_steps": [4]}})
-    trainer.train()
-    capture_dir = out / "harness" / "captures" / "step-4"
+    capture_dir = _captured_nan_run(make_trainer, out, save_steps=1)
     assert all((out / f"checkpoint-{n}" / "trainer_state.json").is_file() for n in (1, 2, 3))
     (out / "checkpoint-3" / "trainer_state.json").unlink()  # the capture's own checkpoint (step 3), left incomplete
 
