@@ -119,6 +119,7 @@ def test_no_complete_checkpoint_is_a_clear_error(make_trainer: Any, tmp_path: Pa
     assert [f["evidence"]["checkpoint"] for f in findings_of(out, "CHECKPOINT_INCOMPLETE")] == [str(out / "checkpoint-5")]
 
 
+@pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
 def test_harness_run_resume_skips_incomplete_checkpoint(tmp_path: Path) -> None:
     import yaml
 

@@ -151,6 +151,7 @@ def test_explain_and_report_name_the_fix_for_a_folder_without_a_run(tmp_path: Pa
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
 
+@pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
 def test_a_run_killed_with_kill_9_gets_a_complete_report(tmp_path: Path) -> None:
     out = tmp_path / "killed"
     config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults", FAULTS], "fault_injector": {"nonfinite_loss_at_steps": [3], "kill_at_step": 13}})

@@ -70,6 +70,7 @@ def test_mask_cases_through_attach(make_trainer: Any, tokenizer: Any, packed_row
     assert findings_of(out, "PACKING_LOSS_ON_PADDING") == []
 
 
+@pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
 def test_mask_cases_through_wrap(tmp_path: Path) -> None:
     """The four cases as four unmodified script runs under `harness wrap` (two at a time: they are independent)."""
     from concurrent.futures import ThreadPoolExecutor

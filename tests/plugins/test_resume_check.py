@@ -118,6 +118,7 @@ def test_ignore_data_skip_is_a_wrong_data_position(make_trainer: Any, tmp_path: 
     assert findings_of(out, "DATA_REPEATED")[0]["step"] == 11
 
 
+@pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
 def test_a_1000_step_ledger_reads_back_into_one_dataframe(make_trainer: Any) -> None:
     trainer = make_trainer(max_steps=1000, per_device_train_batch_size=1, logging_steps=500)
     harness.attach(trainer, config={"plugins": ["data_hash"]})  # the ledger is data_hash's; the other plugins only cost time here
@@ -158,6 +159,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
 def test_a_killed_run_resumed_through_wrap(tmp_path: Path) -> None:
     killed = tmp_path / "killed"
     config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults", FAULTS], "fault_injector": {"kill_at_step": 13}})

@@ -90,6 +90,7 @@ def test_a_loss_that_stays_high_is_a_divergence(make_trainer: Any, repetitive_ro
     assert [f["step"] for f in findings_of(out, "LOSS_SPIKE")] == [41]  # one episode, one spike finding
 
 
+@pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
 def test_a_long_clean_run_on_the_fault_corpus_is_silent(make_trainer: Any, repetitive_rows: Any, tokenizer: Any) -> None:
     trainer, _ = _run(make_trainer, repetitive_rows, tokenizer, {}, steps=320, logging_steps=100)
     assert trainer.state.global_step == 320
@@ -113,6 +114,7 @@ def test_state_is_saved_with_the_checkpoint_and_restored_on_resume(
     assert "after a resume" in spike["message"]
 
 
+@pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
 def test_replay_reproduces_the_captured_losses_on_the_checkpoint(
     make_trainer: Any, repetitive_rows: Any, tokenizer: Any, tmp_path: Path
 ) -> None:
@@ -164,6 +166,7 @@ def test_a_corrupted_batch_through_wrap_on_an_unmodified_script(tmp_path: Path) 
     assert [code for code, _ in _serious(out) if code in SPIKE_CODES] in (["LOSS_SPIKE"], ["LOSS_SPIKE", "GRAD_NORM_SPIKE"])
 
 
+@pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
 def test_a_divergence_through_wrap_on_an_unmodified_script(tmp_path: Path) -> None:
     out = _wrapped(tmp_path, {"lr_scale_from_step": 40, "lr_scale": 300.0}, steps=62)
     (divergence,) = findings_of(out, "LOSS_DIVERGENCE")

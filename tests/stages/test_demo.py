@@ -3,10 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from conftest import broken_report_links, findings_of, harness_cli, read_jsonl
 from harness.playbook import find_section
 
 
+@pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
 def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     result = harness_cli("demo", "--out", str(out))
