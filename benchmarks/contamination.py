@@ -21,7 +21,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core, on both sides
 
 import numpy as np  # noqa: E402
 
-from harness.ngrams import EvalExample, NgramIndex  # noqa: E402
+from harness.lib.ngrams import EvalExample, NgramIndex  # noqa: E402
 
 VOCAB = 32_000
 ROW = 2048

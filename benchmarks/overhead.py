@@ -36,7 +36,7 @@ from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArgu
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import harness  # noqa: E402
-from harness.tiny import build_tiny_llama, corpus_lines, lm_dataset, train_tokenizer  # noqa: E402
+from harness.lib.tiny import build_tiny_llama, corpus_lines, lm_dataset, train_tokenizer  # noqa: E402
 
 VOCAB_SIZE = 512
 HIDDEN_SIZE = 256

@@ -2,7 +2,7 @@
 
 It deliberately knows nothing about any monitoring wrapper: wrappers are
 expected to run it unmodified (python, torchrun, DeepSpeed). The only
-non-standard import is harness.tiny, which stands in for a hub model because
+non-standard import is harness.lib.tiny, which stands in for a hub model because
 these machines are offline.
 """
 
@@ -22,7 +22,7 @@ from torch.utils.data import Dataset as TorchDataset
 from transformers import Trainer, TrainingArguments, default_data_collator
 
 from harness.stages.packing import packed_data_collator, packed_lm_dataset
-from harness.tiny import build_tiny_llama, corpus_lines, lm_dataset, train_tokenizer
+from harness.lib.tiny import build_tiny_llama, corpus_lines, lm_dataset, train_tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

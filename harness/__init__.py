@@ -4,16 +4,16 @@
 """
 from __future__ import annotations
 
-from harness.actions import Action, HarnessStop
-from harness.findings import Finding, FindingCode, Severity
-from harness.hookspecs import hookimpl
+from harness.core.actions import Action, HarnessStop
+from harness.core.findings import Finding, FindingCode, Severity
+from harness.core.hookspecs import hookimpl
 
 __version__ = "0.1.0"
 __all__ = ["Action", "Finding", "FindingCode", "HarnessStop", "Severity", "attach", "hookimpl", "__version__"]
 
 
-def attach(trainer, config=None, plugins=None):  # type: ignore[no-untyped-def]
-    """Attach the harness to a Trainer; see :func:`harness.bridge.attach`."""
-    from harness.bridge import attach as _attach
+def attach(trainer, config=None, plugins=None, rollback=None):  # type: ignore[no-untyped-def]
+    """Attach the harness to a Trainer; see :func:`harness.hf.attach.attach`."""
+    from harness.hf.attach import attach as _attach
 
-    return _attach(trainer, config=config, plugins=plugins)
+    return _attach(trainer, config=config, plugins=plugins, rollback=rollback)

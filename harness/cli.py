@@ -6,11 +6,11 @@ import os
 import sys
 from typing import Sequence
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
 
 
 def _cmd_wrap(args: argparse.Namespace) -> int:
-    from harness.wrap import run_wrapped
+    from harness.launch.wrap import run_wrapped
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -20,7 +20,8 @@ def _cmd_wrap(args: argparse.Namespace) -> int:
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    from harness.config import Catalog, config_reference
+    from harness.core.catalog import Catalog
+    from harness.core.config import config_reference
 
     catalog = Catalog.build()
     if args.config_reference:
@@ -56,14 +57,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from harness.replay import print_replay
+    from harness.tools.replay import print_replay
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     return print_replay(Path(args.capture_dir), checkpoint, args.rank, args.device, args.tolerance)
 
 
 def _cmd_scan(args: argparse.Namespace) -> int:
-    from harness.scan import ScanOptions, print_scan
+    from harness.tools.scan import ScanOptions, print_scan
 
     options = ScanOptions(n=args.n, dirty_fraction=args.dirty_fraction, partial_fraction=args.partial_fraction,
                           template_min_examples=args.template_min_examples, near_dup=args.near_dup,
@@ -74,7 +75,7 @@ def _cmd_scan(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from harness.explain import print_report
+    from harness.tools.report import print_report
 
     return print_report(Path(args.output_dir), plots=not args.no_plots, out=Path(args.out) if args.out else None)
 
@@ -82,19 +83,19 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_explain(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from harness.explain import print_explain
+    from harness.tools.explain import print_explain
 
     return print_explain(Path(args.output_dir))
 
 
 def _cmd_playbook(args: argparse.Namespace) -> int:
-    from harness.explain import print_playbook
+    from harness.tools.explain import print_playbook
 
     return print_playbook(args.key)
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from harness.estimate import print_estimate
+    from harness.tools.estimate import print_estimate
 
     return print_estimate(args.params, args.tokens, args.devices, args.peak_tflops, args.device, args.mfu, args.zero,
                           args.precision, args.from_config)
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from harness.offline import apply as network_opt_outs
+    from harness.core.offline import apply as network_opt_outs
 
     network_opt_outs(args.cmd)  # before any command imports mlflow, datasets or transformers
     try:

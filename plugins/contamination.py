@@ -2,7 +2,7 @@
 
 At run start the eval sets named in config (and, by default, the Trainer's
 own ``eval_dataset``) are tokenised with the run's tokenizer and indexed
-(``harness.ngrams``: the same index ``harness scan`` uses, token front end,
+(``harness.lib.ngrams``: the same index ``harness scan`` uses, token front end,
 each example also as it tokenises after a space mid-document). Each checked
 micro-batch's token ids are copied to the host and handed to a background
 thread, which looks every window of every row up in the index; matches come
@@ -27,12 +27,14 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.capture import sample_ids
-from harness.findings import FindingCode, Severity
-from harness.hashing import dataset_hashes, dataset_rows
-from harness.hookspecs import hookimpl
-from harness.ngrams import EvalExample, Hit, NgramIndex
-from harness.scan import FrontEnd, ScanError, ScanOptions, Tally, iter_documents, judge
+from harness.lib.capture import sample_ids
+from harness.core.findings import FindingCode, Severity
+from harness.lib.hashing import dataset_hashes, dataset_rows
+from harness.core.hookspecs import hookimpl
+from harness.core.plugin import Plugin
+from harness.lib.ngrams import EvalExample, Hit, NgramIndex
+from harness.lib.documents import ScanError, iter_documents
+from harness.lib.overlap import FrontEnd, ScanOptions, Tally, judge
 
 CONTAMINATION = FindingCode(
     "CONTAMINATION",
@@ -87,10 +89,12 @@ class ContaminationOptions(BaseModel):
     max_reports: int = Field(20, ge=1, description="CONTAMINATION findings per run at most (each eval example once; the summary counts all).")
 
 
-class Contamination:
+class Contamination(Plugin):
     """Indexes the eval sets, checks training micro-batches in a background thread, reports and summarises hits."""
 
     name = "contamination"
+    Options = ContaminationOptions
+    CODES = (CONTAMINATION, EVAL_SPLIT_OVERLAP, CONTAMINATION_UNCHECKED)
 
     def __init__(self) -> None:
         self.options = ContaminationOptions()
@@ -99,26 +103,13 @@ class Contamination:
         self._hits: queue.Queue[tuple[int, int, int, list[Any] | None, list[Hit], np.ndarray]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._tallies: dict[int, Tally] = {}
-        self._reported: set[int] = set()
-        self._reports = 0
+        self._reported: set[int] = set()  # eval examples already named in a finding (each once)
         self._micro_batches = 0
         self._train_hashes: set[int] | None = None
         self._tokenizer: Any = None
         self.checked_tokens = 0
         self._worker_error: BaseException | None = None  # what killed the background thread (set there, read here)
         self._worker_error_reported = False
-
-    @hookimpl
-    def add_config(self) -> type[BaseModel]:
-        return ContaminationOptions
-
-    @hookimpl
-    def declare_codes(self) -> list[FindingCode]:
-        return [CONTAMINATION, EVAL_SPLIT_OVERLAP, CONTAMINATION_UNCHECKED]
-
-    @hookimpl
-    def configure(self, ctx: Any, options: ContaminationOptions) -> None:
-        self.options = options
 
     # -- the index ------------------------------------------------------------------------------------------
 
@@ -140,7 +131,7 @@ class Contamination:
                 examples += found
             except ScanError as exc:
                 if ctx.is_main:
-                    ctx.report(CONTAMINATION_UNCHECKED.code, f"contamination: {exc}".replace("harness scan: ", ""),
+                    self.report(CONTAMINATION_UNCHECKED.code, f"contamination: {exc}".replace("harness scan: ", ""),
                                evidence={"eval_set": spec.path, "field": spec.field})
         if self.options.trainer_eval and getattr(trainer, "eval_dataset", None) is not None:
             examples += _trainer_eval_examples(trainer.eval_dataset)
@@ -239,10 +230,9 @@ class Contamination:
             for hit in hits:
                 first.setdefault(hit.example, hit)
             for example, hit in first.items():
-                if example in self._reported or self._reports >= self.options.max_reports:
+                if example in self._reported or self.reported(CONTAMINATION.code) >= self.options.max_reports:
                     continue
                 self._reported.add(example)
-                self._reports += 1
                 self._report_hit(ctx, step, micro, rank, ids, hit, rows, len({h.offset for h in hits if h.example == example and h.variant == hit.variant}))
 
     def _report_hit(self, ctx: Any, step: int, micro: int, rank: int, ids: list[Any] | None, hit: Hit, rows: np.ndarray, windows: int) -> None:
@@ -256,7 +246,7 @@ class Contamination:
             except Exception:  # noqa: BLE001 - a snippet is a courtesy
                 snippet = None
         total = self.index.windows_of(hit.example, hit.variant)
-        ctx.report(
+        self.report(
             CONTAMINATION.code,
             f"eval example '{example.example_id}' of eval set '{example.eval_set}' is in the training batch of step {step} "
             f"(rank {rank}, micro-batch {micro}, row {hit.row}{f', sample id {sample}' if sample is not None else ''}): "
@@ -265,6 +255,7 @@ class Contamination:
             evidence={"eval_set": example.eval_set, "example_id": example.example_id, "rank": rank, "micro_batch": micro,
                       "row": hit.row, "sample_id": sample, "position": hit.position, "matched_ngrams": windows, "ngrams": total,
                       "snippet": snippet},
+            limit=self.options.max_reports,
         )
 
     @hookimpl
@@ -288,7 +279,7 @@ class Contamination:
             return
         shared = [i for i, h in enumerate(hashes) if h in self._train_hashes]
         if shared:
-            ctx.report(
+            self.report(
                 EVAL_SPLIT_OVERLAP.code,
                 f"{len(shared)} of the {len(hashes)} rows of the Trainer's eval_dataset also appear in its train_dataset "
                 f"(eval rows {shared[:10]}{' ...' if len(shared) > 10 else ''}): eval loss on them measures memorisation.",
@@ -338,7 +329,7 @@ class Contamination:
         from urllib.parse import quote
 
         from harness.report.model import Raw, ReportSection, md_table
-        from harness.textsafe import md_escape
+        from harness.lib.textsafe import md_escape
 
         summaries = []
         for path in sorted(run.run_dir.glob("contamination/summary.rank-*.json")):

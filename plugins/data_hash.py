@@ -1,9 +1,10 @@
 """data_hash: a ledger of every micro-batch every rank trains on, and the data faults it reveals.
 
 Per micro-batch it hashes each row where the batch lives (a random linear
-hash over the token ids, no per-token Python, no host sync); once per
-optimizer step it reads the step's hashes with one transfer and appends
-them to ``ledger/rank-<r>.jsonl``. From the ledger it finds samples repeated
+hash over the token ids, no per-token Python, no host sync) and queues the
+hashes for the step guard's one device read (``defer``); the step's hashes
+ride the guard's one cross-rank exchange (``ctx.share``) and are appended to
+``ledger/rank-<r>.jsonl``. From the ledger it finds samples repeated
 within an epoch (the classic broken resume: the loader restarted at the
 epoch's beginning), samples the interrupted run would have trained next but
 the resumed one never did, duplicate content, and data-parallel ranks that
@@ -22,13 +23,13 @@ import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.capture import sample_ids
-from harness.distributed import RankFailure, gather_guarded
-from harness.findings import FindingCode, Severity
-from harness.hashing import combine_row_hashes, dataset_hashes, dataset_rows, device_row_hashes, from_hex64, hash_token_rows, hex64
-from harness.hookspecs import hookimpl
-from harness.ledger import LedgerWriter, around_resume, iter_records, ledger_path
-from harness.seentable import SeenTable, key64
+from harness.lib.capture import sample_ids
+from harness.core.findings import FindingCode, Severity
+from harness.core.hookspecs import hookimpl
+from harness.core.plugin import Plugin
+from harness.lib.hashing import combine_row_hashes, dataset_hashes, dataset_rows, device_row_hashes, from_hex64, hash_token_rows, hex64
+from harness.lib.ledger import LedgerWriter, around_resume, iter_records, ledger_path
+from harness.lib.seentable import SeenTable, key64
 
 DATA_REPEATED = FindingCode(
     "DATA_REPEATED", Severity.WARNING, "Samples were trained on again within the same epoch.", "data#data_repeated"
@@ -70,7 +71,7 @@ class DataHashOptions(BaseModel):
     )
     fingerprint_rows: int = Field(1000, ge=1, description="Rows (evenly spaced) that make the fingerprint of a dataset too big to index.")
     max_duplicates: int = Field(0, ge=0, description="DUPLICATE_SAMPLES once more than this many samples have a content twin.")
-    check_rank_overlap: bool = Field(True, description="Compare the ranks' samples every step (one small gather over gloo).")
+    check_rank_overlap: bool = Field(True, description="Compare the ranks' samples every step (they ride the step's one exchange).")
     fsync_every: int = Field(
         1000, ge=1, description="fsync the ledger every this many steps; it is flushed every step (a killed process loses "
         "nothing) and fsynced at every checkpoint (a machine crash loses nothing a resume needs).",
@@ -92,16 +93,21 @@ def _hash_key(batch: Mapping[str, Any]) -> str | None:
     return None
 
 
-class DataHash:
+class DataHash(Plugin):
     """Writes the data ledger and reports repeated, skipped, duplicated and rank-overlapping samples."""
 
     name = "data_hash"
+    Options = DataHashOptions
+    CODES = (DATA_REPEATED, DATA_SKIPPED, DUPLICATE_SAMPLES, RANK_DATA_OVERLAP, RESUME_DATA_CHANGED)
 
     def __init__(self) -> None:
         self.options = DataHashOptions()
         self._writer: LedgerWriter | None = None
-        self._pending: list[tuple[int, torch.Tensor, list[Any] | None]] = []
-        self._read: list[int] | None = None
+        self._pending: list[tuple[int, int, list[Any] | None]] = []  # (micro-batch, rows, sample ids), hashes deferred
+        self._read: list[list[int]] | None = None  # the step's hashes per micro-batch, read at the guard
+        self._capacity = 0  # hashes per rank and step in the exchange (0: no overlap check)
+        self._shared_step: int | None = None  # the step whose hashes were shared (ctx.shared is that step's)
+        self._cut = False  # this rank had more hashes than the slot holds at the last share
         self._multiplicity: Counter[int] | None = None
         self.fingerprint: dict[str, Any] | None = None
         self._epoch = 0
@@ -109,25 +115,14 @@ class DataHash:
         self._seen = SeenTable(self.options.seen_capacity)  # key64(sample id, else content hash) -> times trained this epoch
         self._content_ids = SeenTable(self.options.seen_capacity)  # content hash -> key64 of the first sample id it came with
         self._twins = 0
-        self._reports: Counter[str] = Counter()
         self._repeats_total = 0
         self._resume_step: int | None = None
         self._interrupted: dict[tuple[int, int], int] = {}  # (epoch, hash) -> step the interrupted attempt trained it at
         self._since_resume: set[tuple[int, int]] = set()  # the keys of _interrupted trained again (bounded by it)
 
-    @hookimpl
-    def add_config(self) -> type[BaseModel]:
-        return DataHashOptions
-
-    @hookimpl
-    def declare_codes(self) -> list[FindingCode]:
-        return [DATA_REPEATED, DATA_SKIPPED, DUPLICATE_SAMPLES, RANK_DATA_OVERLAP, RESUME_DATA_CHANGED]
-
-    @hookimpl
-    def configure(self, ctx: Any, options: DataHashOptions) -> None:
-        self.options = options
-        self._seen = SeenTable(options.seen_capacity)
-        self._content_ids = SeenTable(options.seen_capacity)
+    def setup(self, ctx: Any) -> None:
+        self._seen = SeenTable(self.options.seen_capacity)
+        self._content_ids = SeenTable(self.options.seen_capacity)
 
     # -- run start: the ledger, the dataset's index and fingerprint ----------------------------------
 
@@ -138,6 +133,14 @@ class DataHash:
         self._writer = LedgerWriter(ctx.run_dir, ctx.rank, self.options.fsync_every, resume_step=resume_step)
         self._writer.start(trainer.state.global_step, ctx.world_size, resumed)
         self._epoch = self._current_epoch(trainer)
+        self._pending, self._read, self._shared_step = [], None, None
+        self._capacity = 0
+        if ctx.world_size > 1 and self.options.check_rank_overlap:
+            # the same on every rank (the same arguments), reserved in the same order: one slot of the step's exchange
+            args = getattr(trainer, "args", None)
+            self._capacity = max(1, int(getattr(args, "per_device_train_batch_size", 1) or 1)) * max(
+                1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
+            ctx.reserve("hashes", self._capacity, owner=self.name)
 
     @hookimpl
     def inspect_dataset(self, ctx: Any, dataset: Any, split: str) -> None:
@@ -163,12 +166,12 @@ class DataHash:
             twins = {h: n for h, n in self._multiplicity.items() if n > 1}
             extra = sum(n - 1 for n in twins.values())
             if extra > self.options.max_duplicates:
-                self._report(
-                    ctx,
+                self.report(
                     DUPLICATE_SAMPLES.code,
                     f"{extra} of the {size} training rows repeat another row's content ({len(twins)} distinct samples "
                     f"appear more than once, the most frequent {max(twins.values())} times); each is trained that many times per epoch.",
                     evidence={"rows": size, "extra_copies": extra, "distinct_duplicated": len(twins), "source": "dataset index"},
+                    limit=self.options.max_reports,
                 )
 
     # -- per micro-batch: hashes stay on the device ----------------------------------------------------
@@ -182,47 +185,47 @@ class DataHash:
             return
         mask = batch.get(MASK_KEYS[key])
         rows = device_row_hashes(batch[key], mask if torch.is_tensor(mask) else None)
+        ids = sample_ids(batch)
         if micro_step == 0:
             self._step_epoch = self._current_epoch(ctx.trainer)  # before the Trainer advances state.epoch at step end
-        self._pending.append((micro_step, rows, sample_ids(batch)))
+        self.defer("hashes", rows)  # read with every plugin's tensors in the guard's one transfer
+        self._pending.append((micro_step, int(rows.shape[0]), ids))
 
-    # -- per optimizer step: one read, the ledger, the checks -----------------------------------------------
+    # -- per optimizer step: the guard's read and exchange, the ledger, the checks -------------------------
 
-    @staticmethod
-    def _read_hashes(pending: list[tuple[int, torch.Tensor, list[Any] | None]]) -> list[int]:
-        if not pending:
-            return []
-        return (pending[0][1] if len(pending) == 1 else torch.cat([rows for _, rows, _ in pending])).tolist()
+    def _read_hashes(self, count: int) -> list[list[int]]:
+        """The step's row hashes per micro-batch, from the step's one read (one list per queued micro-batch)."""
+        read = self.deferred("hashes")
+        if len(read) != count:
+            raise RuntimeError(f"data_hash: {count} micro-batches were hashed this step but {len(read)} were read back")
+        return [list(h) for h in read]
 
     @hookimpl
-    def on_before_optimizer_step(self) -> None:
-        # read where the step guard syncs anyway, before the update is queued: reading after it would stall the device
-        self._read = self._read_hashes(self._pending)
+    def on_before_optimizer_step(self, ctx: Any, step: int) -> None:
+        self._shared_step = step if self._capacity else None
+        self._read = self._read_hashes(len(self._pending))
+        if self._capacity:
+            flat = [h for hashes in self._read for h in hashes]  # signed int64 already (wrapped sums): fit the exchange
+            self._cut = len(flat) > self._capacity
+            ctx.share("hashes", flat, owner=self.name)
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int) -> None:
-        pending, self._pending = self._pending, []
-        read, self._read = self._read, None
-
-        def step_hashes() -> list[int]:
-            return read if read is not None else self._read_hashes(pending)
-
-        if ctx.world_size > 1 and self.options.check_rank_overlap:
-            # every rank joins the gather, even if reading its hashes raised (it re-raises after, isolated)
-            flat, gathered = gather_guarded(step_hashes)
+        pending, self._pending, read, self._read = self._pending, [], self._read, None
+        if read is None:
+            read = self._read_hashes(len(pending))  # no guard ran this step: the values of the step end's read
+        shared_step, self._shared_step = self._shared_step, None
+        if shared_step == step and ctx.is_main:
+            gathered = ctx.shared("hashes", owner=self.name)
             if gathered is not None:
                 self._check_overlap(ctx, step, gathered)
-        else:
-            flat = step_hashes()
         if not pending:
             return
         epoch = self._step_epoch
         if epoch != self._epoch:
             self._epoch, self._seen = epoch, self._seen.clear()
-        records, offset = [], 0
-        for micro, rows, ids in pending:
-            hashes = flat[offset: offset + rows.shape[0]]
-            offset += rows.shape[0]
+        records = []
+        for (micro, _, ids), hashes in zip(pending, read):
             records.append(
                 {"step": step, "micro_batch": micro, "epoch": epoch, "batch_hash": hex64(combine_row_hashes(hashes)),
                  "sample_hashes": [hex64(h) for h in hashes], "sample_ids": ids}
@@ -252,22 +255,24 @@ class DataHash:
                     self._twins += 1
                     if self._twins == self.options.max_duplicates + 1:
                         first = self._first_id(ctx, h, first_key, hashes, ids)
-                        self._report(
-                            ctx, DUPLICATE_SAMPLES.code,
+                        self.report(
+                            DUPLICATE_SAMPLES.code,
                             f"sample id {key} at step {step} on rank {ctx.rank} has the same content as sample id {first}: "
                             f"{self._twins} content duplicates under different ids so far.",
                             step=step, evidence={"sample_id": key, "same_as": first, "hash": hex64(h), "source": "training"},
+                            limit=self.options.max_reports,
                         )
         if repeated:
             self._repeats_total += len(repeated)
-            self._report(
-                ctx, DATA_REPEATED.code,
+            self.report(
+                DATA_REPEATED.code,
                 f"{len(repeated)} of {len(hashes)} samples of a micro-batch at step {step} on rank {ctx.rank} were already trained "
                 f"on in epoch {self._epoch} ({self._repeats_total} repeats so far); "
                 + ("this follows a resume: the data position was not restored." if self._resume_step is not None else "the loader is not covering its epoch once."),
                 step=step,
                 evidence={"rows": repeated, "hashes": [hex64(hashes[i]) for i in repeated], "epoch": self._epoch,
                           "sample_ids": [ids[i] for i in repeated] if ids else None, "repeats_so_far": self._repeats_total},
+                limit=self.options.max_reports,
             )
         if self._seen.untracked and not untracked:
             log.warning(
@@ -286,9 +291,8 @@ class DataHash:
                     return sample_id
         return next((s for s, v in zip(ids, hashes) if v == h and key64(s) == first_key), f"key:{first_key:016x}")
 
-    def _check_overlap(self, ctx: Any, step: int, gathered: list[Any]) -> None:
-        """Rank 0, after the gather: samples that more than one rank trained this step (a failed rank is left out)."""
-        gathered = [[] if isinstance(g, RankFailure) else g for g in gathered]
+    def _check_overlap(self, ctx: Any, step: int, gathered: list[list[int] | None]) -> None:
+        """Rank 0, after the exchange: samples that more than one rank trained this step (a rank that shared nothing is left out)."""
         owner: dict[int, int] = {}
         shared: dict[int, set[int]] = {}
         for rank, rank_hashes in enumerate(gathered):
@@ -300,19 +304,22 @@ class DataHash:
             shared = {h: r for h, r in shared.items() if self._multiplicity.get(h, 1) == 1}  # twins may meet by chance
         if shared:
             ranks = sorted({r for rs in shared.values() for r in rs})
-            self._report(
-                ctx, RANK_DATA_OVERLAP.code,
+            evidence: dict[str, Any] = {
+                "shared_samples": len(shared), "ranks": ranks, "per_rank_samples": [len(g or []) for g in gathered],
+                "hashes": [hex64(h) for h in list(shared)[:10]],
+            }
+            cut = ctx.shared_cut("hashes", owner=self.name)
+            if cut or self._cut:  # more rows than the exchange's slot: the first ``capacity`` of those ranks compared
+                evidence["compared_per_rank_at_most"] = self._capacity
+                evidence["ranks_cut"] = cut
+            if any(g is None for g in gathered):
+                evidence["ranks_not_compared"] = [r for r, g in enumerate(gathered) if g is None]
+            self.report(
+                RANK_DATA_OVERLAP.code,
                 f"{len(shared)} samples were trained at step {step} by more than one data-parallel rank (ranks {ranks}): "
                 "the ranks are not reading disjoint shards, so the effective batch is smaller than configured.",
-                step=step,
-                evidence={"shared_samples": len(shared), "ranks": ranks, "per_rank_samples": [len(g or []) for g in gathered],
-                          "hashes": [hex64(h) for h in list(shared)[:10]]},
+                step=step, evidence=evidence, limit=self.options.max_reports,
             )
-
-    def _report(self, ctx: Any, code: str, message: str, **kwargs: Any) -> None:
-        self._reports[code] += 1
-        if self._reports[code] <= self.options.max_reports:
-            ctx.report(code, message, **kwargs)
 
     # -- checkpoints and resume --------------------------------------------------------------------------
 
@@ -328,7 +335,7 @@ class DataHash:
         self._restore_epoch_from_ledger(ctx)
         stored = (state or {}).get("fingerprint")
         if stored and self.fingerprint and stored["digest"] != self.fingerprint["digest"] and ctx.is_main:
-            ctx.report(
+            self.report(
                 RESUME_DATA_CHANGED.code,
                 f"the training data changed since the checkpoint: {stored['rows']} rows (fingerprint {stored['digest']}) then, "
                 f"{self.fingerprint['rows']} rows (fingerprint {self.fingerprint['digest']}) now; the data position restored "
@@ -355,14 +362,15 @@ class DataHash:
             missing = {key: s for key, s in self._interrupted.items() if s <= reached and key not in self._since_resume}
             if missing:
                 steps = sorted(set(missing.values()))
-                self._report(
-                    ctx, DATA_SKIPPED.code,
+                self.report(
+                    DATA_SKIPPED.code,
                     f"{len(missing)} samples the interrupted run trained at steps {steps[0]}-{steps[-1]} (after the checkpoint of step "
                     f"{self._resume_step}) were not trained in the same epoch by the resumed run on rank {ctx.rank}, which reached "
                     f"step {reached}: the resumed data order differs from the interrupted one.",
                     step=reached,
                     evidence={"missing": len(missing), "steps": steps[:50], "hashes": [hex64(h) for _, h in list(missing)[:10]],
                               "epochs": sorted({e for e, _ in missing})},
+                    limit=self.options.max_reports,
                 )
         if self._writer is not None:
             self._writer.close()

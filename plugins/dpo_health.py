@@ -9,7 +9,8 @@ answer that is nearly always the longer one teaches length, not quality.
 The plugin reads TRL's logged ``rewards/*`` and ``logps/*`` (host floats:
 no device sync) and, once at the start, the lengths of the tokenised pairs.
 For SFT it checks how much of a batch the loss sees: most tokens masked out
-(prompts far longer than completions) leaves little to learn from.
+(prompts far longer than completions) leaves little to learn from; the
+counts are queued with ``defer`` and read in the step guard's one transfer.
 """
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.findings import FindingCode, Severity
-from harness.hashing import dataset_rows
-from harness.hookspecs import hookimpl
+from harness.core.findings import FindingCode, Severity
+from harness.lib.hashing import dataset_rows
+from harness.core.hookspecs import hookimpl
+from harness.core.plugin import Plugin
 
 PLAYBOOK = "dpo-health#"
 DPO_CHOSEN_LOGPS_FALLING = FindingCode("DPO_CHOSEN_LOGPS_FALLING", Severity.WARNING,
@@ -38,6 +41,8 @@ DPO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/ac
 
 
 class DpoHealthOptions(BaseModel):
+    """Options of the ``dpo_health`` plugin."""
+
     model_config = ConfigDict(extra="forbid")
 
     min_logs: int = Field(6, ge=3, description="Logged points needed before trends are judged (logps falling).")
@@ -51,34 +56,25 @@ class DpoHealthOptions(BaseModel):
     min_pairs: int = Field(20, ge=2, description="Pairs with different lengths needed to judge length bias.")
     max_pairs: int = Field(20_000, ge=10, description="Pairs read from the start of the dataset for the length check.")
     min_label_fraction: float = Field(0.05, gt=0, lt=1, description="SFT_FEW_LABEL_TOKENS when fewer than this share of a batch's tokens carry a label.")
-    label_batches: int = Field(8, ge=1, description="SFT micro-batches checked at the start (each check reads the labels: one device sync); then one per `every` steps.")
+    label_batches: int = Field(8, ge=1, description="SFT micro-batches checked at the start (each check counts the labels on the device, read with the step's other values); then one per `every` steps.")
     every: int = Field(200, ge=1, description="Steps between SFT label checks after the first `label_batches`.")
 
 
-class DpoHealth:
+class DpoHealth(Plugin):
     """DPO: chosen log-probs, accuracy saturation, length bias, non-finite rewards; SFT: batches with few labelled tokens."""
 
     name = "dpo_health"
+    Options = DpoHealthOptions
+    CODES = (DPO_CHOSEN_LOGPS_FALLING, DPO_ACCURACY_SATURATED, DPO_LENGTH_BIAS, DPO_NONFINITE_REWARDS, SFT_FEW_LABEL_TOKENS)
+    options: DpoHealthOptions
 
     def __init__(self) -> None:
         self.options = DpoHealthOptions()
         self._kind: str | None = None
         self._history: list[tuple[int, dict[str, float]]] = []
-        self._reported: set[str] = set()
         self._max_steps = 0
         self._checked_batches = 0
-
-    @hookimpl
-    def add_config(self) -> type[BaseModel]:
-        return DpoHealthOptions
-
-    @hookimpl
-    def declare_codes(self) -> list[FindingCode]:
-        return [DPO_CHOSEN_LOGPS_FALLING, DPO_ACCURACY_SATURATED, DPO_LENGTH_BIAS, DPO_NONFINITE_REWARDS, SFT_FEW_LABEL_TOKENS]
-
-    @hookimpl
-    def configure(self, options: DpoHealthOptions) -> None:
-        self.options = options
+        self._label_checks: list[tuple[int, int]] = []  # (step, micro_step) of the counts deferred this step
 
     @hookimpl
     def on_run_start(self, trainer: Any) -> None:
@@ -86,12 +82,11 @@ class DpoHealth:
         self._kind = "dpo" if "DPOTrainer" in names else "sft" if "SFTTrainer" in names else None
         self._history = []
         self._checked_batches = 0
+        self._label_checks = []
         self._max_steps = int(trainer.state.max_steps or trainer.args.max_steps or 0)
 
     def _report_once(self, ctx: Any, code: FindingCode, message: str, step: int, evidence: dict[str, Any]) -> None:
-        if code.code not in self._reported:
-            self._reported.add(code.code)
-            ctx.report(code.code, message, step=step, evidence=evidence)
+        self.report(code.code, message, step=step, evidence=evidence, limit=1)
 
     # -- DPO ---------------------------------------------------------------------------------------------------------
 
@@ -190,8 +185,18 @@ class DpoHealth:
         self._checked_batches += 1
         labels = batch["labels"]
         mask = batch.get("attention_mask")
-        tokens = int(mask.sum()) if mask is not None else int(labels.numel())
-        labelled = int((labels != -100).sum())
+        # counted on the device and read in the guard's one transfer (torch.full: no host-built tensor in the device's batch)
+        self.defer("tokens", mask.sum() if mask is not None else torch.full((), labels.numel(), device=labels.device))
+        self.defer("labelled", (labels != -100).sum())
+        self._label_checks.append((step, micro_step))
+
+    @hookimpl
+    def on_before_optimizer_step(self, ctx: Any) -> None:
+        checks, self._label_checks = self._label_checks, []
+        for (step, micro_step), tokens, labelled in zip(checks, self.deferred("tokens"), self.deferred("labelled")):
+            self._check_labels(ctx, step, micro_step, int(tokens), int(labelled))
+
+    def _check_labels(self, ctx: Any, step: int, micro_step: int, tokens: int, labelled: int) -> None:
         if tokens and 0 < labelled < self.options.min_label_fraction * tokens:
             self._report_once(
                 ctx, SFT_FEW_LABEL_TOKENS,

@@ -31,13 +31,14 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.appendfile import open_append
-from harness.core_codes import INTERNAL_PLUGIN_ERROR
-from harness.distributed import all_gather_guarded, broadcast_guarded, failures, model_parallel_sizes
-from harness.findings import FindingCode, Severity
-from harness.fingerprints import exact_fingerprints, same_fingerprint_key, unwrap_optimizer
-from harness.hashing import device_row_hashes
-from harness.hookspecs import hookimpl
+from harness.core.appendfile import open_append
+from harness.core.codes import INTERNAL_PLUGIN_ERROR
+from harness.core.distributed import all_gather_guarded, broadcast_guarded, failures, model_parallel_sizes
+from harness.core.findings import FindingCode, Severity
+from harness.lib.fingerprints import exact_fingerprints, same_fingerprint_key, unwrap_optimizer
+from harness.lib.hashing import device_row_hashes
+from harness.core.hookspecs import hookimpl
+from harness.core.plugin import Plugin
 
 GRAD_DESYNC = FindingCode(
     "GRAD_DESYNC",
@@ -198,10 +199,17 @@ class _ZeroSlices:
         return {k: [*v, u] for k, v, u in zip(keys, values, units)}
 
 
-class GradSync:
-    """Compares weights, reduced gradients, inputs and data-loader waits across data-parallel ranks."""
+class GradSync(Plugin):
+    """Compares weights, reduced gradients, inputs and data-loader waits across data-parallel ranks.
+
+    Everything it reads from the device and every collective it issues
+    happens on check steps only (step 1 and every ``every``); on ordinary
+    steps it adds host-side timings to a window and nothing else.
+    """
 
     name = "grad_sync"
+    Options = GradSyncOptions
+    CODES = (GRAD_DESYNC, PARAM_DESYNC, RANK_INPUTS_IDENTICAL, STRAGGLER_RANK, GRAD_SYNC_UNSUPPORTED)
 
     def __init__(self) -> None:
         self.options = GradSyncOptions()
@@ -212,25 +220,12 @@ class GradSync:
         self._inputs: list[torch.Tensor] = []
         self._window = [0.0, 0.0, 0]  # data_time, step_time, steps since the last check
         self._slow_checks: Counter[int] = Counter()
-        self._reports: Counter[str] = Counter()
         self._rebroadcast: int | None = None  # the rank to copy from after this step's update
         self._rebroadcast_step: int | None = None  # a check step after which every rank joins the rebroadcast agreement
         self._optimizer: Any = None
         self._deepspeed = False
         self._micro_batches = 0
         self._reference = 0
-
-    @hookimpl
-    def add_config(self) -> type[BaseModel]:
-        return GradSyncOptions
-
-    @hookimpl
-    def declare_codes(self) -> list[FindingCode]:
-        return [GRAD_DESYNC, PARAM_DESYNC, RANK_INPUTS_IDENTICAL, STRAGGLER_RANK, GRAD_SYNC_UNSUPPORTED]
-
-    @hookimpl
-    def configure(self, ctx: Any, options: GradSyncOptions) -> None:
-        self.options = options
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
@@ -290,7 +285,7 @@ class GradSync:
             self.mode = "failed"
             self._rebroadcast_step = None
             if ctx.is_main:
-                ctx.report(
+                self.report(
                     INTERNAL_PLUGIN_ERROR.code,
                     f"grad_sync could not fingerprint at step {step} (rank {failed[0].rank}: {failed[0].error}); the replica check "
                     "is off for the rest of the run on every rank. Training goes on.",
@@ -472,9 +467,9 @@ class GradSync:
                 )
 
     def _report(self, ctx: Any, code: str, message: str, **kwargs: Any) -> None:
-        self._reports[code] += 1
-        if ctx.is_main and self._reports[code] <= self.options.max_reports:
-            ctx.report(code, message, **kwargs)
+        """Rank 0 reports (every rank compared the same gathered values)."""
+        if ctx.is_main:
+            self.report(code, message, limit=self.options.max_reports, **kwargs)
 
     @hookimpl
     def decide_action(self, ctx: Any, finding: Any) -> str | None:

@@ -15,8 +15,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.findings import FindingCode, Severity
-from harness.hookspecs import hookimpl
+from harness.core.findings import FindingCode, Severity
+from harness.core.hookspecs import hookimpl
+from harness.core.plugin import Plugin
 
 INITIAL_LOSS_ANOMALY = FindingCode(
     "INITIAL_LOSS_ANOMALY",
@@ -48,29 +49,18 @@ class LossBaselineOptions(BaseModel):
     check_masked_labels: bool = Field(True, description="Report micro-batches whose labels are all -100 (ALL_LABELS_MASKED).")
 
 
-class LossBaseline:
+class LossBaseline(Plugin):
     """Checks the first loss against ln(vocab) and flags micro-batches whose labels are all masked."""
 
     name = "loss_baseline"
+    Options = LossBaselineOptions
+    CODES = (INITIAL_LOSS_ANOMALY, ALL_LABELS_MASKED)
+    options: LossBaselineOptions
 
     def __init__(self) -> None:
         self.options = LossBaselineOptions()
         self._vocab: int | None = None
         self._first_done = False
-        self._label_flags: list[torch.Tensor] = []
-        self._masked_reported = 0
-
-    @hookimpl
-    def add_config(self) -> type[BaseModel]:
-        return LossBaselineOptions
-
-    @hookimpl
-    def declare_codes(self) -> list[FindingCode]:
-        return [INITIAL_LOSS_ANOMALY, ALL_LABELS_MASKED]
-
-    @hookimpl
-    def configure(self, ctx: Any, options: LossBaselineOptions) -> None:
-        self.options = options
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
@@ -86,23 +76,21 @@ class LossBaseline:
             return
         labels = batch.get("labels") if isinstance(batch, dict) else None
         if torch.is_tensor(labels):
-            self._label_flags.append((labels != -100).any())  # device-side, read once per step
+            self.defer("has_labels", (labels != -100).any())  # device-side, read in the guard's one transfer
 
     @hookimpl
     def on_before_optimizer_step(self, ctx: Any, step: int) -> None:
-        flags, self._label_flags = self._label_flags, []
-        if flags:
-            has_labels = torch.stack(flags).tolist()
-            empty = [i for i, ok in enumerate(has_labels) if not ok]
-            if empty and self._masked_reported < 20:
-                self._masked_reported += 1
-                ctx.report(
-                    ALL_LABELS_MASKED.code,
-                    f"{len(empty)} of {len(has_labels)} micro-batches at step {step} on rank {ctx.rank} have every label masked "
-                    "(-100): they contribute no gradient (TRL logs loss 0 for them).",
-                    step=step,
-                    evidence={"micro_batches": empty},
-                )
+        has_labels = self.deferred("has_labels")
+        empty = [i for i, ok in enumerate(has_labels) if not ok]
+        if empty:
+            self.report(
+                ALL_LABELS_MASKED.code,
+                f"{len(empty)} of {len(has_labels)} micro-batches at step {step} on rank {ctx.rank} have every label masked "
+                "(-100): they contribute no gradient (TRL logs loss 0 for them).",
+                step=step,
+                evidence={"micro_batches": empty},
+                limit=20,
+            )
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
@@ -120,7 +108,7 @@ class LossBaseline:
         evidence = {"first_loss": loss, "ln_vocab": expected, "ratio": ratio, "vocab_size": self._vocab}
         o = self.options
         if ratio > o.high_ratio:
-            ctx.report(
+            self.report(
                 INITIAL_LOSS_ANOMALY.code,
                 f"first loss {loss:.3f} is {ratio:.2f}x ln(vocab={self._vocab})={expected:.3f}: far above an untrained model's; "
                 "suspect the initialisation scale, a vocabulary/label mismatch or mis-shifted labels.",
@@ -128,7 +116,7 @@ class LossBaseline:
                 evidence=evidence,
             )
         elif ratio < o.low_ratio and o.expect != "pretrained":
-            ctx.report(
+            self.report(
                 INITIAL_LOSS_ANOMALY.code,
                 f"first loss {loss:.3f} is only {ratio:.2f}x ln(vocab={self._vocab})={expected:.3f}: far below an untrained model's; "
                 "if the model starts from scratch, suspect labels leaking into the inputs or trivially repetitive data.",

@@ -18,8 +18,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.findings import FindingCode, Severity
-from harness.hookspecs import hookimpl
+from harness.core.findings import FindingCode, Severity
+from harness.core.hookspecs import hookimpl
+from harness.core.plugin import Plugin
 
 LR_SCHEDULE_MISMATCH = FindingCode(
     "LR_SCHEDULE_MISMATCH", Severity.WARNING, "the LR an update used is not the configured schedule's", "lr-schedule#lr_schedule_mismatch"
@@ -32,6 +33,8 @@ SCHEDULE_KEYS = ("type", "warmup", "total", "kwargs")  # the shape; the peak is 
 
 
 class LrScheduleOptions(BaseModel):
+    """Options of the ``lr_schedule`` plugin."""
+
     model_config = ConfigDict(extra="forbid")
 
     rtol: float = Field(1e-4, gt=0, description="Relative difference between the applied and the scheduled LR that counts as a mismatch.")
@@ -65,10 +68,13 @@ class _Reference:
         return self._values[position]
 
 
-class LrSchedule:
+class LrSchedule(Plugin):
     """Compares the applied learning rate with the configured warmup/decay; flags a scheduler that moves on skipped steps."""
 
     name = "lr_schedule"
+    Options = LrScheduleOptions
+    CODES = (LR_SCHEDULE_MISMATCH, LR_ADVANCED_ON_SKIPPED_STEP)
+    options: LrScheduleOptions
 
     def __init__(self) -> None:
         self.options = LrScheduleOptions()
@@ -78,29 +84,16 @@ class LrSchedule:
         self._changed_at_resume: dict[str, tuple[Any, Any]] = {}
         self._resumed_from: str | None = None
         self._mismatch_reported = False
-        self._advanced = 0
         self._position_before: int | None = None
-        self._unchecked: str | None = None
-
-    @hookimpl
-    def add_config(self) -> type[BaseModel]:
-        return LrScheduleOptions
-
-    @hookimpl
-    def declare_codes(self) -> list[FindingCode]:
-        return [LR_SCHEDULE_MISMATCH, LR_ADVANCED_ON_SKIPPED_STEP]
-
-    @hookimpl
-    def configure(self, options: LrScheduleOptions) -> None:
-        self.options = options
+        self._unchecked_reason: str | None = None
 
     @hookimpl
     def on_run_start(self, trainer: Any) -> None:
         self._trainer = trainer
         self._mismatch_reported = False
         self._changed_at_resume = {}
-        self._unchecked = _why_unchecked(trainer)
-        self._schedule = None if self._unchecked else configured_schedule(trainer)
+        self._unchecked_reason = _why_unchecked(trainer)
+        self._schedule = None if self._unchecked_reason else configured_schedule(trainer)
         self._reference = None
 
     @hookimpl
@@ -140,7 +133,7 @@ class LrSchedule:
             warmup = self._changed_at_resume.get("warmup")
             shorter = " (warmup removed)" if warmup and not warmup[1] else " (warmup shorter)" if warmup and warmup[1] < warmup[0] else ""
             why = f"; the schedule changed at the resume from {self._resumed_from}: {changes}{shorter}"
-        ctx.report(
+        self.report(
             LR_SCHEDULE_MISMATCH.code,
             f"the update of step {step} used LR {applied:.6g}, but the run's schedule ({described}) gives {expected:.6g} at scheduler "
             f"position {self._position_before} ({applied / expected if expected else float('inf'):.3g}x){why}.",
@@ -155,17 +148,17 @@ class LrSchedule:
         if not (metrics.get("skipped") or metrics.get("optimizer_skipped")) or before is None:
             return
         after = _position(self._trainer)
-        if after is None or after <= before or self._advanced >= self.options.max_reports:
+        if after is None or after <= before:
             return
-        self._advanced += 1
         who = "the harness skipped" if metrics.get("skipped") else "the optimizer skipped on its own"
-        ctx.report(
+        self.report(
             LR_ADVANCED_ON_SKIPPED_STEP.code,
             f"step {step} changed no weight ({who} it) but the LR scheduler moved from position {before} to {after}: the schedule "
             "now runs ahead of the updates (a warmup ends early, the decay comes sooner).",
             step=step,
             evidence={"position_before": before, "position_after": after, "skipped_by_harness": bool(metrics.get("skipped")),
                       "lr": metrics.get("lr")},
+            limit=self.options.max_reports,
         )
 
 

@@ -3,9 +3,10 @@
 Two files on rank 0: ``metrics.jsonl`` (what the Trainer logs: loss, grad
 norm, LR, eval metrics, at ``logging_steps``) and ``steps.jsonl`` (one line
 per optimizer step: loss, grad norm, LR, skips, tokens processed, step and
-data time). The step loss is a device tensor; reading it every step would
-sync the device, so step records wait in a short buffer and are written when
-the Trainer logs (it has just synced), at checkpoints, at the end, or every
+data time). The step loss and grad norm arrive as host floats (the step
+guard read them in its one transfer), so no record costs a device sync; step
+records still wait in a short buffer, to keep the file writes few, and are
+written when the Trainer logs, at checkpoints, at the end, or every
 ``flush_every`` steps.
 """
 from __future__ import annotations
@@ -17,24 +18,29 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.appendfile import open_append
-from harness.hookspecs import hookimpl
+from harness.core.appendfile import open_append
+from harness.core.hookspecs import hookimpl
+from harness.core.plugin import Plugin
 
 
 class MetricsLogOptions(BaseModel):
+    """Options of the ``metrics_log`` plugin."""
+
     model_config = ConfigDict(extra="forbid")
 
     flush_every: int = Field(
         10, ge=1,
-        description="Write buffered per-step records to steps.jsonl at least every this many steps (each write reads the "
-        "buffered device losses, one device sync); a kill -9 loses at most the records since the last write.",
+        description="Write buffered per-step records to steps.jsonl at least every this many steps (one file write each); "
+        "a kill -9 loses at most the records since the last write.",
     )
 
 
-class MetricsLog:
+class MetricsLog(Plugin):
     """Appends logged metrics to harness/metrics.jsonl and per-step records to harness/steps.jsonl on rank 0."""
 
     name = "metrics_log"
+    Options = MetricsLogOptions
+    options: MetricsLogOptions
 
     def __init__(self) -> None:
         self.options = MetricsLogOptions()
@@ -42,14 +48,6 @@ class MetricsLog:
         self._steps: IO[str] | None = None
         self._pending: list[dict[str, Any]] = []
         self._tokens = 0  # token positions processed by all ranks (rank 0's count x world size), restored at resume
-
-    @hookimpl
-    def add_config(self) -> type[BaseModel]:
-        return MetricsLogOptions
-
-    @hookimpl
-    def configure(self, ctx: Any, options: MetricsLogOptions) -> None:
-        self.options = options
 
     @hookimpl
     def on_run_start(self, ctx: Any) -> None:
@@ -116,12 +114,12 @@ class MetricsLog:
 
 
 def _host(value: Any) -> Any:
-    """A JSON-ready host value; non-finite floats become strings JSON can hold ("nan", "inf")."""
-    if hasattr(value, "item"):
-        try:
-            value = value.detach().float().item() if hasattr(value, "detach") else value.item()
-        except Exception:  # noqa: BLE001 - a value that cannot be read is left out, not fatal
-            return None
+    """A JSON-ready value; non-finite floats become strings JSON can hold ("nan", "inf").
+
+    Step metrics are host values already; anything else JSON cannot hold is left out, never read from a device.
+    """
+    if value is not None and not isinstance(value, (bool, int, float, str)):
+        return None
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value

@@ -1,9 +1,10 @@
 """nan_guard: no non-finite loss or gradient ever reaches the weights, and none goes unreported.
 
-Per micro-batch it only queues a device-side ``isfinite`` flag (no host
-sync); once per optimizer step, inside the step guard, it reads all flags
-with one transfer. On a hit it reports which micro-batch, rank and samples,
-writes the batch to ``captures/step-<N>/``, and decides the action ladder:
+Per micro-batch it only queues a device-side ``isfinite`` flag and the loss
+with ``defer`` (no host sync); the step guard reads them in its one transfer
+for every plugin, and the gradient norm arrives as a host float. On a hit it
+reports which micro-batch, rank and samples, writes the batch to
+``captures/step-<N>/``, and decides the action ladder:
 skip the step, and after ``max_consecutive`` non-finite steps in a row,
 ``escalate_to`` (``save_and_stop`` by default).
 
@@ -15,15 +16,17 @@ how many steps were skipped and whether the LR scheduler held still then.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.capture import sample_ids, write_capture
-from harness.findings import Finding, FindingCode, Severity
-from harness.fingerprints import scheduler_state
-from harness.hookspecs import hookimpl
+from harness.lib.capture import sample_ids, write_capture
+from harness.core.findings import Finding, FindingCode, Severity
+from harness.lib.fingerprints import scheduler_state
+from harness.core.hookspecs import hookimpl
+from harness.core.plugin import Plugin
 
 log = logging.getLogger("harness.nan_guard")
 
@@ -78,38 +81,26 @@ class NanGuardOptions(BaseModel):
     )
 
 
-class NanGuard:
+class NanGuard(Plugin):
     """Skips optimizer steps whose loss or gradients are not finite, and reports them with the batch."""
 
     name = "nan_guard"
+    Options = NanGuardOptions
+    CODES = (NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAMS, OPTIMIZER_SKIPPED_STEP, SKIPPED_STEPS)
+    options: NanGuardOptions
 
     def __init__(self) -> None:
         self.options = NanGuardOptions()
-        self._flags: list[torch.Tensor] = []
         self._batches: list[dict[str, Any]] = []
-        self._losses: list[torch.Tensor] = []
         self._consecutive = 0
         self._log_filter = False
         self._fp16 = False
         self._schedule_position: int | None = None
         self._params_reported = False
-        self._reports = 0
         self._optimizer_skips_in_a_row = 0
         self.skipped_steps: list[int] = []
         self.optimizer_skips: list[int] = []
         self.scheduler_moved: list[int] = []
-
-    @hookimpl
-    def add_config(self) -> type[BaseModel]:
-        return NanGuardOptions
-
-    @hookimpl
-    def declare_codes(self) -> list[FindingCode]:
-        return [NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAMS, OPTIMIZER_SKIPPED_STEP, SKIPPED_STEPS]
-
-    @hookimpl
-    def configure(self, ctx: Any, options: NanGuardOptions) -> None:
-        self.options = options
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
@@ -117,7 +108,7 @@ class NanGuard:
         engine_fp16 = getattr(getattr(trainer, "model_wrapped", None), "fp16_enabled", None)
         self._fp16 = bool(getattr(trainer.args, "fp16", False)) or bool(callable(engine_fp16) and engine_fp16())
         self._optimizer_skips_in_a_row = 0
-        self._flags, self._batches, self._losses = [], [], []
+        self._batches = []
         self.skipped_steps, self.optimizer_skips, self.scheduler_moved = [], [], []
         self._params_reported = False
 
@@ -141,42 +132,37 @@ class NanGuard:
 
     @hookimpl
     def on_loss(self, loss: torch.Tensor, batch: dict[str, Any]) -> None:
-        self._flags.append(torch.isfinite(loss).all())  # stays on the device: no sync per micro-batch
-        self._losses.append(loss)
+        detached = loss.detach()
+        self.defer("finite", torch.isfinite(detached).all())  # read at the guard, with every plugin's tensors
+        self.defer("loss", detached.float().mean())
         self._batches.append(batch)
 
-    def _grads_finite(self, model: Any, grad_norm: Any) -> bool | None:
+    def _grads_finite(self, model: Any, grad_norm: float | None) -> bool | None:
         if grad_norm is not None:
-            value = grad_norm if torch.is_tensor(grad_norm) else torch.tensor(float(grad_norm))
-            return bool(torch.isfinite(value).all())
+            return math.isfinite(grad_norm)
         grads = [p.grad for p in getattr(model, "parameters", lambda: [])() if p.grad is not None]
         if not grads:
             return None  # e.g. DeepSpeed ZeRO keeps reduced gradients in its own partitions
+        # no grad norm (DeepSpeed computes it inside its step, or clipping is off): one sync of its own, only then
         return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
 
     @hookimpl
-    def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, grad_norm: Any) -> None:
+    def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, grad_norm: float | None) -> None:
         self._schedule_position = _scheduler_position(ctx.trainer)
-        flags, batches, losses = self._flags, self._batches, self._losses
-        self._flags, self._batches, self._losses = [], [], []
-        norm_flag = self.options.check_grads and torch.is_tensor(grad_norm) and grad_norm.device == (flags[0].device if flags else grad_norm.device)
-        if norm_flag:
-            flags = flags + [torch.isfinite(grad_norm).all()]
-        finite = torch.stack(flags).tolist() if flags else []  # the one host sync of this step
-        grad_ok = finite.pop() if norm_flag else None
+        batches, self._batches = self._batches, []
+        finite, losses = self.deferred("finite"), self.deferred("loss")
         bad = [i for i, ok in enumerate(finite) if not ok]
         if bad:
             self._consecutive += 1
             self._report_loss(ctx, step, bad, batches, losses)
             return
-        if self._fp16:
-            grad_ok = None  # a loss scaler owns gradient overflows: it skips the step and lowers its scale
-        elif grad_ok is None and self.options.check_grads:
+        grad_ok: bool | None = None  # under fp16 a loss scaler owns gradient overflows: it skips and lowers its scale
+        if self.options.check_grads and not self._fp16:
             grad_ok = self._grads_finite(model, grad_norm)
         if grad_ok is False:
             self._consecutive += 1
-            norm = float(grad_norm) if grad_norm is not None else None
-            ctx.report(
+            norm = _as_float(grad_norm)
+            self.report(
                 NONFINITE_GRAD.code,
                 f"gradient norm is {norm} at step {step} on rank {ctx.rank} although every micro-batch loss was finite "
                 f"({self._consecutive} non-finite step(s) in a row); the update is not applied.",
@@ -186,13 +172,13 @@ class NanGuard:
             return
         self._consecutive = 0
 
-    def _report_loss(self, ctx: Any, step: int, bad: list[int], batches: list[dict[str, Any]], losses: list[torch.Tensor]) -> None:
+    def _report_loss(self, ctx: Any, step: int, bad: list[int], batches: list[dict[str, Any]], losses: list[float]) -> None:
         first = bad[0]
-        values = [float(losses[i]) for i in bad]
+        values = [losses[i] for i in bad]
         samples = sample_ids(batches[first])
         capture = self._capture(ctx, step, batches, losses, f"loss {values[0]} in micro-batch {first}") if self.options.capture else None
         hidden = " The Trainer's logging_nan_inf_filter=True hides this value from its own logs." if self._log_filter else ""
-        ctx.report(
+        self.report(
             NONFINITE_LOSS.code,
             f"loss is {values[0]} at step {step}, micro-batch {first} on rank {ctx.rank} "
             f"({len(bad)} of {len(losses)} micro-batches non-finite; {self._consecutive} non-finite step(s) in a row); "
@@ -208,10 +194,10 @@ class NanGuard:
             },
         )
 
-    def _capture(self, ctx: Any, step: int, batches: list[dict[str, Any]], losses: list[torch.Tensor], why: str) -> str | None:
+    def _capture(self, ctx: Any, step: int, batches: list[dict[str, Any]], losses: list[float], why: str) -> str | None:
         """The step's micro-batches to captures/step-<N>/; a capture that fails must not stop the skip."""
         try:
-            micro = [(i, b, float(loss.float().mean())) for i, (b, loss) in enumerate(zip(batches, losses))]
+            micro = [(i, b, loss) for i, (b, loss) in enumerate(zip(batches, losses))]
             result = write_capture(ctx, step=step, code=NONFINITE_LOSS.code, reason=f"NONFINITE_LOSS at step {step}: {why}.", micro_batches=micro)
             return str(result.json_path)
         except Exception as exc:  # noqa: BLE001 - disk full, odd batch: the finding and the skip matter more
@@ -230,6 +216,7 @@ class NanGuard:
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        self._batches = []  # a step without a guard: its deferred flags are gone, so are its batches
         every = self.options.check_params_every
         if every and step % every == 0 and not self._params_reported:
             self._check_params(ctx, step)
@@ -256,7 +243,7 @@ class NanGuard:
         if not bad:
             return
         self._params_reported = True
-        ctx.report(
+        self.report(
             NONFINITE_PARAMS.code,
             f"{len(bad)} of {len(named)} parameter tensors hold NaN or Inf after step {step} on rank {ctx.rank} "
             f"(first: {', '.join(bad[:3])}); the model is broken from here on.",
@@ -269,16 +256,14 @@ class NanGuard:
         count, in_a_row = len(self.optimizer_skips), self._optimizer_skips_in_a_row
         if self._fp16 and in_a_row != self.options.fp16_skips_in_a_row:
             return  # the scaler's routine probing; a run of skips is reported once, when it reaches the limit
-        self._reports += 1
-        if self._reports > 10 and count % 100:
-            return  # rate-limited after ten reports
         engine = "DeepSpeed engine" if getattr(ctx.trainer, "is_deepspeed_enabled", False) else "optimizer (fp16 loss scaler)"
-        ctx.report(
+        self.report(
             OPTIMIZER_SKIPPED_STEP.code,
             f"the {engine} skipped the update of step {step} on its own (an overflow: non-finite gradients or loss scale); "
             f"{count} such step(s) so far, {in_a_row} in a row. The Trainer counts it as a normal step and its logs do not say so.",
             step=step,
             evidence={"optimizer_skips": count, "in_a_row": in_a_row, "fp16": self._fp16, "grad_norm": _as_float(metrics.get("grad_norm")), "lr": metrics.get("lr")},
+            limit=None if count % 100 == 0 else 10,  # ten reports, then only every hundredth skip
         )
 
     @hookimpl
@@ -287,7 +272,7 @@ class NanGuard:
             return
         moved = self.scheduler_moved
         held = "the LR scheduler held still during every one" if not moved else f"the LR scheduler kept advancing during {len(moved)} of them (steps {moved[:10]})"
-        ctx.report(
+        self.report(
             SKIPPED_STEPS.code,
             f"{len(self.skipped_steps)} optimizer step(s) were skipped in this run ({len(self.optimizer_skips)} by the optimizer "
             f"on its own); {held}.",

@@ -24,15 +24,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.appendfile import open_append
-from harness.capture import autocast_dtype, can_recompute
-from harness.findings import FindingCode, Severity
-from harness.hookspecs import hookimpl
+from harness.core.appendfile import open_append
+from harness.lib.capture import autocast_dtype, can_recompute
+from harness.core.findings import FindingCode, Severity
+from harness.core.hookspecs import hookimpl
+from harness.core.plugin import Plugin
 
 PACKING_CROSS_DOC_ATTENTION = FindingCode(
     "PACKING_CROSS_DOC_ATTENTION",
@@ -104,10 +106,9 @@ def _segments_from_tokens(ids: list[int], valid: list[bool], eos: int | None, bo
     return _runs(valid, [t > 0 and ((bos is not None and tok == bos) or (eos is not None and ids[t - 1] == eos)) for t, tok in enumerate(ids)])
 
 
-def _segments_from_mask(mask: torch.Tensor) -> list[tuple[int, int]]:
-    """Blocks of a [L, L] attention mask: a block starts where a token may not see the token before it."""
-    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    return _runs(allowed.diagonal().tolist(), [True, *(not seen for seen in allowed.diagonal(-1).tolist())])
+def _segments_from_mask(diagonal: list[bool], below: list[bool]) -> list[tuple[int, int]]:
+    """Blocks of a [L, L] attention mask, from its diagonal and the one below: a block starts where a token may not see the token before it."""
+    return _runs(diagonal, [True, *(not seen for seen in below)])
 
 
 def _mask_form(batch: Mapping[str, Any]) -> str:
@@ -143,37 +144,62 @@ def _twice(model: Any, inputs: dict[str, Any], changed: torch.Tensor) -> tuple[t
             module.training = training
 
 
-class PackingCheck:
-    """Perturbs one document of a packed row and measures how much the others move; checks labels at boundaries."""
+@dataclass
+class _Looked:
+    """A micro-batch queued for analysis at its step's guard: the device batch (kept by reference) and what was deferred."""
+
+    step: int
+    scheduled: bool  # the check step's first micro-batch: its labels are checked too
+    batch: Mapping[str, Any]
+    source: str
+    reads: dict[str, torch.Tensor]  # name -> device tensor deferred under "batch/<n>/<name>"
+    index: int
+
+
+@dataclass
+class _Host:
+    """The host values of one looked-at micro-batch (from the step's one read)."""
+
+    ids: list[list[int]]
+    valid: list[list[bool]] | None  # a 2D attention mask, as booleans
+    labelled: list[list[bool]] | None  # labels != -100, when labels have the batch's shape
+    boundary: list[list[int]] | None  # metadata ids or position ids
+    diag: list[list[bool]] | None = None  # a 4D mask's diagonal and sub-diagonal (the blocks it draws)
+    sub: list[list[bool]] | None = None
+
+
+class PackingCheck(Plugin):
+    """Perturbs one document of a packed row and measures how much the others move; checks labels at boundaries.
+
+    On check steps (step 1 and every ``every`` steps) it defers the batch's
+    ids, masks and labels to the step guard's one read, finds documents and
+    checks labels on the host in ``on_before_optimizer_step``, and runs its
+    experiment at step end (outside the backward pass, where DeepSpeed runs
+    the guard); other steps cost nothing.
+    """
 
     name = "packing_check"
+    Options = PackingCheckOptions
+    CODES = (PACKING_CROSS_DOC_ATTENTION, PACKING_LOSS_ON_PADDING)
 
     def __init__(self) -> None:
         self.options = PackingCheckOptions()
         self._unable: str | None = None
         self._due = 0  # micro-batches left to find a packed row in
         self._reported: set[tuple[str, str]] = set()
-        self._counts: dict[str, int] = {}
+        self._looked: list[_Looked] = []  # micro-batches deferred this step, analysed at its guard
+        self._looks = 0
+        self._experiment: tuple[_Looked, int, list[tuple[int, int]], list[int]] | None = None  # (batch, row, documents, row ids)
         self.results: list[dict[str, Any]] = []
-
-    @hookimpl
-    def add_config(self) -> type[BaseModel]:
-        return PackingCheckOptions
-
-    @hookimpl
-    def declare_codes(self) -> list[FindingCode]:
-        return [PACKING_CROSS_DOC_ATTENTION, PACKING_LOSS_ON_PADDING]
-
-    @hookimpl
-    def configure(self, ctx: Any, options: PackingCheckOptions) -> None:
-        self.options = options
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         self._unable = can_recompute(trainer)
+        self._looked, self._experiment = [], None
 
     @hookimpl
     def inspect_batch(self, ctx: Any, batch: Any, step: int, micro_step: int) -> None:
+        self._run_experiment(ctx)  # one found at a guard whose step end did not come (it normally ran there)
         scheduled = micro_step == 0 and (step == 1 or step % self.options.every == 0)
         if scheduled:
             self._due = SEARCH_BATCHES  # a due experiment takes the first of the next micro-batches that has a packed row
@@ -183,16 +209,74 @@ class PackingCheck:
         ids = batch.get("input_ids")
         if not torch.is_tensor(ids) or ids.dim() != 2:
             return
-        rows, source = self._documents(ctx, batch)
-        if scheduled and self.options.check_labels:
-            self._check_labels(ctx, step, batch, rows, source)
+        source = self._source(batch)
+        labels_due = scheduled and self.options.check_labels
         if self._unable is not None or source == "none":  # nothing to measure on, or no packing in this run's batches
             self._due = 0
-            return
-        row = next((r for r, docs in enumerate(rows) if len(self._real(batch, r, docs)) >= 2), None)
-        if row is not None:
-            self._due = 0
-            self._measure(ctx, step, batch, row, rows[row], source)
+            if not labels_due:
+                return
+        self._defer_batch(batch, step, scheduled, source)
+
+    @hookimpl
+    def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, optimizer: Any, grad_norm: Any, loss: Any) -> None:
+        self._analyse(ctx)
+
+    @hookimpl
+    def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        self._analyse(ctx)  # a step whose optimizer never ran: the step end read the deferred values
+        self._run_experiment(ctx)
+
+    # -- the step's one read and the host-side analysis ----------------------------------------------------
+
+    def _defer_batch(self, batch: Mapping[str, Any], step: int, scheduled: bool, source: str) -> None:
+        ids = batch["input_ids"]
+        reads: dict[str, torch.Tensor] = {"ids": ids}
+        mask, labels = batch.get("attention_mask"), batch.get("labels")
+        if torch.is_tensor(mask) and mask.dim() == 2:
+            reads["valid"] = mask.bool()
+        if torch.is_tensor(labels) and labels.shape == ids.shape:
+            reads["labelled"] = labels.ne(IGNORE_INDEX)
+        if source in METADATA_KEYS:
+            reads["boundary"] = batch[source]
+        elif source == "position_ids":
+            reads["boundary"] = batch["position_ids"].expand_as(ids)
+        elif source == "4D mask":
+            assert torch.is_tensor(mask)
+            allowed = (mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2)[:, 0]
+            reads["diag"], reads["sub"] = allowed.diagonal(dim1=-2, dim2=-1), allowed.diagonal(-1, dim1=-2, dim2=-1)
+        look = _Looked(step, scheduled, batch, source, reads, self._looks)
+        self._looks += 1
+        for name, tensor in reads.items():
+            self.defer(f"batch/{look.index}/{name}", tensor)
+        self._looked.append(look)
+
+    def _host(self, look: _Looked) -> _Host:
+        values: dict[str, Any] = {}
+        for name, tensor in look.reads.items():
+            got = self.deferred(f"batch/{look.index}/{name}")
+            values[name] = got[0] if got else tensor.tolist()  # no guard read it (hooks called by hand): read it here
+        return _Host(values["ids"], values.get("valid"), values.get("labelled"), values.get("boundary"), values.get("diag"), values.get("sub"))
+
+    def _analyse(self, ctx: Any) -> None:
+        """Documents and labels of the micro-batches deferred this step, on host data; the first packed row is measured at step end."""
+        looked, self._looked = self._looked, []
+        for look in looked:
+            host = self._host(look)
+            rows = self._documents(ctx, look.source, host)
+            if look.scheduled and self.options.check_labels:
+                self._check_labels(ctx, look.step, look.batch, host, rows, look.source)
+            if self._unable is not None or look.source == "none" or self._experiment is not None:
+                continue
+            row = next((r for r, docs in enumerate(rows) if len(self._real(host, r, docs)) >= 2), None)
+            if row is not None:
+                self._due = 0
+                self._experiment = (look, row, self._real(host, row, rows[row]), host.ids[row])
+
+    def _run_experiment(self, ctx: Any) -> None:
+        if self._experiment is not None:
+            look, row, real, ids = self._experiment
+            self._experiment = None
+            self._measure(ctx, look.step, look.batch, row, real, ids, look.source)
 
     # -- where documents are ----------------------------------------------------------------------------------
 
@@ -210,40 +294,50 @@ class PackingCheck:
 
         return pick("eos_token_id"), pick("bos_token_id"), pick("pad_token_id")
 
-    def _documents(self, ctx: Any, batch: Mapping[str, Any]) -> tuple[list[list[tuple[int, int]]], str]:
-        ids = batch["input_ids"].tolist()
-        mask = batch.get("attention_mask")
-        valid = mask.bool().tolist() if torch.is_tensor(mask) and mask.dim() == 2 else [[True] * len(r) for r in ids]
+    def _source(self, batch: Mapping[str, Any]) -> str:
+        """Where this batch's document boundaries come from (shapes only: no device read)."""
+        ids, mask, positions = batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")
         wanted = self.options.boundaries
-        metadata = next((k for k in METADATA_KEYS if torch.is_tensor(batch.get(k)) and batch[k].shape == batch["input_ids"].shape), None)
-        positions = batch.get("position_ids")
+        metadata = next((k for k in METADATA_KEYS if torch.is_tensor(batch.get(k)) and batch[k].shape == ids.shape), None)
         if wanted in ("auto", "metadata") and metadata is not None:
-            values = batch[metadata].tolist()
-            return [_segments_from_ids(v, ok) for v, ok in zip(values, valid)], metadata
+            return metadata
         if wanted in ("auto", "position_ids") and torch.is_tensor(positions) and positions.dim() == 2:
-            pos = positions.expand_as(batch["input_ids"]).tolist()
-            return [_segments_from_positions(p, ok) for p, ok in zip(pos, valid)], "position_ids"
+            return "position_ids"
         if wanted in ("auto", "mask") and torch.is_tensor(mask) and mask.dim() == 4:  # the blocks the mask itself draws
-            rows = mask.shape[0]
-            return [_segments_from_mask(mask[r if rows > 1 else 0, 0]) for r in range(len(ids))], "4D mask"
+            return "4D mask"
         if wanted == "eos":
-            eos, bos, _ = self._special_ids(ctx)
-            return [_segments_from_tokens(r, ok, eos, bos) for r, ok in zip(ids, valid)], "eos"
-        # no packing information: documents (if any) are concatenated on purpose (GPT-style), or this is not packing
-        return [[] for _ in ids], "none"
+            return "eos"
+        return "none"  # no packing information: documents (if any) are concatenated on purpose (GPT-style), or this is not packing
 
-    def _real(self, batch: Mapping[str, Any], row: int, docs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    def _documents(self, ctx: Any, source: str, host: _Host) -> list[list[tuple[int, int]]]:
+        ids = host.ids
+        valid = host.valid if host.valid is not None else [[True] * len(r) for r in ids]
+        if source in METADATA_KEYS and host.boundary is not None:
+            return [_segments_from_ids(v, ok) for v, ok in zip(host.boundary, valid)]
+        if source == "position_ids" and host.boundary is not None:
+            return [_segments_from_positions(p, ok) for p, ok in zip(host.boundary, valid)]
+        if source == "4D mask" and host.diag is not None and host.sub is not None:
+            blocks = len(host.diag)
+            return [_segments_from_mask(host.diag[r if blocks > 1 else 0], host.sub[r if blocks > 1 else 0]) for r in range(len(ids))]
+        if source == "eos":
+            eos, bos, _ = self._special_ids(ctx)
+            return [_segments_from_tokens(r, ok, eos, bos) for r, ok in zip(ids, valid)]
+        return [[] for _ in ids]
+
+    @staticmethod
+    def _real(host: _Host, row: int, docs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Documents with something to learn: a labelled token (or, without labels, at least two tokens)."""
-        labels = batch.get("labels")
-        if torch.is_tensor(labels) and labels.shape == batch["input_ids"].shape:
-            labelled = labels[row].ne(IGNORE_INDEX).tolist()
+        if host.labelled is not None:
+            labelled = host.labelled[row]
             return [(s, e) for s, e in docs if any(labelled[s:e])]
         return [(s, e) for s, e in docs if e - s >= 2]
 
     # -- the experiment ----------------------------------------------------------------------------------------
 
-    def _measure(self, ctx: Any, step: int, batch: Mapping[str, Any], row: int, docs: list[tuple[int, int]], source: str) -> None:
-        real = self._real(batch, row, docs)
+    def _measure(
+        self, ctx: Any, step: int, batch: Mapping[str, Any], row: int, real: list[tuple[int, int]], ids: list[int], source: str
+    ) -> None:
+        """The experiment on the kept device batch's row (its own reads are allowed: check steps of packed runs only)."""
         if len(real) < 2:
             return
         model = ctx.trainer.model
@@ -256,9 +350,9 @@ class PackingCheck:
         }
         first_start, first_end = real[0]
         changed = inputs["input_ids"].clone()
-        vocab = int(getattr(model.config, "vocab_size", 0) or int(changed.max()) + 1)
+        vocab = int(getattr(model.config, "vocab_size", 0) or max(ids) + 1)
         for t in range(first_start, first_end):
-            token = int(changed[0, t])
+            token = ids[t]
             if token in specials:
                 continue
             for shift in (7, 11, 13, 17):
@@ -292,32 +386,31 @@ class PackingCheck:
             return
         self._reported.add((form, impl))
         leaking = sum(1 for d in per_doc if d > tolerance)
-        self._report(
-            ctx, PACKING_CROSS_DOC_ATTENTION.code,
+        self.report(
+            PACKING_CROSS_DOC_ATTENTION.code,
             f"changing document 1 of packed row {row} at step {step} (rank {ctx.rank}) moved the outputs of {leaking} of the "
             f"{len(per_doc)} later documents by up to {leak:.3g} of their magnitude ({leak_abs:.3g} absolute; tolerance {tolerance:g}): "
             f"with attn_implementation='{impl}' and {form}, tokens attend across document boundaries (boundaries from {source}).",
-            step=step, evidence=result,
+            step=step, evidence=result, limit=self.options.max_reports,
         )
 
     # -- labels at padding and at boundaries ---------------------------------------------------------------------
 
-    def _check_labels(self, ctx: Any, step: int, batch: Mapping[str, Any], rows: list[list[tuple[int, int]]], source: str) -> None:
-        labels, ids = batch.get("labels"), batch["input_ids"]
-        if not torch.is_tensor(labels) or labels.shape != ids.shape:
+    def _check_labels(
+        self, ctx: Any, step: int, batch: Mapping[str, Any], host: _Host, rows: list[list[tuple[int, int]]], source: str
+    ) -> None:
+        labelled = host.labelled
+        if labelled is None:
             return
-        labelled = labels.ne(IGNORE_INDEX)
-        mask = batch.get("attention_mask")
-        if torch.is_tensor(mask) and mask.dim() == 2 and not bool(mask.all()):
-            padding = mask.eq(0)
+        if host.valid is not None and not all(all(r) for r in host.valid):
+            padding = [[not ok for ok in r] for r in host.valid]
         else:  # no mask, or an all-ones one (a padding collator's): the pad-token tail is the padding
-            padding = self._pad_tail(ctx, ids)
-        on_padding = int((labelled & padding).sum())
+            padding = self._pad_tail(ctx, host.ids)
+        on_padding = sum(lab and pad for lr, pr in zip(labelled, padding) for lab, pad in zip(lr, pr))
         crossing: list[tuple[int, int]] = []
         if source in (*METADATA_KEYS, "position_ids"):  # declared boundaries: a document's first token has no context to come from
-            flags = labelled.tolist()
             for r, docs in enumerate(rows):
-                crossing += [(r, s) for s, _ in docs if s > 0 and flags[r][s]]
+                crossing += [(r, s) for s, _ in docs if s > 0 and labelled[r][s]]
         if not on_padding and not crossing:
             return
         parts = []
@@ -325,33 +418,29 @@ class PackingCheck:
             parts.append(f"{on_padding} labelled padding positions (loss on tokens that are not text)")
         if crossing:
             parts.append(f"{len(crossing)} document starts whose first token is a label, predicted from the previous document's last token")
-        self._report(
-            ctx, PACKING_LOSS_ON_PADDING.code,
+        self.report(
+            PACKING_LOSS_ON_PADDING.code,
             f"the labels at step {step} (rank {ctx.rank}) include " + " and ".join(parts) + f" (boundaries from {source}).",
             step=step,
             evidence={"labelled_padding": on_padding, "boundary_labels": len(crossing), "examples": [list(c) for c in crossing[:10]],
                       "boundaries": source, "mask_form": _mask_form(batch)},
+            limit=self.options.max_reports,
         )
 
-    def _pad_tail(self, ctx: Any, ids: torch.Tensor) -> torch.Tensor:
+    def _pad_tail(self, ctx: Any, ids: list[list[int]]) -> list[list[bool]]:
         """Without an attention mask: the run of pad tokens at the end of each row (the first one kept when pad is EOS)."""
         eos, _, pad = self._special_ids(ctx)
-        out = torch.zeros_like(ids, dtype=torch.bool)
         if pad is None:
-            return out
-        for r, row in enumerate(ids.tolist()):
+            return [[False] * len(row) for row in ids]
+        out = []
+        for row in ids:
             t = len(row)
             while t > 0 and row[t - 1] == pad:
                 t -= 1
             if pad == eos and t < len(row):
                 t += 1  # the document's own EOS
-            out[r, t:] = True
+            out.append([False] * t + [True] * (len(row) - t))
         return out
-
-    def _report(self, ctx: Any, code: str, message: str, **kwargs: Any) -> None:
-        self._counts[code] = self._counts.get(code, 0) + 1
-        if self._counts[code] <= self.options.max_reports:
-            ctx.report(code, message, **kwargs)
 
     @hookimpl
     def report_sections(self, run: Any) -> Any:

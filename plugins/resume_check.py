@@ -8,25 +8,30 @@ fixed reference batch. After the Trainer has restored a checkpoint it
 recomputes each and compares; the first batches after the resume are
 compared with what the interrupted run trained next (from the data ledger).
 Mismatches of weights, optimizer or data position stop training before its
-first update by default; the rest warn.
+first update by default; the rest warn. The data position is read from
+``data_hash``'s ledger and the interrupted run's losses from
+``metrics_log``'s file (``requires``): with data_hash off a resume reports
+``RESUME_UNCHECKED`` for the data position once instead of passing silently.
 """
 from __future__ import annotations
 
 import math
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.capture import can_recompute, per_sample_loss, recompute_losses
-from harness.checkpoints import STATE_DIR
-from harness.findings import Finding, FindingCode, Severity
-from harness.fingerprints import differing, optimizer_tensors, param_tensors, rng_fingerprints, scheduler_state, tensor_sums
-from harness.hashing import combine_row_hashes, device_row_hashes, hex64
-from harness.hookspecs import hookimpl
-from harness.robust import judge
-from harness.ledger import around_resume
+from harness.lib.capture import can_recompute, per_sample_loss, recompute_losses
+from harness.lib.checkpoints import STATE_DIR
+from harness.core.findings import Finding, FindingCode, Severity
+from harness.core.plugin import Plugin
+from harness.lib.fingerprints import differing, optimizer_tensors, param_tensors, rng_fingerprints, scheduler_state, tensor_sums
+from harness.lib.hashing import combine_row_hashes, device_row_hashes, hex64
+from harness.core.hookspecs import hookimpl
+from harness.lib.robust import judge
+from harness.lib.ledger import around_resume
 
 
 def _code(code: str, severity: Severity, summary: str) -> FindingCode:
@@ -69,7 +74,7 @@ class ResumeCheckOptions(BaseModel):
     stop_on: list[str] = Field(
         default_factory=lambda: [RESUME_MODEL_MISMATCH.code, RESUME_OPTIMIZER_NOT_RESTORED.code, RESUME_DATA_POSITION.code],
         description="Codes that stop training before its first update (on mismatch: stop); every other RESUME_* code warns.",
-        json_schema_extra={"names_codes": True},  # checked against the declared codes by harness.config
+        json_schema_extra={"names_codes": True},  # checked against the declared codes by harness.core.config
     )
     first_steps: int = Field(3, ge=1, description="Steps after the resume compared with the interrupted run's batches and loss band.")
     loss_window: int = Field(20, ge=3, description="Step losses kept before each save: the band the first losses after a resume must fall in.")
@@ -85,15 +90,19 @@ def _half(trainer: Any) -> bool:
     return bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
 
 
-class ResumeCheck:
+class ResumeCheck(Plugin):
     """Fingerprints training state at each save and verifies it after a resume."""
 
     name = "resume_check"
+    Options = ResumeCheckOptions
+    CODES = tuple(CODES)
+    requires = ("data_hash", "metrics_log")  # the ledger (data position) and metrics.jsonl (the interrupted run's losses)
 
     def __init__(self) -> None:
         self.options = ResumeCheckOptions()
-        self._losses: deque[torch.Tensor] = deque(maxlen=self.options.loss_window)
+        self._losses: deque[float] = deque(maxlen=self.options.loss_window)
         self._reference: dict[str, torch.Tensor] | None = None
+        self._reference_pending: dict[str, torch.Tensor] = {}  # device slices deferred, not yet on the host
         self._saved: dict[str, Any] | None = None
         self._resume_step: int | None = None
         self._pending_rng = False
@@ -102,18 +111,8 @@ class ResumeCheck:
         self._band_checked = 0
         self._earlier_losses: dict[int, float] | None = None
 
-    @hookimpl
-    def add_config(self) -> type[BaseModel]:
-        return ResumeCheckOptions
-
-    @hookimpl
-    def declare_codes(self) -> list[FindingCode]:
-        return CODES
-
-    @hookimpl
-    def configure(self, ctx: Any, options: ResumeCheckOptions) -> None:
-        self.options = options
-        self._losses = deque(maxlen=options.loss_window)
+    def setup(self, ctx: Any) -> None:
+        self._losses = deque(maxlen=self.options.loss_window)
 
     @hookimpl
     def on_run_start(self, ctx: Any) -> None:
@@ -133,23 +132,44 @@ class ResumeCheck:
         if self._reference is None and hasattr(batch, "get") and torch.is_tensor(batch.get("labels")) and torch.is_tensor(batch.get("input_ids")):
             rows, tokens = self.options.reference_rows, self.options.reference_tokens
             keys = [k for k in ("input_ids", "labels", "attention_mask") if torch.is_tensor(batch.get(k)) and batch[k].dim() == 2]
-            self._reference = {k: batch[k][:rows, :tokens].detach().cpu().clone() for k in keys}
+            self._reference = {}  # filled from the step guard's one read (``_take_reference``)
+            self._reference_pending = {k: batch[k][:rows, :tokens].detach().clone() for k in keys}
+            for k, tensor in self._reference_pending.items():
+                self.defer(f"reference/{k}", tensor)
         if self._resume_step is not None and step <= self._resume_step + self.options.first_steps:
             self._check_after_resume(ctx, batch, step, micro_step)
 
     @hookimpl
+    def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, optimizer: Any, grad_norm: Any, loss: Any) -> None:
+        self._take_reference()
+
+    def _take_reference(self) -> None:
+        """The reference rows as host tensors, from the guard's read (or copied here if no guard read them: a save before any step)."""
+        if not self._reference_pending:
+            return
+        pending, self._reference_pending = self._reference_pending, {}
+        reference: dict[str, torch.Tensor] = {}
+        for k, tensor in pending.items():
+            got = self.deferred(f"reference/{k}")
+            reference[k] = torch.tensor(got[0], dtype=tensor.dtype) if got else tensor.cpu()
+        self._reference = reference
+
+    @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
-        loss = metrics.get("loss")
-        if torch.is_tensor(loss):
-            self._losses.append(loss.detach().reshape(()))  # read only at a save
-        if self._resume_step is not None and self._saved and self._band_checked < self.options.first_steps and torch.is_tensor(loss):
+        self._take_reference()  # a step whose optimizer never ran: the step end read the deferred values
+        loss = metrics.get("loss")  # a host float: the guard read it in the step's one transfer
+        if loss is None:
+            return
+        loss = float(loss)
+        self._losses.append(loss)
+        if self._resume_step is not None and self._saved and self._band_checked < self.options.first_steps:
             self._band_checked += 1
-            self._check_loss_band(ctx, step, float(loss))
+            self._check_loss_band(ctx, step, loss)
 
     @hookimpl
     def checkpoint_state(self, ctx: Any, step: int) -> dict[str, Any]:
         trainer = ctx.trainer
-        losses = torch.stack(list(self._losses)).float().tolist() if self._losses else []
+        losses = list(self._losses)
         scheduler = getattr(trainer, "lr_scheduler", None)
         state: dict[str, Any] = {
             "step": step,
@@ -168,7 +188,8 @@ class ResumeCheck:
         return state
 
     def _reference_loss(self, trainer: Any) -> float | None:
-        if self._reference is None or can_recompute(trainer) is not None:
+        self._take_reference()
+        if not self._reference or can_recompute(trainer) is not None:
             return None
         model = trainer.model
         device = next(model.parameters()).device
@@ -187,12 +208,20 @@ class ResumeCheck:
     def on_resume(self, ctx: Any, checkpoint_dir: Any, state: dict[str, Any] | None) -> None:
         self._resume_step = ctx.step
         self._saved = state
+        if "data_hash" in self.missing and ctx.is_main and not self._expected_batches(ctx):
+            # no ledger of what the interrupted run trained next (an earlier attempt with data_hash on would have one)
+            self.unchecked(
+                RESUME_UNCHECKED.code,
+                f"the data position after resuming from {Path(str(checkpoint_dir)).name} (whether the first batches are the "
+                "ones the interrupted run trained next)",
+                evidence={"checkpoint": str(checkpoint_dir), "unchecked": "data position"},
+            )
         if not state:
             self._report_unchecked(ctx, checkpoint_dir)  # nothing to compare with: say so rather than pass silently
             return
         trainer = ctx.trainer
         if state.get("world_size") != ctx.world_size:
-            ctx.report(
+            self.report(
                 RESUME_WORLD_SIZE_CHANGED.code,
                 f"the run was saved with {state.get('world_size')} processes and resumes with {ctx.world_size}: the data position "
                 "(batches per step) and any per-rank state no longer line up.",
@@ -201,7 +230,7 @@ class ResumeCheck:
         config_now = {k: _plain(getattr(trainer.args, k, None)) for k in self.options.config_keys}
         changed = {k: {"saved": state["config"].get(k), "now": v} for k, v in config_now.items() if k in state.get("config", {}) and state["config"][k] != v}
         if changed:
-            ctx.report(
+            self.report(
                 RESUME_CONFIG_CHANGED.code,
                 "training arguments changed across the resume: "
                 + ", ".join(f"{k} {c['saved']} -> {c['now']}" for k, c in changed.items())
@@ -216,8 +245,6 @@ class ResumeCheck:
         self._pending_rng = "rng" in state and epoch != int(epoch)  # at an epoch start the loader draws from the RNG first
 
     def _report_unchecked(self, ctx: Any, checkpoint_dir: Any) -> None:
-        from pathlib import Path
-
         state_dir = Path(checkpoint_dir) / STATE_DIR
         state_file = state_dir / f"rank-{ctx.rank}.json"
         if not state_dir.is_dir():
@@ -226,7 +253,7 @@ class ResumeCheck:
             why = f"{state_dir.name}/{state_file.name} is missing (the save was interrupted on this rank, or it ran with another world size)"
         else:
             why = f"{state_dir.name}/{state_file.name} has no resume_check entry (resume_check was off when it was saved, or the file is unreadable)"
-        ctx.report(
+        self.report(
             RESUME_UNCHECKED.code,
             f"resumed from {Path(checkpoint_dir).name} without verifying it: {why}. Weights, optimizer state, scheduler, RNG "
             "streams, training arguments and the reference-batch loss were not compared with the saved run (only the data "
@@ -238,7 +265,7 @@ class ResumeCheck:
         saved = state.get("params") or {}
         diff = differing(saved, tensor_sums(param_tensors(trainer.model_wrapped, clone=False)))
         if saved and diff:
-            ctx.report(
+            self.report(
                 RESUME_MODEL_MISMATCH.code,
                 f"{len(diff)} of {len(saved)} weight tensors differ from those saved at step {state['step']} "
                 f"(first: {', '.join(diff[:3])}): the checkpoint's model file was changed, or another model was loaded.",
@@ -252,7 +279,7 @@ class ResumeCheck:
         if saved and diff:
             missing = [n for n in saved if n not in now]
             what = "is empty (optimizer.pt missing or not loaded)" if not now or len(missing) == len(saved) else "differs from the saved one"
-            ctx.report(
+            self.report(
                 RESUME_OPTIMIZER_NOT_RESTORED.code,
                 f"the optimizer state {what}: {len(diff)} of {len(saved)} state tensors do not match step {state['step']}; "
                 "Adam restarts its moment estimates, which destabilises the first steps.",
@@ -262,7 +289,7 @@ class ResumeCheck:
     def _check_scheduler(self, ctx: Any, trainer: Any, state: dict[str, Any]) -> None:
         saved, now = state.get("scheduler"), scheduler_state(getattr(trainer, "lr_scheduler", None))
         if saved and now and (saved["last_epoch"] != now["last_epoch"] or not math.isclose(saved["lr"], now["lr"], rel_tol=1e-6)):
-            ctx.report(
+            self.report(
                 RESUME_SCHEDULER_MISMATCH.code,
                 f"the LR scheduler resumes at position {now['last_epoch']} (LR {now['lr']:.3g}); it was saved at {saved['last_epoch']} "
                 f"(LR {saved['lr']:.3g}): warmup or decay restarts (scheduler.pt missing or not loaded).",
@@ -273,11 +300,12 @@ class ResumeCheck:
         saved = state.get("reference")
         if not saved or can_recompute(trainer) is not None:
             return
+        self._reference_pending = {}
         self._reference = {k: torch.tensor(v) for k, v in saved["batch"].items()}
         now = self._reference_loss(trainer)
         tolerance = 1e-2 if _half(trainer) else 1e-4
         if now is not None and abs(now - saved["loss"]) > tolerance * max(1.0, abs(saved["loss"])):
-            ctx.report(
+            self.report(
                 RESUME_LOSS_JUMP.code,
                 f"the reference batch's loss is {now:.5f} after the resume and was {saved['loss']:.5f} at the save: the restored "
                 "model does not compute what the saved one did.",
@@ -290,7 +318,7 @@ class ResumeCheck:
             saved, now = (self._saved or {}).get("rng", {}), rng_fingerprints()
             streams = [k for k, v in saved.items() if now.get(k) != v]
             if streams:
-                ctx.report(
+                self.report(
                     RESUME_RNG_NOT_RESTORED.code,
                     f"at the first step after the resume the random streams {', '.join(streams)} are not those saved at step "
                     f"{self._resume_step} (rng_state*.pth missing or not loaded): dropout masks and sampling differ from the interrupted run.",
@@ -306,7 +334,7 @@ class ResumeCheck:
         got = hex64(combine_row_hashes(device_row_hashes(batch["input_ids"], mask if torch.is_tensor(mask) else None).tolist()))
         if got != want:
             self._position_reported = True
-            ctx.report(
+            self.report(
                 RESUME_DATA_POSITION.code,
                 f"micro-batch {micro} of step {step}, the first after resuming from step {self._resume_step}, is not the batch the "
                 "interrupted run trained at that step: the data loader did not resume at the saved position.",
@@ -343,7 +371,7 @@ class ResumeCheck:
             return  # the interrupted run had this loss at this step too (a hard batch in the data, not the resume)
         if loss - median > max(o.loss_band_rise * abs(median), o.loss_band_z * sd):
             self._band_checked = o.first_steps  # once
-            ctx.report(
+            self.report(
                 RESUME_LOSS_JUMP.code,
                 f"the loss at step {step}, {step - (self._resume_step or 0)} step(s) after the resume, is {loss:.4f}: above the "
                 f"band of the {len(window)} steps before the save (median {median:.4f}); the curve does not continue.",

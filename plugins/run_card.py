@@ -17,15 +17,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.estimate import duration, memory_per_device, peak_for
-from harness.hookspecs import hookimpl
-from harness.runinfo import run_facts
-from harness.tokens import count_parameters
+from harness.lib.cost import duration, memory_per_device, peak_for
+from harness.core.hookspecs import hookimpl
+from harness.core.plugin import Plugin
+from harness.lib.runinfo import run_facts
+from harness.lib.tokens import count_parameters
 
 CARD_FILE = "run_card.json"
 
 
 class RunCardOptions(BaseModel):
+    """Options of the ``run_card`` plugin."""
+
     model_config = ConfigDict(extra="forbid")
 
     acceptance: str | None = Field(None, description="What result counts as success, written on the card (e.g. 'eval_loss < 2.1 on heldout').")
@@ -34,24 +37,18 @@ class RunCardOptions(BaseModel):
     measure_after: int = Field(10, ge=2, description="Steps measured before the card's time estimate is written (the first is left out).")
 
 
-class RunCard:
+class RunCard(Plugin):
     """Writes run_card.json: parameters, planned tokens, 6ND, memory per device, estimated time, data, acceptance."""
 
     name = "run_card"
+    Options = RunCardOptions
+    options: RunCardOptions
 
     def __init__(self) -> None:
         self.options = RunCardOptions()
         self.card: dict[str, Any] = {}
         self._path: Path | None = None
         self._samples: list[tuple[float, int]] = []
-
-    @hookimpl
-    def add_config(self) -> type[BaseModel]:
-        return RunCardOptions
-
-    @hookimpl
-    def configure(self, options: RunCardOptions) -> None:
-        self.options = options
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:

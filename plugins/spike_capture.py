@@ -8,8 +8,9 @@ so the capture's per-sample losses are recomputed on the very weights that
 produced it, and a policy may still skip that update. A loss that stays
 elevated for ``divergence_patience`` steps is a divergence, not a spike.
 
-Per micro-batch it only keeps references (batch, device loss); per step it
-reads the step loss and grad norm with one transfer.
+Per micro-batch it keeps the batch by reference and queues its loss with
+``defer``; the step guard reads those with every plugin's tensors in one
+transfer and hands over the step loss and grad norm as host floats.
 """
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.capture import CaptureResult, sample_ids, write_capture
-from harness.findings import FindingCode, Severity
-from harness.hashing import content_hashes
-from harness.hookspecs import hookimpl
-from harness.robust import Judgement, judge
+from harness.lib.capture import CaptureResult, sample_ids, write_capture
+from harness.core.findings import FindingCode, Severity
+from harness.lib.hashing import content_hashes
+from harness.core.hookspecs import hookimpl
+from harness.core.plugin import Plugin
+from harness.lib.robust import Judgement, judge
 
 LOSS_SPIKE = FindingCode(
     "LOSS_SPIKE", Severity.WARNING, "The step loss jumped far above its running baseline; the batch was captured.", "numeric-health#loss_spike"
@@ -76,10 +78,16 @@ def _detach(batch: dict[str, Any], copy: bool) -> dict[str, Any]:
     return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-class SpikeCapture:
+Micro = tuple[int, dict[str, Any], float]  # (micro_step, batch, its loss as a host float)
+
+
+class SpikeCapture(Plugin):
     """Finds loss and grad-norm spikes and divergence; writes the offending batch to captures/step-<N>/."""
 
     name = "spike_capture"
+    Options = SpikeCaptureOptions
+    CODES = (LOSS_SPIKE, GRAD_NORM_SPIKE, LOSS_DIVERGENCE)
+    options: SpikeCaptureOptions
 
     def __init__(self) -> None:
         self.options = SpikeCaptureOptions()
@@ -96,21 +104,11 @@ class SpikeCapture:
         self.grad_in_spike = False
         self.captures = 0
         self.resumed_at: int | None = None
-        self._current: list[tuple[int, dict[str, Any], torch.Tensor]] = []
+        self._current: list[tuple[int, dict[str, Any]]] = []
         self._ring: deque[tuple[int, int, dict[str, Any]]] = deque(maxlen=o.ring_size)
-        self._grad_pending: tuple[int, list[tuple[int, dict[str, Any], torch.Tensor]], CaptureResult | None] | None = None
+        self._grad_pending: tuple[int, list[Micro], CaptureResult | None] | None = None
 
-    @hookimpl
-    def add_config(self) -> type[BaseModel]:
-        return SpikeCaptureOptions
-
-    @hookimpl
-    def declare_codes(self) -> list[FindingCode]:
-        return [LOSS_SPIKE, GRAD_NORM_SPIKE, LOSS_DIVERGENCE]
-
-    @hookimpl
-    def configure(self, ctx: Any, options: SpikeCaptureOptions) -> None:
-        self.options = options
+    def setup(self, ctx: Any) -> None:
         self._reset()
 
     @hookimpl
@@ -144,31 +142,29 @@ class SpikeCapture:
         self.divergence_reported = bool(state.get("divergence_reported", False))
         self.captures = int(state.get("captures", 0))
 
-    # -- per micro-batch: references only ------------------------------------------------------------
+    # -- per micro-batch: references, and the loss queued for the guard's one read ---------------------
 
     @hookimpl
     def on_loss(self, loss: torch.Tensor, batch: dict[str, Any], step: int, micro_step: int) -> None:
         kept = _detach(batch, self.options.copy_batches)
-        self._current.append((micro_step, kept, loss))
+        self.defer("loss", loss.detach().float().mean())
+        self._current.append((micro_step, kept))
         self._ring.append((step, micro_step, kept))
 
     # -- per optimizer step ---------------------------------------------------------------------------
 
     @hookimpl
-    def on_before_optimizer_step(self, ctx: Any, step: int, grad_norm: Any, loss: torch.Tensor | None) -> None:
-        current, self._current = self._current, []
+    def on_before_optimizer_step(self, ctx: Any, step: int, grad_norm: float | None, loss: float | None) -> None:
+        kept, self._current = self._current, []
+        losses = self.deferred("loss")
+        current = [(m, b, losses[i] if i < len(losses) else math.nan) for i, (m, b) in enumerate(kept)]
         if loss is None:
             return
-        values = [loss.float().reshape(())]
-        norm_on_device = torch.is_tensor(grad_norm) and grad_norm.device == loss.device
-        if norm_on_device:
-            values.append(grad_norm.float().reshape(()))
-        read = torch.stack(values).tolist()  # the one host sync of this plugin per step
-        norm = read[1] if norm_on_device else (float(grad_norm) if grad_norm is not None else None)
-        self._judge(ctx, step, read[0], norm, current)
+        self._judge(ctx, step, float(loss), grad_norm, current)
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        self._current = []  # a step without a guard: its deferred losses are gone, so are its batches
         pending, self._grad_pending = self._grad_pending, None
         if pending is None or pending[0] != step or metrics.get("grad_norm") is None:
             return
@@ -179,7 +175,7 @@ class SpikeCapture:
             with_loss_spike = bool(self.history) and self.history[-1][0] == step and self.elevated_run > 0
             self._report_grad_spike(ctx, step, grad, current, capture, with_loss_spike=with_loss_spike, weights_moved=True)
 
-    def _judge(self, ctx: Any, step: int, loss: float, norm: float | None, current: list[tuple[int, dict[str, Any], torch.Tensor]]) -> None:
+    def _judge(self, ctx: Any, step: int, loss: float, norm: float | None, current: list[Micro]) -> None:
         o = self.options
         if not math.isfinite(loss):
             self.history.append((step, loss, norm))
@@ -239,7 +235,7 @@ class SpikeCapture:
             capture = self._capture(ctx, step, GRAD_NORM_SPIKE.code, why, current, weights_moved=weights_moved)
         losses = [h[1] for h in self.history if h[1] is not None and math.isfinite(h[1])]
         context = "together with a loss spike" if with_loss_spike else ("with the loss unmoved" if not serious else "far beyond the usual jitter")
-        ctx.report(
+        self.report(
             GRAD_NORM_SPIKE.code,
             f"grad norm {j.value:.4f} at step {step} on rank {ctx.rank} is {j.z:.1f} robust SDs above its running median "
             f"{j.median:.4f} ({ratio:.1f}x; baseline of {j.size} steps), {context}."
@@ -281,7 +277,7 @@ class SpikeCapture:
             notes.append(f"the grad norm jumped with it ({grad.value / grad.median if grad.median > 0 else math.inf:.1f}x its median)")
         if resume["after_resume"]:
             notes.append(f"it came {resume['steps_since_resume']} steps after a resume (suspect the checkpoint restore first)")
-        ctx.report(
+        self.report(
             LOSS_SPIKE.code,
             f"loss {j.value:.4f} at step {step} on rank {ctx.rank} is {j.z:.1f} robust SDs above its running median {j.median:.4f} "
             f"(+{(j.value - j.median) / abs(j.median) * 100 if j.median else math.inf:.0f}%; baseline of {j.size} steps)"
@@ -301,7 +297,7 @@ class SpikeCapture:
     def _report_divergence(self, ctx: Any, step: int, j: Judgement) -> None:
         o = self.options
         recent = [h[1] for h in self.history if h[1] is not None and math.isfinite(h[1])][-o.divergence_patience:]
-        ctx.report(
+        self.report(
             LOSS_DIVERGENCE.code,
             f"the loss has stayed above its baseline for {self.elevated_run} steps in a row (step {step}: {j.value:.4f}, "
             f"baseline median {j.median:.4f}, {j.z:.1f} robust SDs); training is diverging rather than spiking once.",
@@ -317,7 +313,7 @@ class SpikeCapture:
         )
 
     def _capture(
-        self, ctx: Any, step: int, code: str, why: str, current: list[tuple[int, dict[str, Any], torch.Tensor]], weights_moved: bool = False
+        self, ctx: Any, step: int, code: str, why: str, current: list[Micro], weights_moved: bool = False
     ) -> CaptureResult | None:
         o = self.options
         if self.captures >= o.max_captures or not current:
@@ -329,8 +325,8 @@ class SpikeCapture:
             log.warning("spike_capture: could not write the capture of step %s: %s", step, exc)
             return None
 
-    def _write(self, ctx: Any, step: int, code: str, why: str, current: list[tuple[int, dict[str, Any], torch.Tensor]], weights_moved: bool) -> CaptureResult:
-        micro = [(m, b, float(loss.float().mean())) for m, b, loss in current]
+    def _write(self, ctx: Any, step: int, code: str, why: str, current: list[Micro], weights_moved: bool) -> CaptureResult:
+        micro = list(current)
         earlier = [
             {"step": s, "micro_batch": m, "sample_ids": sample_ids(b), "hashes": content_hashes(b["input_ids"], b.get("attention_mask")) if torch.is_tensor(b.get("input_ids")) else None}
             for s, m, b in self._ring

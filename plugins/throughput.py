@@ -22,10 +22,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.estimate import peak_for
-from harness.findings import FindingCode, Severity
-from harness.hookspecs import hookimpl
-from harness.tokens import count_parameters
+from harness.lib.cost import peak_for
+from harness.core.findings import FindingCode, Severity
+from harness.core.hookspecs import hookimpl
+from harness.core.plugin import Plugin
+from harness.lib.tokens import count_parameters
 
 DATALOADER_BOUND = FindingCode(
     "DATALOADER_BOUND", Severity.WARNING, "steps spend much of their time waiting for the data loader", "performance#dataloader_bound"
@@ -36,6 +37,8 @@ MEMORY_NEAR_LIMIT = FindingCode(
 
 
 class ThroughputOptions(BaseModel):
+    """Options of the ``throughput`` plugin."""
+
     model_config = ConfigDict(extra="forbid")
 
     window: int = Field(20, ge=2, description="Steps averaged for tokens/s, MFU and the data-wait fraction.")
@@ -50,10 +53,13 @@ class ThroughputOptions(BaseModel):
     check_memory_every: int = Field(50, ge=1, description="Read the peak memory at the first measured step and then every this many steps.")
 
 
-class Throughput:
+class Throughput(Plugin):
     """tokens/s, MFU and data-wait share per window of steps; DATALOADER_BOUND and MEMORY_NEAR_LIMIT."""
 
     name = "throughput"
+    Options = ThroughputOptions
+    CODES = (DATALOADER_BOUND, MEMORY_NEAR_LIMIT)
+    options: ThroughputOptions
 
     def __init__(self) -> None:
         self.options = ThroughputOptions()
@@ -64,18 +70,6 @@ class Throughput:
         self._device: Any = None
         self._bound_reported = False
         self._memory_reported = False
-
-    @hookimpl
-    def add_config(self) -> type[BaseModel]:
-        return ThroughputOptions
-
-    @hookimpl
-    def declare_codes(self) -> list[FindingCode]:
-        return [DATALOADER_BOUND, MEMORY_NEAR_LIMIT]
-
-    @hookimpl
-    def configure(self, options: ThroughputOptions) -> None:
-        self.options = options
 
     @hookimpl
     def on_run_start(self, trainer: Any) -> None:
@@ -108,7 +102,7 @@ class Throughput:
         if wait > self.options.dataloader_bound_fraction and not self._bound_reported:
             self._bound_reported = True
             waits = sorted(w[1] for w in self._window)
-            ctx.report(
+            self.report(
                 DATALOADER_BOUND.code,
                 f"over the {len(self._window)} steps to step {step}, rank {ctx.rank} spent {wait:.0%} of its step time waiting for the data "
                 f"loader (median wait {statistics.median(waits) * 1000:.1f} ms of a median step of "
@@ -139,7 +133,7 @@ class Throughput:
         ctx.log_metrics({"throughput/peak_memory_gb": peak / 1e9}, step=step)
         if peak / limit > self.options.memory_fraction:
             self._memory_reported = True
-            ctx.report(
+            self.report(
                 MEMORY_NEAR_LIMIT.code,
                 f"peak memory on rank {ctx.rank} reached {peak / 1e9:.2f} GB of {limit / 1e9:.2f} GB ({peak / limit:.0%}, {what}) by step "
                 f"{step}: a longer batch or an evaluation can run out of memory.",

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from harness.config import read_yaml
-from harness.errors import ConfigError, did_you_mean
+from harness.core.config import read_yaml
+from harness.core.errors import ConfigError, did_you_mean
 from harness.stages.data import DataSource
 
 Stage = Literal["pretrain", "continue", "sft", "dpo"]
@@ -146,7 +146,7 @@ def preset_override_keys() -> list[str]:
 
     from transformers import LlamaConfig
 
-    from harness.tiny import tiny_llama_config
+    from harness.lib.tiny import tiny_llama_config
 
     known = [p for p in inspect.signature(tiny_llama_config).parameters if p != "overrides"]
     known += [k for k in LlamaConfig().to_dict() if not k.startswith("_")]

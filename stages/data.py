@@ -25,7 +25,7 @@ import numpy as np
 from datasets import Dataset, DatasetDict, Features, Value
 from pydantic import BaseModel, Field
 
-from harness.errors import HarnessError, did_you_mean
+from harness.core.errors import HarnessError, did_you_mean
 
 __all__ = [
     "DataError",

@@ -14,8 +14,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from harness.config import Catalog, resolve_config
-from harness.errors import HarnessError
+from harness.core.config import Catalog, resolve_config
+from harness.core.errors import HarnessError
 from harness.stages.config import LoadedRunConfig, arguments_class, load_run_config
 from harness.stages.data import DataSource, check_fields, load_source, mix_sources, resolve_path
 
@@ -48,7 +48,7 @@ def build_tokenizer(loaded: LoadedRunConfig, texts: list[str]) -> Any:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
-    from harness.tiny import train_tokenizer
+    from harness.lib.tiny import train_tokenizer
 
     return train_tokenizer(texts, vocab_size=cfg.tokenizer.vocab_size)
 
@@ -64,7 +64,7 @@ def build_model(loaded: LoadedRunConfig, tokenizer: Any) -> Any:
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(_local_dir(loaded, cfg.model.path, "model.path"), local_files_only=True, **extra)
-    from harness.tiny import build_tiny_llama
+    from harness.lib.tiny import build_tiny_llama
 
     return build_tiny_llama(tokenizer, seed=cfg.seed, **{**cfg.model.overrides, **extra})
 
@@ -182,7 +182,7 @@ def build_trainer(loaded: LoadedRunConfig, model: Any, tokenizer: Any, dataset: 
 
 @dataclass
 class Rollback:
-    """Set by the bridge when the agreed action of a step is ``rollback``; read by the runner."""
+    """The rollback handler given to ``harness.attach(..., rollback=)``: the bridge requests, the runner restarts."""
 
     requested_at: int | None = None
     cause: Any = None
@@ -213,7 +213,7 @@ class _ScaleLearningRate(TrainerCallback):
 
 def _last_checkpoint_before(output_dir: Path, step: int, world_size: int = 1) -> Path | None:
     """The last complete checkpoint (for the Trainer and, when it saves state, the harness) before ``step``."""
-    from harness.checkpoints import checkpoint_step, harness_missing, harness_tracked, list_checkpoints, trainer_missing
+    from harness.lib.checkpoints import checkpoint_step, harness_missing, harness_tracked, list_checkpoints, trainer_missing
 
     tracked = harness_tracked(output_dir)
     for path in list_checkpoints(output_dir):
@@ -226,10 +226,9 @@ def _rows_per_step(args: Any) -> int:
     return int(args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size))
 
 
-def _train_with_rollback(loaded: LoadedRunConfig, trainer: Any, ctx: Any, resume: Any) -> str:
-    from harness.core_codes import ROLLBACK_EXHAUSTED, ROLLBACK_PERFORMED
+def _train_with_rollback(loaded: LoadedRunConfig, trainer: Any, ctx: Any, resume: Any, rollback: Rollback) -> str:
+    from harness.core.codes import ROLLBACK_EXHAUSTED, ROLLBACK_PERFORMED
 
-    rollback: Rollback = trainer._harness_rollback
     policy = loaded.config.rollback
     while True:
         rollback.requested_at = None
@@ -271,7 +270,7 @@ def _train_with_rollback(loaded: LoadedRunConfig, trainer: Any, ctx: Any, resume
 
 def run_stage(stage: str, config_path: str | Path, resume: str | bool | None = None) -> int:
     """Validate everything, build, attach the harness, train (with rollback); 0 on success."""
-    import harness
+    from harness.hf.attach import attach
 
     loaded = load_run_config(config_path, stage)
     harness_config = dict(loaded.config.harness)
@@ -293,17 +292,16 @@ def run_stage(stage: str, config_path: str | Path, resume: str | bool | None = N
     dataset = prepare_dataset(loaded, mixed, tokenizer)
     trainer = build_trainer(loaded, model, tokenizer, dataset)
     rollback = Rollback()
-    trainer._harness_rollback = rollback
     trainer.add_callback(_ScaleLearningRate(rollback))
-    ctx = harness.attach(trainer, config=harness_config, plugins=["mlflow"])
+    ctx = attach(trainer, config=harness_config, plugins=["mlflow"], rollback=rollback)
     ctx.stage = stage
     if resume is True:
-        from harness.checkpoints import list_checkpoints
+        from harness.lib.checkpoints import list_checkpoints
 
         if not list_checkpoints(Path(trainer.args.output_dir)):
             raise HarnessError(f"harness run --resume: no checkpoint in {trainer.args.output_dir}. Fix: run without --resume, or name a checkpoint.")
         # stays True: the bridge resumes from the last COMPLETE checkpoint and reports the incomplete ones it passes over
-    status = _train_with_rollback(loaded, trainer, ctx, resume)
+    status = _train_with_rollback(loaded, trainer, ctx, resume, rollback)
     if ctx.is_main:
         log.info("harness run %s: %s; findings in %s", stage, status, ctx.run_dir / "findings.jsonl")
     if status == "completed":

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import yaml
 
 for _key, _value in {
     "HF_HUB_OFFLINE": "1",
@@ -25,18 +26,19 @@ for _key in ("HARNESS_CONFIG", "HARNESS_PLUGINS", "HARNESS_WRAP"):
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_trainer.py"
 FAULTS = "harness.testing:FaultInjector"
+EXAMPLES = REPO / "examples"
 
 
 @pytest.fixture(scope="session")
 def tokenizer() -> Any:
-    from harness.tiny import corpus_lines, train_tokenizer
+    from harness.lib.tiny import corpus_lines, train_tokenizer
 
     return train_tokenizer(corpus_lines(), vocab_size=256)
 
 
 @pytest.fixture(scope="session")
 def lm_rows(tokenizer: Any) -> Any:
-    from harness.tiny import lm_dataset
+    from harness.lib.tiny import lm_dataset
 
     return lm_dataset(tokenizer, seq_len=32, n_rows=96)
 
@@ -44,7 +46,7 @@ def lm_rows(tokenizer: Any) -> Any:
 @pytest.fixture(scope="session")
 def repetitive_rows(tokenizer: Any) -> Any:
     """Rows cut from four corpus lines only: a corpus the tiny model learns fast, so a bad batch stands out."""
-    from harness.tiny import corpus_lines, lm_dataset
+    from harness.lib.tiny import corpus_lines, lm_dataset
 
     return lm_dataset(tokenizer, seq_len=32, n_rows=96, lines=corpus_lines()[:4])
 
@@ -54,7 +56,7 @@ def make_trainer(tmp_path: Path, tokenizer: Any, lm_rows: Any) -> Callable[..., 
     """A real ``transformers.Trainer`` on a 2-layer Llama (or ``model``); other keyword arguments go to TrainingArguments."""
     from transformers import Trainer, TrainingArguments
 
-    from harness.tiny import build_tiny_llama
+    from harness.lib.tiny import build_tiny_llama
 
     def factory(
         output_dir: Path | None = None,
@@ -202,3 +204,18 @@ def broken_report_links(run_dir: Path) -> list[str]:
     for target in parser.targets:
         check(html, target, parser.ids)
     return broken
+
+
+def example_config(name: str, tmp_path: Path, training: dict[str, Any] | None = None, **top: Any) -> Path:
+    """The example config, with its output in tmp_path and its data paths made absolute."""
+    data = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
+    data["output_dir"] = str(tmp_path / name)
+    for key in ("sources", "old_sources"):
+        for source in data["data"].get(key, []):
+            source["path"] = str((EXAMPLES / source["path"]).resolve())
+    data["training"].update(training or {})
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data.update(top)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path

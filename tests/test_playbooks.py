@@ -8,8 +8,8 @@ import pytest
 
 from conftest import FAULTS, REPO
 from harness.cli import main as harness_main
-from harness.config import Catalog
-from harness.playbook import find_section, load_library, parse_playbook, section_problems
+from harness.core.config import Catalog
+from harness.lib.playbook import find_section, load_library, parse_playbook, section_problems
 
 BOOKS = load_library(str(REPO / "playbooks"))
 SECTIONS = [section for book in BOOKS.values() for section in book.sections]
@@ -22,7 +22,7 @@ def test_every_section_has_the_five_parts_in_order_and_a_first_confirm_step(sect
 
 
 def test_every_declared_code_has_a_section_and_every_section_a_code() -> None:
-    catalog = Catalog.build(extra=[FAULTS, "harness.stages.demo_faults:DemoFaults"], autoload=False)
+    catalog = Catalog.build(extra=[FAULTS, "harness.stages.demo.faults:DemoFaults"], autoload=False)
     for code in catalog.codes.values():
         section = find_section(code.code)
         assert section is not None and section.link == f"{code.playbook.replace('#', '.md#', 1)}", code.code

@@ -5,26 +5,23 @@ import os
 from urllib.parse import quote
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from harness.findings import Severity
-from harness.playbook import find_section, section_for_link
+from harness.core.findings import Severity
+from harness.lib.playbook import find_section, section_for_link
 from harness.report.model import FindingGroup, Raw, Report, ReportSection, md_table
 from harness.report.plots import make_plots
+from harness.report.provider import SectionsProvider
 from harness.report.record import RunRecord, as_float
 from harness.report.verdict import symptoms_of, verdict_of
-from harness.textsafe import md_escape
+from harness.lib.textsafe import md_escape
 
 MAX_EVIDENCE_LINKS = 6
 
 
-def build_report(
-    run: RunRecord,
-    plugin_sections: Callable[[RunRecord], tuple[list[ReportSection], list[str]]] | None = None,
-    plots: bool = True,
-) -> Report:
-    """The report of ``run``; ``plugin_sections`` collects the plugins' sections (and notes on failures)."""
-    sections, notes = plugin_sections(run) if plugin_sections is not None else ([], [])
+def build_report(run: RunRecord, plugin_sections: SectionsProvider | None = None, plots: bool = True) -> Report:
+    """The report of ``run``; ``plugin_sections`` supplies the plugins' sections (and notes on failures)."""
+    sections, notes = plugin_sections.sections(run) if plugin_sections is not None else ([], [])
     captured = captures_section(run)
     if captured is not None:
         sections.insert(0, captured)

@@ -8,7 +8,7 @@ import jinja2
 from markupsafe import Markup
 from markdown_it import MarkdownIt
 
-from harness.playbook import Section
+from harness.lib.playbook import Section
 from harness.report.build import next_step, steps_to_take
 from harness.report.markdown import PLAYBOOKS_DIR, SEVERITY_ORDER, when
 from harness.report.model import FindingGroup, Report

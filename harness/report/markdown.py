@@ -4,10 +4,10 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from harness.findings import Severity
+from harness.core.findings import Severity
 from harness.report.build import next_step, steps_to_take
 from harness.report.model import FindingGroup, Report, cell
-from harness.textsafe import md_code, md_escape
+from harness.lib.textsafe import md_code, md_escape
 
 PLOTS_DIR = "report/plots"
 PLAYBOOKS_DIR = "report/playbooks"

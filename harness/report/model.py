@@ -5,11 +5,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.findings import Finding, Severity
-from harness.playbook import Section
+from harness.core.findings import Finding, Severity
+from harness.lib.playbook import Section
 from harness.report.plots import Plot
 from harness.report.verdict import Symptom, Verdict
-from harness.textsafe import md_cell
+from harness.lib.textsafe import md_cell
 
 
 def cell(text: Any, limit: int = 400) -> str:

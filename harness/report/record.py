@@ -13,8 +13,8 @@ from typing import Any, Iterator
 
 import yaml
 
-from harness.findings import Finding, read_run_findings
-from harness.runinfo import read_run_info
+from harness.core.findings import Finding, read_run_findings
+from harness.lib.runinfo import read_run_info
 
 
 @dataclass

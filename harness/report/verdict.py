@@ -10,7 +10,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 
-from harness.findings import Severity, worst
+from harness.core.findings import Severity, worst
 from harness.report.record import RunRecord, as_float
 
 HEALTHY, ATTENTION, FAILED = "healthy", "needs attention", "failed"

@@ -8,9 +8,9 @@ from typing import Any
 
 import harness
 from conftest import findings_of, wrapped_example, write_yaml
-from harness.hashing import hash_token_rows, hex64
-from harness.ledger import read_ledger
-from harness.tiny import corpus_lines, lm_dataset, train_tokenizer
+from harness.lib.hashing import hash_token_rows, hex64
+from harness.lib.ledger import read_ledger
+from harness.lib.tiny import corpus_lines, lm_dataset, train_tokenizer
 
 CODES = ("CONTAMINATION", "EVAL_SPLIT_OVERLAP", "CONTAMINATION_UNCHECKED")
 
@@ -102,7 +102,7 @@ def test_contamination_worker_failure_does_not_hang(make_trainer: Any, tokenizer
     Before, the dead thread left its queue (64 deep) full, so the 66th micro-batch waited forever."""
     import threading
 
-    from harness.ngrams import NgramIndex
+    from harness.lib.ngrams import NgramIndex
 
     def broken_query(self: Any, rows: Any) -> Any:
         raise MemoryError("index lookup failed on purpose")

@@ -10,8 +10,8 @@ import torch
 
 import harness
 from conftest import findings_of, torchrun, wrapped_example, write_yaml
-from harness.hashing import device_row_hashes, hex64
-from harness.ledger import read_ledger
+from harness.lib.hashing import device_row_hashes, hex64
+from harness.lib.ledger import read_ledger
 
 DATA_CODES = ("DATA_REPEATED", "DATA_SKIPPED", "DUPLICATE_SAMPLES", "RANK_DATA_OVERLAP", "RESUME_DATA_CHANGED")
 

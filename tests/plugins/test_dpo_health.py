@@ -13,7 +13,7 @@ COMMON: dict[str, Any] = dict(per_device_train_batch_size=4, learning_rate=1e-3,
 
 
 def _sentences(n: int) -> list[str]:
-    from harness.tiny import corpus_lines
+    from harness.lib.tiny import corpus_lines
 
     return [line for line in corpus_lines() if line.count(" ") >= 6][:n]
 
@@ -22,7 +22,7 @@ def _dpo(tmp_path: Path, tokenizer: Any, rows: list[dict[str, str]], faults: dic
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    from harness.tiny import build_tiny_llama
+    from harness.lib.tiny import build_tiny_llama
 
     args = DPOConfig(output_dir=str(tmp_path / "dpo"), max_length=64, max_steps=max_steps, beta=0.1, **{**COMMON, "learning_rate": learning_rate})
     trainer = DPOTrainer(model=build_tiny_llama(tokenizer), ref_model=build_tiny_llama(tokenizer), args=args,
@@ -76,7 +76,7 @@ def _sft(tmp_path: Path, tokenizer: Any, rows: list[dict[str, str]]) -> Path:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from harness.tiny import build_tiny_llama
+    from harness.lib.tiny import build_tiny_llama
 
     args = SFTConfig(output_dir=str(tmp_path / "sft"), max_length=384, max_steps=2, **COMMON)
     trainer = SFTTrainer(model=build_tiny_llama(tokenizer), args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)

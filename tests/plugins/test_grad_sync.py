@@ -14,7 +14,7 @@ import torch
 
 import harness
 from conftest import REPO, findings_of, read_jsonl, torchrun, wrapped_example, write_yaml
-from harness.fingerprints import exact_fingerprints
+from harness.lib.fingerprints import exact_fingerprints
 
 SYNC_CODES = ("GRAD_DESYNC", "PARAM_DESYNC", "RANK_INPUTS_IDENTICAL", "STRAGGLER_RANK", "GRAD_SYNC_UNSUPPORTED")
 ZERO2 = ["--deepspeed", str(REPO / "examples" / "ds_zero2.json")]

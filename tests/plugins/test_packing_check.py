@@ -18,7 +18,7 @@ from datasets import Dataset
 import harness
 from conftest import EXAMPLE, findings_of, read_jsonl, wrapped_example, write_yaml
 from harness.stages.packing import packed_lm_dataset
-from harness.tiny import build_tiny_llama, corpus_lines
+from harness.lib.tiny import build_tiny_llama, corpus_lines
 
 sys.path.insert(0, str(EXAMPLE.parent))
 from train_trainer import PackedCollator  # noqa: E402  (the example script's collator: the same batches as under wrap)

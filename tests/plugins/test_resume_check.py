@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 import harness
 from conftest import FAULTS, REPO, findings_of, read_jsonl, torchrun, wrapped_example, write_yaml
-from harness.fingerprints import differing, param_tensors, tensor_sums
-from harness.ledger import read_ledger
+from harness.lib.fingerprints import differing, param_tensors, tensor_sums
+from harness.lib.ledger import read_ledger
 
 
 def _resume_codes(output_dir: Any) -> list[tuple[str, int]]:
@@ -99,6 +99,21 @@ def test_an_altered_weight_in_the_saved_model(make_trainer: Any, tmp_path: Path)
     (jump,) = findings_of(out, "RESUME_LOSS_JUMP")
     assert jump["evidence"]["source"] == "reference batch"
     assert trainer.state.global_step == 11
+
+
+def test_without_data_hash_the_data_position_is_reported_unchecked_once(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = {"disable": ["data_hash"], "policy": {"RESUME_DATA_POSITION": "continue"}}
+    first = make_trainer(output_dir=out, max_steps=14, save_strategy="steps", save_steps=5, seed=0)
+    harness.attach(first, config=config)
+    first.train()
+    trainer = make_trainer(output_dir=out, max_steps=14, save_strategy="steps", save_steps=5, ignore_data_skip=True)
+    harness.attach(trainer, config=config)
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-10"))
+    (unchecked,) = findings_of(out, "RESUME_UNCHECKED")  # not silent, and said once (not per step or micro-batch)
+    assert "data position" in unchecked["message"] and "data_hash" in unchecked["message"]
+    assert unchecked["evidence"]["missing"] == ["data_hash"] and unchecked["plugin"] == "resume_check"
+    assert findings_of(out, "RESUME_DATA_POSITION") == [] and trainer.state.global_step == 14  # nothing to compare with: trains on
 
 
 def test_one_changed_element_changes_the_fingerprint() -> None:

@@ -8,7 +8,7 @@ import pytest
 
 import harness
 from conftest import findings_of
-from harness.estimate import memory_per_device
+from harness.tools.estimate import memory_per_device
 
 
 def test_the_card_holds_the_plan_and_the_measured_estimate(make_trainer: Any) -> None:

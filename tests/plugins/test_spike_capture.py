@@ -17,9 +17,9 @@ import pytest
 
 import harness
 from conftest import EXAMPLE, FAULTS, findings_of, harness_cli, write_yaml
-from harness.hashing import content_hashes
-from harness.ledger import read_ledger
-from harness.replay import replay
+from harness.lib.hashing import content_hashes
+from harness.lib.ledger import read_ledger
+from harness.tools.replay import replay
 
 SPIKE_CODES = ("LOSS_SPIKE", "GRAD_NORM_SPIKE", "LOSS_DIVERGENCE")
 

@@ -8,7 +8,7 @@ import torch
 
 import harness
 from conftest import findings_of
-from harness.hookspecs import hookimpl
+from harness.core.hookspecs import hookimpl
 
 
 class SlowRows(torch.utils.data.Dataset):

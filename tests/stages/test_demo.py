@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from conftest import broken_report_links, findings_of, harness_cli, read_jsonl
-from harness.playbook import find_section
+from harness.lib.playbook import find_section
 
 
 @pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not

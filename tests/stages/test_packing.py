@@ -21,7 +21,7 @@ from harness.stages.packing import (
     packed_lm_dataset,
     prepare_model_for_packing,
 )
-from harness.tiny import build_tiny_llama
+from harness.lib.tiny import build_tiny_llama
 
 SEQ_LEN = 32
 PAD = 0

@@ -8,26 +8,13 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import REPO, findings_of, harness_cli, read_jsonl
-from harness.errors import ConfigError, HarnessError
+from conftest import REPO, example_config, findings_of, harness_cli, read_jsonl
+from harness.core.errors import ConfigError, HarnessError
 from harness.stages.runner import run_stage
 
 EXAMPLES = REPO / "examples"
 
 
-def example_config(name: str, tmp_path: Path, training: dict[str, Any] | None = None, **top: Any) -> Path:
-    """The example config, with its output in tmp_path and its data paths made absolute."""
-    data = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
-    data["output_dir"] = str(tmp_path / name)
-    for key in ("sources", "old_sources"):
-        for source in data["data"].get(key, []):
-            source["path"] = str((EXAMPLES / source["path"]).resolve())
-    data["training"].update(training or {})
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    data.update(top)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data), encoding="utf-8")
-    return path
 
 
 def _losses(output_dir: Path) -> list[float]:
@@ -57,7 +44,7 @@ def test_pretrain_example(tmp_path: Path) -> None:
 
 
 def test_continue_example_from_a_model_directory(tmp_path: Path) -> None:
-    from harness.tiny import save_tiny_model_dir
+    from harness.lib.tiny import save_tiny_model_dir
 
     model_dir = save_tiny_model_dir(tmp_path / "base", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4)
     config = example_config("continue", tmp_path, training={"max_steps": 20}, model={"path": str(model_dir)})

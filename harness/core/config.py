@@ -1,0 +1,241 @@
+"""The harness config: one YAML file, validated with pydantic, errors that say how to fix them.
+
+Top-level keys are the core options (:mod:`harness.core.options`) plus one
+section per plugin, named after the plugin, holding that plugin's options (its
+``Options`` model). Options of plugins that are not enabled are still
+validated, so a typo never waits for the day the plugin is switched on.
+The names of the options and catalog modules are re-exported here.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from harness.core.catalog import Catalog
+from harness.core.errors import ConfigError, did_you_mean
+from harness.core.options import (
+    CONFIG_ENV,
+    CORE_KEYS,
+    NAMES_CODES,
+    PLUGINS_ENV,
+    REFERENCE_HINT,
+    REPORT_PLOTS_ENV,
+    CoreOptions,
+    ResolvedConfig,
+)
+
+__all__ = [
+    "CONFIG_ENV", "CORE_KEYS", "NAMES_CODES", "PLUGINS_ENV", "REFERENCE_HINT", "REPORT_PLOTS_ENV", "Catalog",
+    "CoreOptions", "ResolvedConfig", "config_reference", "load_config", "names_codes", "read_yaml", "resolve_config",
+]
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Read a YAML mapping, with errors that name the file and the line."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError([f"harness config file '{path}' does not exist. Fix: pass an existing YAML file with --config (or HARNESS_CONFIG)."])
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        raise ConfigError([f"harness config file '{path}' is not valid YAML{where}: {getattr(exc, 'problem', exc)}. Fix: correct the YAML syntax there."]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"harness config file '{path}' must hold a mapping of options at the top level, got {type(data).__name__}. Fix: write `key: value` lines ({REFERENCE_HINT})."])
+    return data
+
+
+def _owner(loc: tuple[Any, ...], catalog: Catalog) -> str:
+    if loc and loc[0] in catalog.option_models:
+        return f"plugin '{loc[0]}'"
+    return "the harness core"
+
+
+def _fields_at(model: type[BaseModel], path: tuple[Any, ...]) -> list[str] | None:
+    """Field names of the (nested) model that holds ``path``; None when it is not a model."""
+    current: Any = model
+    for part in path:
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return None
+        field = current.model_fields.get(str(part))
+        if field is None:
+            return None
+        current = field.annotation
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return None
+
+
+def _explain(error: dict[str, Any], source: str, model: type[BaseModel], catalog: Catalog) -> str:
+    loc = tuple(error.get("loc", ()))
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    owner = _owner(loc, catalog)
+    if error.get("type") == "extra_forbidden":
+        if len(loc) == 1 and loc[0] in catalog.entries:
+            return (
+                f"harness config error in {source}, key '{key}' (plugin '{loc[0]}'): this plugin has no options. "
+                f"Fix: remove the '{loc[0]}' section (enable the plugin under 'plugins' instead)."
+            )
+        allowed = _fields_at(model, loc[:-1]) or []
+        kind = "option" if loc[:-1] else "top-level key (neither a core option nor a plugin name)"
+        return (
+            f"harness config error in {source}, key '{key}' ({owner}): unknown {kind}."
+            f"{did_you_mean(loc[-1], allowed)} Valid keys here: {', '.join(allowed)}. "
+            f"Fix: rename or remove the key ({REFERENCE_HINT})."
+        )
+    value = error.get("input")
+    if error.get("type") in ("literal_error", "enum"):  # a choice (an action, a mode): list the valid ones
+        valid = re.findall(r"'([^']*)'", str((error.get("ctx") or {}).get("expected", "")))
+        return (
+            f"harness config error in {source}, key '{key}' ({owner}): {value!r} is not a valid value."
+            f"{did_you_mean(str(value), valid)} Valid values: {', '.join(valid)}. Fix: use one of them ({REFERENCE_HINT})."
+        )
+    return (
+        f"harness config error in {source}, key '{key}' ({owner}): {error.get('msg')}; got {value!r}. "
+        f"Fix: give a value of the right type ({REFERENCE_HINT})."
+    )
+
+
+def resolve_config(
+    data: dict[str, Any] | None,
+    catalog: Catalog,
+    source: str = "<inline config>",
+    extra_plugins: list[str] | None = None,
+) -> ResolvedConfig:
+    """Validate ``data`` against the core options and every plugin's options."""
+    listed = (data or {}).get("plugins")
+    for spec in (listed if isinstance(listed, list) else []) + list(extra_plugins or []):
+        if isinstance(spec, str) and ":" in spec:
+            catalog.add(spec)  # its options must be known before the file is validated
+    model_cls = catalog.config_model()
+    try:
+        model = model_cls.model_validate(data or {})
+    except ValidationError as exc:
+        raise ConfigError([_explain(e, source, model_cls, catalog) for e in exc.errors()]) from None
+    problems: list[str] = []
+    requested = list(model.plugins) if model.plugins is not None else ["defaults"]
+    requested = [name for spec in requested for name in (catalog.default_enabled if spec == "defaults" else [spec])]
+    enabled: list[str] = []
+    for spec in requested + list(extra_plugins or []):
+        if spec in catalog.broken:
+            problems.append(f"harness config error in {source}, key 'plugins': {catalog.broken[spec]}. Fix: reinstall or fix that package, or remove it from 'plugins'.")
+            continue
+        try:
+            name = catalog.add(spec)
+        except KeyError:
+            problems.append(
+                f"harness config error in {source}, key 'plugins': unknown plugin '{spec}'."
+                f"{did_you_mean(spec, catalog.entries)} Available plugins: {', '.join(catalog.entries) or '(none)'}. "
+                "Fix: use a name from `harness plugins`, or a 'module:Class' path."
+            )
+            continue
+        if name not in enabled:
+            enabled.append(name)
+    for name in model.disable:
+        if name not in catalog.entries:
+            problems.append(
+                f"harness config error in {source}, key 'disable': unknown plugin '{name}'."
+                f"{did_you_mean(name, catalog.entries)} Fix: use a name from `harness plugins`."
+            )
+    enabled = [n for n in enabled if n not in model.disable]
+    problems += _unknown_codes(model, catalog, source)
+    if problems:
+        raise ConfigError(problems)
+    return ResolvedConfig(model=model, source=source, enabled=enabled)
+
+
+def names_codes(field: Any) -> bool:
+    """Whether a pydantic field is marked as naming finding codes (see ``NAMES_CODES``)."""
+    extra = getattr(field, "json_schema_extra", None)
+    return isinstance(extra, dict) and bool(extra.get("names_codes"))
+
+
+def _unknown_codes(model: BaseModel, catalog: Catalog, source: str, path: tuple[str, ...] = ()) -> list[str]:
+    """Every value of an option marked ``names_codes``, anywhere in the config, must be a declared finding code."""
+    problems: list[str] = []
+    for key, field in type(model).model_fields.items():
+        value = getattr(model, key, None)
+        where = (*path, key)
+        if names_codes(field):
+            if isinstance(value, dict):
+                named = [(f"{'.'.join(where)}.{code}", code) for code in value]
+            elif isinstance(value, (list, tuple, set, frozenset)):
+                named = [(f"{'.'.join(where)}[{i}]", code) for i, code in enumerate(value)]
+            else:
+                named = [(".".join(where), value)] if value is not None else []
+            for key_text, code in named:
+                if str(code) not in catalog.codes:
+                    problems.append(_unknown_code_message(source, key_text, str(code), where[0] if path else None, catalog))
+        for i, nested in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(nested, BaseModel):
+                inner = (*where, str(i)) if isinstance(value, (list, tuple)) else where
+                problems += _unknown_codes(nested, catalog, source, inner)
+    return problems
+
+
+def _unknown_code_message(source: str, key: str, code: str, plugin: str | None, catalog: Catalog) -> str:
+    owner = f"plugin '{plugin}'" if plugin else "the harness core"
+    own = sorted(c for c, o in catalog.code_owner.items() if plugin and o == plugin)
+    valid = f"Codes of {plugin}: {', '.join(own)}; every code: `harness plugins --codes`." if own else (
+        "Valid codes: those listed by `harness plugins --codes`.")
+    return (
+        f"harness config error in {source}, key '{key}' ({owner}): unknown finding code '{code}'."
+        f"{did_you_mean(code, catalog.codes)} {valid} Fix: use a declared code."
+    )
+
+
+def load_config(
+    config: str | os.PathLike[str] | dict[str, Any] | None,
+    catalog: Catalog,
+    extra_plugins: list[str] | None = None,
+) -> ResolvedConfig:
+    """Load from a path, a dict, or (None) the ``HARNESS_CONFIG``/``HARNESS_PLUGINS`` environment."""
+    extra = list(extra_plugins or [])
+    if config is None:
+        env_plugins = os.environ.get(PLUGINS_ENV, "")
+        extra += [p.strip() for p in env_plugins.split(",") if p.strip()]
+        config = os.environ.get(CONFIG_ENV) or None
+    if config is None:
+        return resolve_config({}, catalog, "<defaults>", extra)
+    if isinstance(config, dict):
+        return resolve_config(config, catalog, "<inline config>", extra)
+    path = Path(config).resolve()
+    return resolve_config(read_yaml(path), catalog, str(path), extra)
+
+
+def config_reference(catalog: Catalog) -> str:
+    """Every option with type, default and description, as markdown."""
+    lines = ["# harness config reference", "", "## core options (top level)", ""]
+    lines += _model_reference(CoreOptions, prefix="")
+    for name, model in catalog.option_models.items():
+        entry = catalog.entries[name]
+        lines += ["", f"## {name} ({entry.source}{', on by default' if entry.default_enabled else ''})", "", entry.description, ""]
+        lines += _model_reference(model, prefix=f"{name}.") if model is not None else ["(no options)"]
+    return "\n".join(lines) + "\n"
+
+
+def _type_name(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    return text or str(annotation).replace("typing.", "")
+
+
+def _model_reference(model: type[BaseModel], prefix: str) -> list[str]:
+    lines = []
+    for key, field in model.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            lines += _model_reference(type(default), prefix=f"{prefix}{key}.")
+            continue
+        default_text = default.value if hasattr(default, "value") else default
+        lines.append(f"- `{prefix}{key}` ({_type_name(field.annotation)}, default `{default_text!r}`): {field.description or '(undocumented)'}")
+    return lines

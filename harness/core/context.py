@@ -1,0 +1,252 @@
+"""The run context handed to every hook, and the findings hub behind ``ctx.report``."""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from harness.core.actions import Action, strongest
+from harness.core.deferred import DeferredReads
+from harness.core.distributed import DistInfo, all_reduce_max, exchange_rows, gather_to_main
+from harness.core.exchange import StepExchange
+from harness.core.findings import Finding, FindingCode, FindingsFile, Severity
+from harness.core.manager import HarnessPluginManager
+from harness.core.options import ResolvedConfig
+from harness.core.protocols import PluginContext  # noqa: F401 - re-exported: it was defined here
+
+UNDECIDED_CODES = frozenset({"ACTION_TAKEN", "INTERNAL_PLUGIN_ERROR", "PLUGIN_DISABLED", "PLUGIN_STOP", "SKIP_NOT_APPLIED", "ROLLBACK_PERFORMED", "ROLLBACK_EXHAUSTED"})
+
+
+class FindingsHub:
+    """Writes findings where they are made and brings other ranks' findings to rank 0 once.
+
+    Rank 0 appends to ``findings.jsonl``. Other ranks append to
+    ``ranks/findings.rank-<r>.jsonl`` at once (so a kill loses nothing) and
+    queue the finding; the queue is gathered to rank 0 at the next point
+    where all ranks meet, and rank 0's file drops ids it already holds.
+    """
+
+    def __init__(self, run_dir: Path, dist: DistInfo) -> None:
+        self.dist = dist
+        if dist.is_main:
+            self.file = FindingsFile(run_dir / "findings.jsonl")
+        else:
+            self.file = FindingsFile(run_dir / "ranks" / f"findings.rank-{dist.rank}.jsonl")
+        self.outbox: list[str] = []
+
+    def record(self, finding: Finding) -> None:
+        self.file.append(finding)
+        if not self.dist.is_main:
+            self.outbox.append(finding.to_json())
+
+    def exchange(self) -> list[Finding]:
+        """Collective: every rank sends its queue; rank 0 writes what is new and returns it."""
+        import json
+
+        sent, self.outbox = self.outbox, []
+        gathered = gather_to_main(sent)
+        if gathered is None:
+            return []
+        received = [Finding.from_dict(json.loads(line)) for per_rank in gathered[1:] for line in per_rank or []]
+        return [f for f in received if self.file.append(f)]
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class RunContext:
+    """What every hook gets first: where the run is, its config, and how to report a finding."""
+
+    def __init__(
+        self,
+        config: ResolvedConfig,
+        codes: dict[str, FindingCode],
+        manager: HarnessPluginManager,
+        run_dir: Path,
+        dist: DistInfo,
+    ) -> None:
+        self.config = config
+        self.options = config.model
+        self.codes = codes
+        self.manager = manager
+        self.run_dir = Path(run_dir)
+        self.dist = dist
+        self.rank = dist.rank
+        self.world_size = dist.world_size
+        self.is_main = dist.is_main
+        self.trainer: Any = None
+        self.step = 0
+        self.micro_step = 0
+        self.resumed_from: Path | None = None
+        self.recent_batches: deque[tuple[int, int, dict[str, Any]]] = deque(maxlen=config.model.recent_batches)
+        self.findings: list[Finding] = []
+        self.pending_action = Action.CONTINUE
+        self.status = "running"
+        self.stage: str | None = None  # set by the stage runner; otherwise inferred from the trainer class
+        self._hub = FindingsHub(self.run_dir, dist)
+        self._in_on_finding = False
+        self.reads = DeferredReads()  # device tensors read once per step, at the guard
+        self.exchange = StepExchange()  # plugin payloads riding the guard's one collective
+        manager.defer_disabling = dist.world_size > 1  # a failing plugin is switched off on every rank together, in agree()
+
+    # -- paths ------------------------------------------------------------------------------
+
+    def path(self, *parts: str) -> Path:
+        """A path under the run directory, its parent created."""
+        target = self.run_dir.joinpath(*parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return target
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Emit metrics for the trackers (the ``on_metrics`` hook), at ``step`` or the current step."""
+        self.manager.hooks.on_metrics(self, self.step if step is None else step, metrics)
+
+    # -- one device read and one exchange per step ------------------------------------------------
+
+    def _owner(self, owner: str | None) -> str:
+        return owner or self.manager.current_plugin or "harness"
+
+    def defer(self, key: str, tensor: Any, *, owner: str | None = None) -> None:
+        """Queue a device tensor; the step guard reads every queued tensor in one transfer (``deferred``)."""
+        self.reads.defer(self._owner(owner), key, tensor)
+
+    def deferred(self, key: str, *, owner: str | None = None) -> list[Any]:
+        """Host values of ``key`` from the last read (one per ``defer`` call, in order; [] if none)."""
+        return self.reads.values(self._owner(owner), key)
+
+    def read_deferred(self) -> None:
+        """The step's one device-to-host transfer (called by the step guard, and at step end if no guard ran)."""
+        self.reads.read()
+
+    def reserve(self, key: str, capacity: int, *, owner: str | None = None) -> None:
+        """A fixed slot of ``capacity`` int64s in every step's exchange (in ``on_run_start``, on every rank)."""
+        self.exchange.reserve(self._owner(owner), key, capacity)
+
+    def share(self, key: str, values: Sequence[int], *, owner: str | None = None) -> None:
+        """Contribute integers to this step's exchange (before the guard's agreement)."""
+        self.exchange.share(self._owner(owner), key, values)
+
+    def shared(self, key: str, *, owner: str | None = None) -> list[list[int] | None] | None:
+        """Every rank's contribution of ``key`` at the last agreement (rank order), or None."""
+        return self.exchange.received(self._owner(owner), key)
+
+    def shared_cut(self, key: str, *, owner: str | None = None) -> list[int]:
+        """Ranks whose contribution of ``key`` was longer than its slot at the last agreement (their values arrived cut)."""
+        return self.exchange.cut_ranks(self._owner(owner), key)
+
+    # -- findings -----------------------------------------------------------------------------
+
+    def report(
+        self,
+        code: str,
+        message: str,
+        *,
+        step: int | None = None,
+        evidence: dict[str, Any] | None = None,
+        severity: Severity | str | None = None,
+        plugin: str | None = None,
+    ) -> Finding:
+        """Make a finding: written to disk at once, its action decided, ``on_finding`` fired."""
+        declared = self.codes.get(code)
+        if declared is None:
+            raise ValueError(f"finding code '{code}' was not declared by any plugin (declare it in declare_codes()).")
+        override = self.options.severity.get(code)
+        finding = Finding(
+            code=code,
+            severity=Severity(override or severity or declared.severity),
+            plugin=plugin or self.manager.current_plugin or "harness",
+            message=message,
+            step=self.step if step is None else step,
+            rank=self.rank,
+            evidence=dict(evidence or {}),
+            playbook=declared.playbook,
+        )
+        action = self._decide(finding)
+        finding.action = action.value
+        self._hub.record(finding)
+        self.findings.append(finding)
+        self.pending_action = strongest(self.pending_action, action)
+        self._announce(finding)
+        return finding
+
+    def _decide(self, finding: Finding) -> Action:
+        if finding.code in UNDECIDED_CODES:
+            return Action.CONTINUE
+        chosen = self.options.policy.get(finding.code)
+        if chosen is not None:
+            return Action(chosen)
+        answer = self.manager.hooks.decide_action(self, finding)
+        if answer is None:
+            return Action.CONTINUE
+        plugin, value = answer
+        try:
+            return Action(value)
+        except ValueError:
+            valid = ", ".join(a.value for a in Action)
+            self.manager.record_error(plugin, "decide_action", ValueError(f"decide_action returned {value!r} for {finding.code}; valid actions: {valid}"))
+            return Action.CONTINUE
+
+    def _announce(self, finding: Finding) -> None:
+        if self._in_on_finding:
+            return
+        self._in_on_finding = True
+        try:
+            self.manager.hooks.on_finding(self, finding)
+        finally:
+            self._in_on_finding = False
+
+    def agree(self) -> Action:
+        """Collective at the step guard: the strongest pending action of all ranks, findings moved to rank 0.
+
+        The same all-gather (the step's one collective) carries one vote per
+        plugin, so that a plugin past its error limit on any rank is switched
+        off on every rank here, at once, and the plugins' shared payloads
+        (``ctx.share``), which ``ctx.shared`` then returns on every rank.
+        """
+        header = [self.pending_action.level, len(self._hub.outbox), *self.manager.disabling_votes()]
+        headers = self.exchange.unpack(exchange_rows(self.exchange.pack(header)), len(header))
+        level, outgoing, *votes = [max(column) for column in zip(*headers)]
+        if outgoing:
+            self.collect_findings()
+        self._switch_off(votes, "step guard")
+        self.pending_action = Action.CONTINUE
+        return Action.from_level(level)
+
+    def _switch_off(self, votes: list[int], where: str) -> None:
+        """Disable the plugins some rank voted off (every rank alike); rank 0 reports each once."""
+        names = self.manager.apply_disabling_votes(votes)
+        if not names or not self.is_main:
+            return
+        for name in names:
+            errors = [f for f in self.findings if f.code == "INTERNAL_PLUGIN_ERROR" and f.plugin == name]
+            ranks = sorted({f.rank for f in errors if f.rank is not None})
+            last = errors[-1].evidence.get("hook") if errors else None
+            self.report(
+                "PLUGIN_DISABLED",
+                f"plugin '{name}' reached max_plugin_errors ({self.manager.max_errors_per_plugin}) on rank(s) "
+                f"{ranks if ranks else 'another rank'}{f' (last in {last}())' if last else ''} and is switched off on every rank "
+                f"for the rest of the run, from the {where} of step {self.step} on (all ranks together, so no rank waits in a "
+                "collective the others skip).",
+                evidence={"ranks_with_errors": ranks, "errors_on_rank_0": self.manager.error_count(name),
+                          "max_plugin_errors": self.manager.max_errors_per_plugin, "agreed_at": where, "hook": last},
+                plugin=name,
+            )
+
+    def collect_findings(self) -> None:
+        """Collective: bring queued findings of other ranks to rank 0 (which announces them)."""
+        for finding in self._hub.exchange():
+            self.findings.append(finding)
+            self._announce(finding)
+
+    def flush_findings(self) -> None:
+        """Collective at a point every rank reaches: deliver whatever is still queued."""
+        (_, outgoing, *votes) = all_reduce_max([0, len(self._hub.outbox), *self.manager.disabling_votes()])
+        if outgoing:
+            self.collect_findings()
+        self._switch_off(votes, "end of training")
+
+    def close(self) -> None:
+        self._hub.close()

@@ -1,0 +1,217 @@
+"""Rank/world discovery and the few collectives the harness needs.
+
+Collectives run only when more than one process trains, and only at points
+every rank reaches together (the optimizer-step guard, the end of training).
+
+Plugins issue their collectives only through the ``*_guarded`` helpers: the
+plugin's local computation runs inside the helper, and the rank joins the
+collective whatever that computation did. A rank whose computation raised
+sends a ``RankFailure`` instead of its result and gets its exception back
+after the collective, so a plugin bug on one rank costs an
+``INTERNAL_PLUGIN_ERROR`` there, never a rank left waiting in a collective
+the others skipped.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def dist_info() -> DistInfo:
+    """Rank and world size from torch.distributed when initialised, else the launcher's env."""
+    if dist_ready():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return DistInfo(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+
+
+_CONTROL_GROUP: dict[str, Any] = {}
+
+
+def control_group() -> Any:
+    """A CPU (gloo) process group for the harness's few control integers and findings.
+
+    Agreeing on an action over NCCL would put a device sync into every
+    optimizer step; over gloo the integers never touch the GPU. Created once,
+    lazily, at the first guard, which every rank reaches together.
+    """
+    if "group" not in _CONTROL_GROUP:
+        if torch.distributed.get_backend() == "gloo":
+            _CONTROL_GROUP["group"] = None  # the default group already runs on the CPU
+        else:
+            _CONTROL_GROUP["group"] = torch.distributed.new_group(backend="gloo")
+    return _CONTROL_GROUP["group"]
+
+
+def all_reduce_max(values: list[int]) -> list[int]:
+    """Element-wise maximum of small integer vectors over all ranks (identity when alone)."""
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.int64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=control_group())
+    return [int(v) for v in tensor.tolist()]
+
+
+def exchange_rows(row: list[int]) -> list[list[int]]:
+    """Every rank's row of int64s on every rank, in rank order: the step's one collective (``[row]`` when alone).
+
+    Rows must have the same length on every rank (the layout is fixed per
+    run, see ``harness.core.exchange``). The tensors are born on the host and
+    go over the CPU control group, so reading them never waits for a GPU.
+    """
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return [list(row)]
+    mine = torch.tensor(row, dtype=torch.int64)
+    rows = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(rows, mine, group=control_group())
+    return [r.numpy().tolist() for r in rows]
+
+
+def gather_to_main(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (in rank order); None on the other ranks."""
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return [obj]
+    rank = torch.distributed.get_rank()
+    out: list[Any] | None = [None] * torch.distributed.get_world_size() if rank == 0 else None
+    torch.distributed.gather_object(obj, out, dst=0, group=control_group())
+    return out
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on every rank (in rank order), over the CPU control group; ``[obj]`` when alone."""
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj, group=control_group())
+    return out
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What a rank sends in place of its result when its part of a guarded collective raised."""
+
+    rank: int
+    error: str  # "ExceptionType: message"
+    traceback: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "RankFailure":
+        rank = torch.distributed.get_rank() if dist_ready() else 0
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(rank, f"{type(exc).__name__}: {exc}", tb)
+
+
+def _run_guarded(compute: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    try:
+        return compute(), None
+    except Exception as exc:  # noqa: BLE001 - re-raised after the collective, on this rank
+        return RankFailure.of(exc), exc
+
+
+def gather_guarded(compute: Callable[[], Any]) -> tuple[Any, list[Any] | None]:
+    """``(this rank's compute(), every rank's on rank 0 | None elsewhere)``; every rank joins, even when compute raised.
+
+    A failed rank's entry is a ``RankFailure``; the failed rank re-raises its
+    exception after the gather (so its hook fails, isolated, where it failed).
+    """
+    value, error = _run_guarded(compute)
+    gathered = gather_to_main(value)
+    if error is not None:
+        raise error
+    return value, gathered
+
+
+def all_gather_guarded(compute: Callable[[], Any], reraise: bool = True) -> list[Any]:
+    """Every rank's ``compute()`` on every rank; failed ranks' entries are ``RankFailure`` (seen by all ranks alike).
+
+    With ``reraise`` the failed rank raises its exception after the gather;
+    without, the caller handles the ``RankFailure`` entries (identically on
+    every rank, since every rank sees the same list).
+    """
+    value, error = _run_guarded(compute)
+    gathered = all_gather_objects(value)
+    if error is not None and reraise:
+        raise error
+    return gathered
+
+
+def failures(gathered: list[Any] | None) -> list[RankFailure]:
+    """The ``RankFailure`` entries of a guarded gather's result."""
+    return [g for g in gathered or [] if isinstance(g, RankFailure)]
+
+
+def broadcast_guarded(collect: Callable[[], list[torch.Tensor]], src: int | None) -> int:
+    """Overwrite the tensors ``collect()`` lists with rank ``src``'s, on every rank, if all can; returns how many were sent.
+
+    Every rank that reaches this call (all of them, at a point they reach
+    together) joins one small agreement over the control group first: which
+    source was asked for (``src``, None when this rank saw no reason; the
+    highest asked wins), whether every rank collected its tensors, and
+    whether the counts match. Nothing is broadcast unless all hold; a rank
+    whose ``collect`` raised re-raises after the agreement.
+    """
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return 0
+    tensors: list[torch.Tensor] = []
+    error: BaseException | None = None
+    try:
+        tensors = list(collect())
+    except Exception as exc:  # noqa: BLE001 - re-raised after the agreement
+        error = exc
+    asked, failed, most, negated_least = all_reduce_max([-1 if src is None else int(src), int(error is not None), len(tensors), -len(tensors)])
+    if error is not None:
+        raise error
+    if asked < 0 or failed or most != -negated_least:
+        return 0
+    return broadcast_from(tensors, asked)
+
+
+def broadcast_from(tensors: list[torch.Tensor], src: int = 0) -> int:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s values, in place; returns how many were sent.
+
+    Device tensors go over the default group (NCCL on GPUs), host tensors
+    over the gloo control group, so that a CPU step counter in an optimizer
+    state does not need a device copy.
+    """
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return 0
+    for tensor in tensors:
+        group = control_group() if tensor.device.type == "cpu" else None
+        torch.distributed.broadcast(tensor, src=src, group=group)
+    return len(tensors)
+
+
+def model_parallel_sizes(trainer: Any) -> dict[str, int]:
+    """Tensor, context or sequence parallel degrees above 1 (accelerate's ParallelismConfig, DeepSpeed AutoTP)."""
+    sizes: dict[str, int] = {}
+    config = getattr(getattr(trainer, "args", None), "parallelism_config", None)
+    for name in ("tp_size", "cp_size", "sp_size"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 1:
+            sizes[name] = value
+    engine = getattr(trainer, "model_wrapped", None)
+    autotp = getattr(getattr(engine, "_config", None), "tensor_parallel_config", None)
+    value = getattr(autotp, "autotp_size", None)
+    if isinstance(value, int) and value > 1:
+        sizes["autotp_size"] = value
+    return sizes

@@ -1,0 +1,88 @@
+"""The core's own options (the top level of the harness YAML file) and a validated config.
+
+The bottom of the config layer: the catalog (:mod:`harness.core.catalog`)
+builds the full model on :class:`CoreOptions`, and the run context only needs
+:class:`ResolvedConfig`; neither needs the loading and validation in
+:mod:`harness.core.config`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness.core.actions import Action
+from harness.core.findings import Severity
+
+CONFIG_ENV = "HARNESS_CONFIG"
+PLUGINS_ENV = "HARNESS_PLUGINS"
+REPORT_PLOTS_ENV = "HARNESS_REPORT_PLOTS"
+REFERENCE_HINT = "see `harness plugins --config-reference`"
+# Mark an option that names finding codes (a list of codes, a mapping keyed by code, or one code) with
+# ``Field(..., json_schema_extra=NAMES_CODES)``: resolve_config checks every such value against the codes the
+# catalog's plugins declare, for every plugin alike (core options included), with a did-you-mean.
+NAMES_CODES: dict[str, Any] = {"names_codes": True}
+
+
+class CoreOptions(BaseModel):
+    """Options of the harness itself (top level of the YAML file)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    plugins: list[str] | None = Field(
+        None,
+        description="Plugins to enable: built-in names, entry-point names or 'module:Class' paths; the name "
+        "'defaults' stands for every plugin that is on by default (`harness plugins` marks them). Default: [defaults].",
+    )
+    disable: list[str] = Field(default_factory=list, description="Plugins to switch off, even if listed or on by default.")
+    severity: dict[str, Severity] = Field(
+        default_factory=dict, description="Severity overrides by finding code, e.g. {LOSS_SPIKE: error}.",
+        json_schema_extra=NAMES_CODES,
+    )
+    policy: dict[str, Action] = Field(
+        default_factory=dict,
+        description="Action by finding code (continue, skip_step, rollback, save_and_stop, stop); "
+        "wins over the plugins' own decisions.",
+        json_schema_extra=NAMES_CODES,
+    )
+    output_dir: str | None = Field(
+        None, description="Directory that receives harness/ (default: the Trainer's output_dir)."
+    )
+    max_plugin_errors: int = Field(
+        10, ge=1, description="After this many exceptions a plugin is switched off for the rest of the run."
+    )
+    report: bool = Field(
+        True, description="Write report.md and report.html into the run directory at the end of every train() call "
+        "(rank 0; also after a crash or a stop). `harness report <output_dir>` rebuilds them at any time.",
+    )
+    report_plots: bool = Field(
+        default_factory=lambda: os.environ.get(REPORT_PLOTS_ENV, "1") != "0",
+        description="Draw the report's plots (loss per token, grad norm, LR, throughput; about a second of matplotlib at run end). "
+        f"Default true; {REPORT_PLOTS_ENV}=0 in the environment makes the default false (the test suite does, for speed).",
+    )
+    recent_batches: int = Field(
+        4, ge=0, description="Micro-batches kept by reference in the run context's ring buffer (no copies)."
+    )
+
+
+CORE_KEYS = tuple(CoreOptions.model_fields)
+
+
+@dataclass
+class ResolvedConfig:
+    """A validated config: the model instance, where it came from and the plugins it enables."""
+
+    model: CoreOptions
+    source: str
+    enabled: list[str]
+
+    def options_for(self, plugin: str) -> BaseModel | None:
+        return getattr(self.model, plugin, None)
+
+    def to_yaml(self) -> str:
+        data = self.model.model_dump(mode="json")
+        data["plugins"] = self.enabled
+        return yaml.safe_dump(data, sort_keys=False)

@@ -1,0 +1,31 @@
+"""``attach()``: the one-line way in (``harness.attach`` re-exports it)."""
+from __future__ import annotations
+
+from typing import Any
+
+from harness.core.config import Catalog, load_config
+from harness.core.context import RunContext
+from harness.hf.actions import RollbackHandler
+from harness.hf.bridge import Bridge
+
+
+def attach(trainer: Any, config: Any = None, plugins: list[Any] | None = None, rollback: RollbackHandler | None = None) -> RunContext:
+    """Attach the harness to ``trainer`` (a ``transformers.Trainer`` or TRL subclass); call before ``train()``.
+
+    ``config`` is a YAML path, a dict, or None (then ``HARNESS_CONFIG`` /
+    ``HARNESS_PLUGINS`` from the environment, else the defaults). ``plugins``
+    adds plugins by name, ``module:Class`` path or object. ``rollback`` is
+    the handler that can restart training from the last good checkpoint (a
+    stage runner's); without one a ``rollback`` action saves and stops.
+    Attaching twice returns the first context.
+    """
+    existing: Bridge | None = getattr(trainer, "_harness_bridge", None)
+    if existing is not None:
+        return existing.ctx
+    names = [p for p in plugins or [] if isinstance(p, str)]
+    objects = [p for p in plugins or [] if not isinstance(p, str)]
+    catalog = Catalog.build(extra=objects)
+    resolved = load_config(config, catalog, extra_plugins=names + [catalog.add(o) for o in objects])
+    bridge = Bridge(trainer, resolved, catalog, rollback=rollback)
+    trainer._harness_bridge = bridge
+    return bridge.ctx

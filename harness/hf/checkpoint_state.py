@@ -1,0 +1,153 @@
+"""Plugin state beside a Trainer checkpoint, and handing it back on resume.
+
+At every save each rank writes ``<checkpoint>/harness_state/rank-<r>.json``
+(the plugins' ``checkpoint_state``), then ``on_checkpoint_save`` fires, and
+last the rank's completion marker: a checkpoint is complete for the harness
+only with every rank's marker (see :mod:`harness.lib.checkpoints`). On
+resume the state goes to each plugin's ``on_resume``. ``resume_from_checkpoint
+=True`` is resolved here to the last COMPLETE checkpoint, with a
+``CHECKPOINT_INCOMPLETE`` finding per newer folder passed over.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from harness.core.codes import CHECKPOINT_INCOMPLETE
+from harness.core.context import RunContext
+from harness.core.errors import NoCompleteCheckpointError
+from harness.lib import checkpoints
+
+log = logging.getLogger("harness")
+STATE_DIR = checkpoints.STATE_DIR
+
+
+
+class CheckpointState:
+    """Saves the plugins' state with each checkpoint and dispatches it back on resume."""
+
+    def __init__(self, ctx: RunContext, trainer: Any) -> None:
+        self.ctx = ctx
+        self.trainer = trainer
+
+    # -- save ------------------------------------------------------------------------------------------
+
+    def save(self, step: int) -> None:
+        ctx, manager = self.ctx, self.ctx.manager
+        checkpoint_dir = Path(self.trainer.args.output_dir) / f"checkpoint-{step}"
+        states: dict[str, str] = {}
+        for name in manager.names:
+            value = manager.hooks.checkpoint_state(name, ctx, step)
+            if value is None:
+                continue
+            try:
+                states[name] = json.dumps(value)
+            except (TypeError, ValueError) as exc:  # the plugin's state, not the checkpoint, is lost
+                manager.record_error(name, "checkpoint_state", exc)
+        # written even when empty: with the marker below it tells a finished harness save from an interrupted one
+        target = checkpoint_dir / STATE_DIR / f"rank-{ctx.rank}.json"
+        written = False
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(".tmp")
+            tmp.write_text("{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in states.items()) + "}", encoding="utf-8")
+            os.replace(tmp, target)
+            written = True
+        except OSError as exc:
+            log.error("harness: could not write plugin state to %s: %s", target, exc)
+        manager.hooks.on_checkpoint_save(ctx, step, checkpoint_dir)
+        if written:  # last: a checkpoint is complete for the harness only with every rank's marker
+            try:
+                checkpoints.write_marker(checkpoint_dir, ctx.rank, ctx.world_size, step)
+            except OSError as exc:
+                log.error("harness: could not mark %s complete: %s", checkpoint_dir, exc)
+
+    # -- resume ----------------------------------------------------------------------------------------
+
+    def dispatch_resume(self) -> None:
+        """At train begin of a resumed run: each plugin's ``on_resume`` with the state it stored (or None)."""
+        ctx = self.ctx
+        if ctx.resumed_from is None:
+            return
+        states = read_state(ctx.resumed_from, ctx.rank)
+        for name in ctx.manager.names:
+            ctx.manager.hooks.on_resume(name, ctx, ctx.resumed_from, states.get(name))
+
+    def resume_dir(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Path | None]:
+        """The checkpoint this train() call resumes from, and its arguments with ``True``/``"last"`` made that path.
+
+        HF's ``resume_from_checkpoint=True`` takes the highest-numbered folder,
+        complete or not (a kill during a save leaves one without
+        ``trainer_state.json``, and the resume dies with ``FileNotFoundError``).
+        The harness resolves it to the last complete checkpoint itself (see
+        ``harness.lib.checkpoints``) and hands the real ``train()`` that path.
+        """
+        positional = bool(args)
+        resume = args[0] if positional else kwargs.get("resume_from_checkpoint")
+        if resume is None or resume is False:
+            return args, kwargs, None
+        if resume is True or (isinstance(resume, str) and resume.strip().lower() == "last"):
+            chosen = self.resolve_last()
+            value: Any = str(chosen) if chosen is not None else True  # no checkpoint at all: HF's own error
+            if positional:
+                args = (value, *args[1:])
+            else:
+                kwargs = {**kwargs, "resume_from_checkpoint": value}
+            return args, kwargs, chosen
+        return args, kwargs, Path(resume)
+
+    def resolve_last(self) -> Path | None:
+        """The last complete checkpoint of the output dir; a ``CHECKPOINT_INCOMPLETE`` finding per newer folder passed over."""
+        ctx = self.ctx
+        output_dir = Path(self.trainer.args.output_dir)
+        found = checkpoints.resolve_last(output_dir, ctx.world_size)
+        chosen = found.chosen
+        if ctx.is_main:
+            for folder, missing in found.skipped:
+                # set aside only when resuming from an older one: save_total_limit would keep it and rotate the good ones away
+                moved = checkpoints.set_aside(folder) if chosen is not None else None
+                ctx.report(
+                    CHECKPOINT_INCOMPLETE.code,
+                    f"{folder.name} is incomplete: it lacks {', '.join(missing)} (a save interrupted by a kill, a crash or a "
+                    "full disk); "
+                    + (f"resume_from_checkpoint=True resumes from {chosen.name} instead." if chosen is not None
+                       else "no complete checkpoint is left to resume from.")
+                    + (f" It was renamed {moved.name} (kept, outside the checkpoint-* names that the Trainer resumes from and "
+                       "rotates)." if moved is not None else ""),
+                    step=checkpoints.checkpoint_step(folder),
+                    evidence={"checkpoint": str(folder), "missing": missing, "resumed_from": str(chosen) if chosen else None,
+                              "renamed_to": str(moved) if moved is not None else None},
+                    plugin="harness",
+                )
+            if chosen is not None and found.chosen_missing:
+                ctx.report(
+                    CHECKPOINT_INCOMPLETE.code,
+                    f"{chosen.name} lacks {', '.join(found.chosen_missing)} (the harness's part of the save did not finish) and no "
+                    "older checkpoint is complete: resuming from it anyway; the checks that need the harness state are skipped.",
+                    step=checkpoints.checkpoint_step(chosen),
+                    evidence={"checkpoint": str(chosen), "missing": found.chosen_missing, "resumed_from": str(chosen)},
+                    plugin="harness",
+                )
+        if chosen is None and found.skipped:
+            lacks = "; ".join(f"{p.name} lacks {', '.join(m)}" for p, m in found.skipped[:5])
+            raise NoCompleteCheckpointError(
+                f"resume_from_checkpoint=True: no complete checkpoint in {output_dir} ({lacks}). Every save there was "
+                "interrupted before the Trainer finished it. Fix: name a checkpoint to resume from, or start without "
+                "resume_from_checkpoint (the incomplete folders can be deleted)."
+            )
+        return chosen
+
+
+def read_state(checkpoint_dir: Path, rank: int) -> dict[str, Any]:
+    """This rank's stored plugin states of ``checkpoint_dir`` ({} when absent or unreadable)."""
+    path = Path(checkpoint_dir) / STATE_DIR / f"rank-{rank}.json"
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        log.warning("harness: unreadable plugin state %s; plugins resume without it", path)
+        return {}

@@ -1,0 +1,182 @@
+"""One ``train()`` call from the harness's side: the run lock, run.json, rank markers, run end, the report.
+
+``on_run_end`` fires however the call ends (completed, stopped by an action,
+crashed), and then rank 0 writes the report and hands it to ``on_report``
+(where trackers close). Rank 0 holds the run directory's lock while a
+``train()`` call runs; a second process on the same directory is refused
+at attach already, before ``config.yaml`` is written.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from harness.core.actions import Action
+from harness.core.context import RunContext
+from harness.hf.actions import ActionExecutor
+from harness.hf.checkpoint_state import CheckpointState
+from harness.lib import rundir
+from harness.lib.runinfo import end_attempt, run_facts, start_attempt
+
+RANK_END_WAIT_S = 90.0  # rank 0 waits this long at most for the other ranks' run-end files
+
+log = logging.getLogger("harness")
+
+
+class RunLifecycle:
+    """Wraps ``trainer.train`` so that every call is recorded, ends with ``on_run_end`` and leaves a report."""
+
+    def __init__(self, ctx: RunContext, trainer: Any, checkpoint_state: CheckpointState, actions: ActionExecutor) -> None:
+        self.ctx = ctx
+        self.trainer = trainer
+        self._checkpoint_state = checkpoint_state
+        self._actions = actions
+        self._lock_dir = ctx.run_dir if ctx.is_main else None  # rank 0 holds the run lock while a train() call runs
+        self._in_train = False
+        self._attempt: int | None = None  # this train() call's index in run.json's attempts
+        self._report_time = 0.0
+
+    def wrap_train(self, train: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(train)
+        def harness_train(*args: Any, **kwargs: Any) -> Any:
+            return self.run_train(train, args, kwargs)
+
+        return harness_train
+
+    def run_train(self, train: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one ``train()`` call: ``on_run_end`` always fires, with how the run ended."""
+        if self._in_train:
+            return train(*args, **kwargs)
+        if self._lock_dir is not None:
+            rundir.acquire(self._lock_dir, id(self))  # held until this call ends
+        self._actions.stopped = False
+        self.ctx.pending_action = Action.CONTINUE
+        try:
+            args, kwargs, resumed = self._checkpoint_state.resume_dir(args, kwargs)  # True/"last": the last COMPLETE checkpoint
+        except BaseException:
+            self._release_lock()
+            raise
+        self._in_train = True
+        self.ctx.resumed_from = resumed
+        self._attempt = None
+        self._mark_attempt("running")
+        status, error = "completed", None
+        try:
+            return train(*args, **kwargs)
+        except BaseException as exc:
+            status, error = "crashed", exc
+            raise
+        finally:
+            self._in_train = False
+            if status == "completed" and self._actions.stopped:
+                status = "stopped"
+            self.ctx.status = status
+            try:
+                self.ctx.manager.hooks.on_run_end(self.ctx, status, error)
+                self._finish_run(status, error)
+            finally:  # also after a KeyboardInterrupt while the report is written
+                self._release_lock()
+            if status == "crashed":
+                log.error("harness: training crashed; findings are in %s", self.ctx.run_dir / "findings.jsonl")
+
+    def begin(self) -> None:
+        """At train begin: record the attempt in run.json (rank 0), then ``on_run_start`` and ``inspect_dataset``."""
+        ctx, trainer, hooks = self.ctx, self.trainer, self.ctx.manager.hooks
+        if ctx.is_main:
+            try:  # the run card's facts: nice to have, never worth a crash
+                resumed = str(ctx.resumed_from) if ctx.resumed_from is not None else None
+                facts = run_facts(trainer, ctx.world_size, ctx.stage)
+                facts["plugin_classes"] = {name: class_path(ctx.manager.plugin(name)) for name in ctx.manager.names}
+                self._attempt = start_attempt(ctx.run_dir, facts, resumed, int(trainer.state.global_step))
+            except Exception:  # noqa: BLE001
+                log.exception("harness: could not record the run in %s", ctx.run_dir / "run.json")
+        hooks.on_run_start(ctx, trainer)
+        if trainer.train_dataset is not None:
+            hooks.inspect_dataset(ctx, trainer.train_dataset, "train")
+        if getattr(trainer, "eval_dataset", None) is not None:
+            hooks.inspect_dataset(ctx, trainer.eval_dataset, "eval")
+
+    # -- the end of a call ---------------------------------------------------------------------------
+
+    def _release_lock(self) -> None:
+        if self._lock_dir is not None:
+            rundir.release(self._lock_dir, id(self))
+
+    def _finish_run(self, status: str, error: BaseException | None) -> None:
+        """Record how this train() call ended, write the report (rank 0), hand it to ``on_report``.
+
+        Other ranks write their run-end files (contamination summaries, spilled
+        findings) in their own ``on_run_end``; rank 0 waits a bounded time for
+        their end markers before reading them (no collective: after a crash a
+        rank may be gone, so it does not wait then).
+        """
+        ctx = self.ctx
+        if not ctx.is_main:
+            self._mark_attempt("ended")
+            return
+        files = None
+        known = len(ctx.findings)
+        try:
+            if ctx.world_size > 1 and status != "crashed":
+                self._wait_for_ranks(RANK_END_WAIT_S)
+            end_attempt(ctx.run_dir, status, int(self.trainer.state.global_step), error, self._attempt)
+            if ctx.options.report:
+                files = self._write_report()
+        except Exception:  # noqa: BLE001 - the report must never turn a finished run into a crash
+            log.exception("harness: the report could not be written; rebuild it with `harness report %s`", ctx.run_dir.parent)
+        finally:
+            ctx.manager.hooks.on_report(ctx, files)  # trackers close here, report or not
+        if files is not None and any(f.time >= self._report_time for f in ctx.findings[known:]):
+            try:  # a tracker reported while closing (TRACKING_DEGRADED): the local report must show it
+                self._write_report()
+            except Exception:  # noqa: BLE001
+                log.exception("harness: the report could not be rewritten with the last findings")
+
+    def _write_report(self) -> Any:
+        from harness.report import write_report
+
+        ctx = self.ctx
+        files = write_report(ctx.run_dir, ctx.manager, ctx.config, plots=ctx.options.report_plots)
+        self._report_time = time.time()
+        log.info("harness: report written to %s (%s)", files.html, files.report.verdict.line())
+        return files
+
+    def _mark_attempt(self, state: str) -> None:
+        """This rank's attempt marker (``ranks/attempt.rank-<r>``): ``running`` at start, ``ended`` after on_run_end."""
+        if self.ctx.world_size <= 1:
+            return
+        try:
+            marker = self.ctx.path("ranks", f"attempt.rank-{self.ctx.rank}")
+            marker.write_text(state, encoding="utf-8")
+        except OSError:
+            pass
+
+    def _wait_for_ranks(self, timeout: float) -> None:
+        """Until every rank whose marker rank 0 can see (a shared run directory) has ended, at most ``timeout`` s."""
+        markers = [self.ctx.run_dir / "ranks" / f"attempt.rank-{r}" for r in range(1, self.ctx.world_size)]
+        deadline = time.monotonic() + timeout
+        pending: list[Path] = []
+        while time.monotonic() < deadline:
+            pending = [m for m in markers if m.exists() and m.read_text(encoding="utf-8").strip() != "ended"]
+            if not pending:
+                return
+            time.sleep(0.1)
+        log.warning("harness: ranks %s did not finish within %.0f s; the report may miss their last files", [m.name for m in pending], timeout)
+
+
+def refuse_if_locked(run_dir: Path) -> None:
+    """Rank 0 at attach, before anything is written: ``RunDirLockedError`` if another process runs in ``run_dir``.
+
+    The lock is held only while ``train()`` runs (see :meth:`RunLifecycle.run_train`).
+    """
+    holder = id(run_dir)
+    rundir.acquire(run_dir, holder)
+    rundir.release(run_dir, holder)
+
+
+def class_path(plugin: Any) -> str:
+    """``module:Class`` of a plugin, so that ``harness report`` can rebuild plugins that were given as objects."""
+    return f"{type(plugin).__module__}:{type(plugin).__qualname__}"

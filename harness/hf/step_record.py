@@ -1,0 +1,59 @@
+"""Everything the bridge knows about the optimizer step in flight, in one record.
+
+The bridge replaces the record at every step begin
+(``StepRecord(data_time=carried)``) instead of resetting fields by hand, so a
+value can never leak from one step into the next. The one thing carried over
+is the data-loader wait: the Trainer fetches a step's micro-batches before
+that step begins, so the time measured then belongs to the step about to
+begin (see :class:`harness.hf.tap.MicroBatchTap`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from harness.core.actions import Action
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step as the bridge saw it; ``metrics()`` is what ``on_step_end`` gets."""
+
+    data_time: float = 0.0  # seconds this step waited for its batches (fetched before the step began)
+    loss_sum: Any = None  # sum of training_step's returned losses (device tensor), the fallback step loss
+    step_loss: Any = None  # the step loss as the Trainer logs it (device tensor until read, then a host float)
+    micro_batches: int = 0
+    tokens: int = 0  # token positions fed to the model in this step
+    grad_norm: Any = None  # the Trainer's clipped-gradient norm (device tensor until read, then a host float)
+    lr: float | None = None  # the LR this update used, read before the scheduler moved
+    agreed: Action = Action.CONTINUE  # the action every rank agreed at this step's guard
+    values_read: bool = False  # the step's one device-to-host transfer happened
+    optimizer_skipped: bool = False  # the optimizer itself skipped an update the harness let through (fp16 overflow)
+    model_time: float = 0.0  # seconds in training_step (forward, backward, and under DeepSpeed the update)
+    guard_time: float = 0.0  # seconds in the step guard outside training_step
+
+    def add_micro_batch_loss(self, loss: Any) -> None:
+        """training_step returned ``loss`` (kept on the device: summed, not read)."""
+        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        self.micro_batches += 1
+
+    def add_step_loss_part(self, part: Any) -> None:
+        """compute_loss's share of the step loss (already divided as the Trainer divides it)."""
+        self.step_loss = part if self.step_loss is None else self.step_loss + part
+
+    def metrics(self, step_time: float | None) -> dict[str, Any]:
+        """The ``on_step_end`` metrics; loss and grad norm are host floats once ``values_read``."""
+        agreed = self.agreed
+        return {
+            "loss": self.step_loss,
+            "grad_norm": self.grad_norm,
+            "lr": self.lr,
+            "skipped": agreed is not Action.CONTINUE,
+            "optimizer_skipped": self.optimizer_skipped and agreed is Action.CONTINUE,
+            "action": agreed.value,
+            "micro_batches": self.micro_batches,
+            "tokens": self.tokens,
+            "step_time": step_time,
+            "data_time": self.data_time,
+            "model_time": self.model_time + self.guard_time,
+        }

@@ -1,0 +1,150 @@
+"""The micro-batch tap: the Trainer methods the harness wraps to see what callbacks never see.
+
+Wrapped on the trainer instance only:
+
+- ``training_step``: ``inspect_batch`` before every micro-batch (the batch is
+  also kept in ``ctx.recent_batches``); times forward and backward;
+- ``compute_loss``: ``on_loss`` with the micro-batch loss, before backward
+  (under DeepSpeed the engine steps inside backward, so after is too late);
+- ``_get_grad_norm``: keeps the Trainer's clipped-gradient norm for the guard;
+- ``get_batch_samples``: times the data loader (the Trainer fetches a step's
+  micro-batches there, before the step begins).
+
+Nothing here reads a device value: losses and norms stay tensors in the
+:class:`~harness.hf.step_record.StepRecord` until the guard's one read.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable
+
+from harness.core.context import RunContext
+from harness.hf.step_record import StepRecord
+from harness.lib.tokens import token_positions
+
+
+class MicroBatchTap:
+    """Feeds every micro-batch and its loss to the plugins, and fills the current step's record."""
+
+    def __init__(self, ctx: RunContext, trainer: Any, record: Callable[[], StepRecord]) -> None:
+        self.ctx = ctx
+        self.trainer = trainer
+        self._record = record  # the record of the step in flight (replaced at every step begin)
+        self.in_training_step = False
+        self._next_data_time = 0.0  # fetched before step_begin, so it belongs to the step about to begin
+
+    def install(self, trainer: Any) -> None:
+        trainer.training_step = self._wrap_training_step(trainer.training_step)
+        trainer.compute_loss = self._wrap_compute_loss(trainer.compute_loss)
+        if hasattr(trainer, "_get_grad_norm"):
+            trainer._get_grad_norm = self._wrap_grad_norm(trainer._get_grad_norm)
+        if hasattr(trainer, "get_batch_samples"):
+            trainer.get_batch_samples = self._wrap_get_batch_samples(trainer.get_batch_samples)
+
+    # -- data-loader time, carried into the next step's record -----------------------------------
+
+    def add_data_time(self, seconds: float) -> None:
+        self._next_data_time += seconds
+
+    def take_data_time(self) -> float:
+        """The data-loader wait measured since the last call: the data time of the step now beginning."""
+        seconds, self._next_data_time = self._next_data_time, 0.0
+        return seconds
+
+    # -- the patches -------------------------------------------------------------------------------
+
+    def _wrap_training_step(self, training_step: Callable[..., Any]) -> Callable[..., Any]:
+        ctx, hooks = self.ctx, self.ctx.manager.hooks
+
+        @functools.wraps(training_step)
+        def harness_training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            ctx.step = self.trainer.state.global_step + 1
+            if ctx.recent_batches.maxlen:
+                ctx.recent_batches.append((ctx.step, ctx.micro_step, inputs))
+            hooks.inspect_batch(ctx, inputs, ctx.step, ctx.micro_step)
+            record = self._record()
+            record.tokens += token_positions(inputs)
+            self.in_training_step = True
+            started = time.perf_counter()
+            try:
+                loss = training_step(model, inputs, *args, **kwargs)
+                record.add_micro_batch_loss(loss)
+                return loss
+            finally:
+                record.model_time += time.perf_counter() - started
+                self.in_training_step = False
+                ctx.micro_step += 1
+
+        return harness_training_step
+
+    def _wrap_compute_loss(self, compute_loss: Callable[..., Any]) -> Callable[..., Any]:
+        ctx, hooks = self.ctx, self.ctx.manager.hooks
+
+        @functools.wraps(compute_loss)
+        def harness_compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            seen = dict(inputs) if isinstance(inputs, Mapping) else inputs  # compute_loss may pop "labels"
+            result = compute_loss(model, inputs, *args, **kwargs)
+            if self.in_training_step:
+                loss = (result[0] if isinstance(result, tuple) else result).detach()
+                if loss.dim() > 0:
+                    loss = loss.mean()  # DataParallel over several GPUs: one loss per replica, as the Trainer averages
+                part = loss if self._loss_scaled_for_ga(kwargs.get("num_items_in_batch")) else loss / self._ga_steps()
+                self._record().add_step_loss_part(part)
+                hooks.on_loss(ctx, loss, seen, ctx.step, ctx.micro_step)
+            return result
+
+        return harness_compute_loss
+
+    def _loss_scaled_for_ga(self, num_items_in_batch: Any) -> bool:
+        """Whether the Trainer treats this loss as already normalised over the whole step (its own rule)."""
+        trainer = self.trainer
+        fixed = getattr(trainer, "loss_is_scaled_for_ga", None)
+        if fixed is not None:
+            return bool(fixed)
+        accepts = bool(getattr(trainer, "model_accepts_loss_kwargs", False))
+        return (accepts and num_items_in_batch is not None) or getattr(trainer, "compute_loss_func", None) is not None
+
+    def _ga_steps(self) -> int:
+        trainer = self.trainer
+        return int(getattr(trainer, "current_gradient_accumulation_steps", None) or trainer.args.gradient_accumulation_steps or 1)
+
+    def _wrap_get_batch_samples(self, get_batch_samples: Callable[..., Any]) -> Callable[..., Any]:
+        """Time the data loader: the Trainer fetches a step's micro-batches here, before the step begins."""
+
+        @functools.wraps(get_batch_samples)
+        def harness_get_batch_samples(epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
+            return get_batch_samples(_TimedIterator(epoch_iterator, self.add_data_time), *args, **kwargs)
+
+        return harness_get_batch_samples
+
+    def _wrap_grad_norm(self, get_grad_norm: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(get_grad_norm)
+        def harness_get_grad_norm(*args: Any, **kwargs: Any) -> Any:
+            norm = get_grad_norm(*args, **kwargs)
+            self._record().grad_norm = norm
+            return norm
+
+        return harness_get_grad_norm
+
+
+class _TimedIterator:
+    """Wraps the Trainer's epoch iterator to add the time spent in ``next()`` (waiting for data) to the tap."""
+
+    def __init__(self, inner: Any, add_time: Callable[[float], None]) -> None:
+        self._inner = inner
+        self._add_time = add_time
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        started = time.perf_counter()
+        try:
+            return next(self._inner)
+        finally:
+            self._add_time(time.perf_counter() - started)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

@@ -1,0 +1,1 @@
+"""Launchers: `harness wrap` and the auto-attach site hook."""

@@ -1,0 +1,1 @@
+"""Libraries the plugins share: no hooks, no run context."""

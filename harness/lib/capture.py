@@ -1,0 +1,336 @@
+"""Batch captures: the micro-batches behind a spike or a non-finite step, written for a person and for ``harness replay``.
+
+A capture lives in ``<run_dir>/captures/step-<N>/`` and holds, per rank:
+
+- ``capture.rank-<r>.json``: why it was taken, the model and weights it was
+  taken with, the loss and grad-norm history, and one record per sample
+  (ranked most suspect first): sample id, content hash, token ids, decoded
+  text, per-sample loss recomputed by a forward pass on the same weights,
+  and text heuristics (repetition, non-printable and replacement characters,
+  length);
+- ``batch.rank-<r>.pt``: the micro-batch tensors and the RNG state of that
+  forward pass, so that ``harness replay`` can recompute the same numbers;
+- ``summary.rank-<r>.md``: the ranked samples as a table.
+
+The forward pass runs under ``torch.no_grad`` with the RNG saved and restored
+around it, so taking a capture never changes what training does next.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from harness.core.distributed import model_parallel_sizes
+from harness.lib.hashing import content_hashes
+
+log = logging.getLogger("harness.lib.capture")
+
+SAMPLE_ID_KEYS = ("sample_id", "sample_ids", "idx", "id", "index")
+NOT_MODEL_INPUTS = ("labels", *SAMPLE_ID_KEYS)
+IGNORE_INDEX = -100
+MAX_TEXT_CHARS = 20_000
+
+
+@dataclass
+class CaptureResult:
+    """Where a capture went and what it found most suspect."""
+
+    directory: Path
+    json_path: Path
+    suspects: list[dict[str, Any]] = field(default_factory=list)
+    recomputed: bool = False
+
+    def describe(self, top: int = 3) -> str:
+        """A one-line summary of the top suspects, for finding messages."""
+        parts = []
+        for s in self.suspects[:top]:
+            sid = f"sample id {s['sample_id']}, " if s.get("sample_id") is not None else ""
+            loss = f"loss {s['loss']}" if isinstance(s.get("loss"), str) else (f"loss {s['loss']:.3f}" if s.get("loss") is not None else "loss n/a")
+            parts.append(f"micro-batch {s['micro_batch']} row {s['row']} ({sid}{loss}, repetition {s['repetition']:.2f})")
+        return "; ".join(parts) if parts else "no samples"
+
+
+def sample_ids(batch: Any) -> list[Any] | None:
+    """The batch's own sample ids, when the collator kept a column for them."""
+    if not isinstance(batch, Mapping):
+        return None
+    for key in SAMPLE_ID_KEYS:
+        value = batch.get(key)
+        if value is not None:
+            return value.tolist() if hasattr(value, "tolist") else list(value)
+    return None
+
+
+def per_sample_loss(model: Any, batch: Mapping[str, Any]) -> torch.Tensor | None:
+    """Causal-LM loss of each row (mean over its labelled tokens), by forward passes without gradients.
+
+    One row at a time, so that the logits of only one row are ever held (a
+    large vocabulary times a long batch would not fit next to training).
+    Returns None for batches without ``input_ids`` and ``labels`` of the same
+    shape (DPO's paired batches have no labels). A row without any label
+    gets NaN.
+    """
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not torch.is_tensor(ids) or ids.dim() != 2 or not torch.is_tensor(labels) or labels.shape != ids.shape:
+        return None
+    rows = ids.shape[0]
+    inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS and torch.is_tensor(v)}
+    losses = []
+    with torch.no_grad():
+        for r in range(rows):
+            row_inputs = {k: v[r : r + 1] if v.dim() > 0 and v.shape[0] == rows else v for k, v in inputs.items()}
+            logits = model(**row_inputs).logits[0, :-1].float()
+            shift = labels[r, 1:].to(logits.device)
+            mask = shift != IGNORE_INDEX
+            token_loss = F.cross_entropy(logits, shift.clamp_min(0), reduction="none")
+            losses.append((token_loss * mask).sum() / mask.sum())
+            del logits, token_loss
+    return torch.stack(losses)
+
+
+def text_heuristics(ids: list[int], text: str | None) -> dict[str, float]:
+    """Cheap signs of a broken sample: repeated trigrams, few distinct tokens, unprintable or replaced characters."""
+    trigrams = list(zip(ids, ids[1:], ids[2:]))
+    chars = len(text) if text else 0
+    printable_ws = "\n\t\r"
+    return {
+        "length_tokens": len(ids),
+        "length_chars": chars,
+        "repetition": 1.0 - len(set(trigrams)) / len(trigrams) if trigrams else 0.0,
+        "distinct_tokens": len(set(ids)) / len(ids) if ids else 0.0,
+        "nonprintable_ratio": sum(1 for c in text if not c.isprintable() and c not in printable_ws) / chars if chars else 0.0,
+        "replacement_ratio": text.count("\ufffd") / chars if chars else 0.0,
+    }
+
+
+def can_recompute(trainer: Any) -> str | None:
+    """None when one rank may run a forward pass on its own; else why not (sharded parameters)."""
+    if trainer is None:
+        return "no trainer"
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "FSDP shards the parameters: a forward pass on one rank alone would hang"
+    sharded = model_parallel_sizes(trainer)
+    if sharded:
+        return f"model parallelism ({', '.join(f'{k}={v}' for k, v in sharded.items())}) runs collectives inside the forward pass"
+    first = next(iter(getattr(getattr(trainer, "model", None), "parameters", lambda: iter(()))()), None)
+    if first is not None and type(first).__name__ == "DTensor":
+        return "the parameters are distributed tensors (tensor/context parallel): a forward pass on one rank alone would hang"
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        engine = getattr(trainer, "model_wrapped", None)
+        stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+        if stage >= 3:
+            return "DeepSpeed ZeRO-3 shards the parameters: a forward pass on one rank alone would hang"
+    return None
+
+
+def json_float(value: float | None) -> float | str | None:
+    """Strict JSON has no NaN/Inf: write those as strings ("nan", "inf")."""
+    if value is None:
+        return None
+    return value if math.isfinite(value) else str(value)
+
+
+def _suspicion_key(sample: dict[str, Any]) -> tuple[int, float, float]:
+    loss = sample.get("loss")
+    broken_text = sample["nonprintable_ratio"] + sample["replacement_ratio"]
+    if sample.get("labelled_tokens") == 0:
+        return (2, 0.0, -broken_text)  # nothing to learn from: not what spiked the loss
+    if isinstance(loss, str):
+        return (0, 0.0, 0.0)  # a non-finite per-sample loss is the strongest suspect
+    return (1, -(loss if loss is not None else 0.0), -broken_text)
+
+
+def strict_json(value: Any) -> Any:
+    """The same structure with every non-finite float as a string, so that the file is strict JSON."""
+    if isinstance(value, float):
+        return json_float(value)
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def recompute_losses(model: Any, batches: list[dict[str, Any]], rng: dict[str, Any]) -> list[torch.Tensor | None]:
+    """Per-sample losses of each micro-batch, in order, starting from ``rng``; the caller's RNG is left as it was."""
+    saved = _rng_state()
+    try:
+        set_rng_state(rng)
+        return [per_sample_loss(model, b) for b in batches]
+    finally:
+        set_rng_state(saved)
+
+
+def autocast_dtype(trainer: Any) -> str | None:
+    """The dtype the Trainer's forward runs under autocast (accelerate wraps ``model.forward`` for bf16/fp16)."""
+    precision = str(getattr(getattr(trainer, "accelerator", None), "mixed_precision", "no") or "no")
+    return precision if precision in ("bf16", "fp16") and not getattr(trainer, "is_deepspeed_enabled", False) else None
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str | None:
+    if tokenizer is None or not hasattr(tokenizer, "decode"):
+        return None
+    try:
+        return str(tokenizer.decode(ids, skip_special_tokens=False))[:MAX_TEXT_CHARS]
+    except Exception:  # noqa: BLE001 - an odd tokenizer must not lose the capture
+        return None
+
+
+def _samples(batch: dict[str, Any], micro: int, losses: torch.Tensor | None, tokenizer: Any) -> list[dict[str, Any]]:
+    ids = batch.get("input_ids")
+    if not torch.is_tensor(ids) or ids.dim() != 2:
+        return []
+    mask = batch.get("attention_mask")
+    labels = batch.get("labels")
+    hashes = content_hashes(ids, mask if torch.is_tensor(mask) and mask.shape == ids.shape else None)  # as in the ledger
+    given = sample_ids(batch)
+    loss_list = losses.tolist() if losses is not None else None
+    rows = ids.tolist()
+    keep = mask.bool().tolist() if torch.is_tensor(mask) and mask.shape == ids.shape else None
+    out = []
+    for r, row in enumerate(rows):
+        tokens = row if keep is None else [t for t, k in zip(row, keep[r]) if k]
+        text = _decode(tokenizer, tokens)
+        labelled = int((labels[r] != IGNORE_INDEX).sum()) if torch.is_tensor(labels) and labels.shape == ids.shape else None
+        record: dict[str, Any] = {
+            "micro_batch": micro,
+            "row": r,
+            "sample_id": given[r] if given is not None and r < len(given) else None,
+            "hash": hashes[r],
+            "loss": json_float(loss_list[r]) if loss_list is not None and labelled != 0 else None,
+            **text_heuristics(tokens, text),
+            "labelled_tokens": labelled,
+            "text": text,
+            "input_ids": row,
+        }
+        out.append(record)
+    return out
+
+
+def _markdown(meta: dict[str, Any], samples: list[dict[str, Any]]) -> str:
+    from harness.lib.textsafe import md_cell, md_code, md_escape  # training text is data: escaped, never live markdown/HTML
+
+    lines = [
+        f"# Capture: {md_escape(meta['code'])} at step {meta['step']} (rank {meta['rank']})",
+        "",
+        md_escape(meta["reason"]),
+        "",
+        f"Per-sample loss: {md_escape(meta['per_sample_loss'])}. Replay: {md_code('harness replay ' + str(meta['directory']))}.",
+        "",
+        "| suspect | micro-batch | row | sample id | loss | repetition | non-printable | length | text |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, s in enumerate(samples, 1):
+        text = md_cell((s["text"] or "")[:60])
+        loss = s["loss"] if not isinstance(s["loss"], float) else f"{s['loss']:.4f}"
+        lines.append(
+            f"| {i} | {s['micro_batch']} | {s['row']} | {md_cell(s['sample_id'], 80)} | {loss} | {s['repetition']:.2f} | "
+            f"{s['nonprintable_ratio'] + s['replacement_ratio']:.3f} | {s['length_tokens']} | {text} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_capture(
+    ctx: Any,
+    *,
+    step: int,
+    code: str,
+    reason: str,
+    micro_batches: list[tuple[int, dict[str, Any], float | None]],
+    context: dict[str, Any] | None = None,
+    no_recompute: str | None = None,
+) -> CaptureResult:
+    """Write ``captures/step-<step>/`` for this rank and return the ranked suspects.
+
+    ``micro_batches`` holds (micro-batch index, batch, loss the Trainer saw).
+    ``context`` is merged into the JSON (loss and grad-norm history, resume
+    information). The per-sample losses are recomputed on the model as it is
+    now, so call this before the optimizer updates it; ``no_recompute`` says
+    why not to (written into the capture instead).
+    """
+    trainer = getattr(ctx, "trainer", None)
+    model = getattr(trainer, "model", None)
+    tokenizer = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor wraps its tokenizer
+    directory = ctx.path("captures", f"step-{step}", "x").parent
+    why_not = no_recompute or can_recompute(trainer)
+    rng = _rng_state()
+    batches = [b for _, b, _ in micro_batches]
+    losses: list[torch.Tensor | None] = [None] * len(batches)
+    if why_not is None and model is not None:
+        try:
+            losses = recompute_losses(model, batches, rng)
+        except Exception as exc:  # noqa: BLE001 - the capture is still worth writing without losses
+            why_not = f"forward pass failed: {type(exc).__name__}: {exc}"
+            log.warning("harness capture: %s", why_not)
+    recomputed = why_not is None and any(loss is not None for loss in losses)
+    samples = [s for (micro, batch, _), loss in zip(micro_batches, losses) for s in _samples(batch, micro, loss, tokenizer)]
+    samples.sort(key=_suspicion_key)
+    output_dir = getattr(getattr(trainer, "args", None), "output_dir", None)
+    param = next(iter(model.parameters()), None) if model is not None else None
+    config = getattr(model, "config", None)
+    meta: dict[str, Any] = {
+        "code": code,
+        "step": step,
+        "rank": ctx.rank,
+        "reason": reason,
+        "directory": str(directory),
+        "output_dir": str(output_dir) if output_dir else None,
+        "weights_from_step": step - 1,
+        "per_sample_loss": "recomputed on the weights of the step, before its update" if recomputed else f"not recomputed ({why_not or 'not a causal-LM batch'})",
+        "model": {
+            "class": type(model).__name__ if model is not None else None,
+            "dtype": str(param.dtype).replace("torch.", "") if param is not None else None,
+            "attn_implementation": getattr(config, "_attn_implementation", None),
+            "training_mode": bool(getattr(model, "training", True)),
+            "device_type": param.device.type if param is not None else None,
+            "autocast": autocast_dtype(trainer),
+        },
+        "tokenizer": getattr(tokenizer, "name_or_path", None),
+        "micro_batches": [
+            {"micro_batch": micro, "trainer_loss": json_float(seen), "keys": sorted(k for k, v in b.items() if torch.is_tensor(v))}
+            for micro, b, seen in micro_batches
+        ],
+        **(context or {}),
+        "samples": samples,
+    }
+    tensors = [{k: v.detach().cpu() for k, v in b.items() if torch.is_tensor(v)} for b in batches]
+    torch.save(
+        {"micro_batches": tensors, "micro_batch_index": [m for m, _, _ in micro_batches], "rng": rng,
+         "losses": [loss.cpu() if loss is not None else None for loss in losses]},
+        directory / f"batch.rank-{ctx.rank}.pt",
+    )
+    json_path = directory / f"capture.rank-{ctx.rank}.json"
+    _write_atomic(json_path, json.dumps(strict_json(meta), indent=1, default=str))
+    _write_atomic(directory / f"summary.rank-{ctx.rank}.md", _markdown(meta, samples))
+    suspects = [{k: s[k] for k in ("micro_batch", "row", "sample_id", "hash", "loss", "repetition", "length_tokens")} for s in samples[:5]]
+    return CaptureResult(directory, json_path, suspects, recomputed)

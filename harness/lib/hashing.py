@@ -1,0 +1,125 @@
+"""Content hashes of token rows: stable across processes, devices and runs (fixed constants, never Python's ``hash()``)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+_HASH_SEED = 0x7A3D_5EED
+_weights: dict[str, torch.Tensor] = {}  # device -> the longest multipliers drawn so far: one tensor per device, whatever the lengths
+
+
+def _draw_weights(length: int) -> torch.Tensor:
+    """The first ``length`` multipliers, drawn on the CPU from the fixed seed (position i gets the same number for every length)."""
+    generator = torch.Generator().manual_seed(_HASH_SEED)
+    return torch.randint(0, 2**62, (max(length, 1),), generator=generator, dtype=torch.int64).mul_(2).add_(1)
+
+
+def _position_weights(device: torch.device, length: int) -> torch.Tensor:
+    """Fixed odd 63-bit multipliers per position (same numbers in every process and run), cached per device.
+
+    Only the longest tensor is kept (grown to the next power of two when a
+    longer row arrives) and sliced: the CPU generator draws element by
+    element, so the first n numbers of a longer draw are the numbers of a
+    draw of n. Dynamic padding thus costs O(longest row) memory, not one
+    tensor per distinct length.
+    """
+    key = str(device)
+    cached = _weights.get(key)
+    if cached is None or cached.shape[0] < length:
+        cached = _draw_weights(max(64, 1 << (max(length, 1) - 1).bit_length())).to(device)
+        _weights[key] = cached
+    return cached[: max(length, 1)]
+
+
+_host_list: list[int] = []  # the CPU multipliers as Python ints, for combining row hashes that are already on the host
+
+
+def _host_weights(length: int) -> list[int]:
+    """The first ``length`` multipliers as Python ints (converted once per growth, never per step)."""
+    global _host_list
+    if len(_host_list) < length:
+        _host_list = _draw_weights(max(64, 1 << (max(length, 1) - 1).bit_length())).tolist()  # born on the host
+    return _host_list[:length]
+
+
+def device_row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """A 64-bit content hash per row, computed where the batch lives (no host sync, no per-token Python).
+
+    A random linear hash modulo 2^64: each token id (+1, so id 0 counts)
+    times a fixed odd multiplier for its position, summed with int64
+    wrap-around. Masked (padding) positions contribute nothing, so a row
+    hashes alike whatever right padding it got. Two different rows collide
+    with probability about 2^-63.
+    """
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    values = ids.to(torch.int64) + 1
+    if mask is not None and mask.shape == ids.shape:
+        values = values * mask.to(torch.int64)
+    return (values * _position_weights(ids.device, ids.shape[1])[: ids.shape[1]]).sum(dim=1)
+
+
+def combine_row_hashes(hashes: list[int]) -> int:
+    """One order-sensitive 64-bit hash of a batch from its row hashes (read to the host once per step anyway)."""
+    weights = _host_weights(len(hashes) + 1)[1 : len(hashes) + 1]
+    total = sum(h * w for h, w in zip(hashes, weights)) & 0xFFFF_FFFF_FFFF_FFFF
+    return total - (1 << 64) if total >= 1 << 63 else total
+
+
+def content_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> list[str]:
+    """``device_row_hashes`` as hex strings: the sample hashes of the ledger, captures and reports (one host read)."""
+    return [hex64(h) for h in device_row_hashes(ids, mask if torch.is_tensor(mask) else None).tolist()]
+
+
+def from_hex64(text: str) -> int:
+    """The signed int64 a ``hex64`` string was made from."""
+    value = int(text, 16)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def hex64(value: int) -> str:
+    """An int64 hash as 16 hex digits (two's complement, so negative values print alike everywhere)."""
+    return f"{value & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+
+
+def dataset_rows(dataset: Any, key: str, indices: range | list[int]) -> list[list[int]] | None:
+    """Token rows of a map-style dataset (None when it does not hold ``key``)."""
+    try:
+        if hasattr(dataset, "column_names") and hasattr(dataset, "select"):
+            if key not in dataset.column_names:
+                return None
+            return [list(r) for r in dataset.select(indices)[key]]
+        return [list(dataset[i][key]) for i in indices]
+    except (KeyError, TypeError, IndexError):
+        return None
+
+
+def hash_token_rows(rows: list[list[int]]) -> list[int]:
+    """``device_row_hashes`` of plain token lists (no padding counted): the same hash a batch row gets."""
+    if not rows:
+        return []
+    width = max(len(r) for r in rows) or 1
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    mask = torch.zeros(len(rows), width, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.int64)
+        mask[i, : len(row)] = 1
+    return device_row_hashes(ids, mask).tolist()
+
+
+_LAST_DATASET: list[Any] = []  # (dataset, key, size, hashes) of the last call: data_hash and contamination share one pass
+
+
+def dataset_hashes(dataset: Any, key: str, size: int, chunk: int = 1000) -> list[int] | None:
+    """Content hashes of the first ``size`` rows of a map-style dataset, read ``chunk`` rows at a time (None without ``key``)."""
+    if _LAST_DATASET and _LAST_DATASET[0] is dataset and _LAST_DATASET[1:3] == [key, size]:
+        return _LAST_DATASET[3]
+    if dataset_rows(dataset, key, range(min(1, size))) is None:
+        return None
+    hashes: list[int] = []
+    for start in range(0, size, chunk):
+        hashes += hash_token_rows(dataset_rows(dataset, key, range(start, min(size, start + chunk))) or [])
+    _LAST_DATASET[:] = [dataset, key, size, hashes]
+    return hashes

@@ -1,0 +1,135 @@
+"""Judging overlap between eval examples and training data: text to units, per-example tallies, the verdict row.
+
+The thresholds and the judging are shared by ``harness scan``
+(:mod:`harness.tools.scan`) and the ``contamination`` plugin, so a scan
+before training and the plugin during it call the same example dirty.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from harness.lib.documents import ScanError, iter_documents
+from harness.lib.ngrams import EvalExample, Hit, NgramIndex, normalise_words, word_units
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    """How matches are counted and judged (the same thresholds the `contamination` plugin uses)."""
+
+    n: int = 13
+    template_min_examples: int = 10
+    dirty_fraction: float = 0.5
+    partial_fraction: float = 0.0
+    max_locations: int = 5
+    snippet_chars: int = 160
+    min_length: int = 4
+    near_dup: bool = False
+    near_dup_threshold: float = 0.8
+    shingle: int = 5
+    num_perm: int = 128
+
+
+# -- front ends: text -> units ---------------------------------------------------------------------------
+
+
+class FrontEnd:
+    """Turns text into unit sequences: normalised words (no tokenizer) or the run's token ids."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self.kind = "tokens" if tokenizer is not None else "words"
+
+    def eval_variants(self, text: str) -> list[np.ndarray]:
+        """Token ids as the text starts a document and as it follows a space mid-document; or its words."""
+        if self.tokenizer is None:
+            return [word_units(normalise_words(text))]
+        plain = self._ids(text)
+        spaced = self._ids(" " + text.lstrip())
+        return [plain] if np.array_equal(plain, spaced) else [plain, spaced]
+
+    def document(self, text: str) -> tuple[np.ndarray, list[str] | None]:
+        if self.tokenizer is None:
+            words = normalise_words(text)
+            return word_units(words), words
+        return self._ids(text), None
+
+    def _ids(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+
+def load_eval_examples(paths: list[str], field: str, front: FrontEnd, id_field: str = "id") -> list[EvalExample]:
+    """Every eval example of every path; an eval set without usable text is an error naming the file and field."""
+    examples: list[EvalExample] = []
+    for path in paths:
+        before = len(examples)
+        name = Path(path).stem
+        for example_id, text in iter_documents(path, field, id_field):
+            examples.append(EvalExample(name, example_id, text, front.eval_variants(text)))
+        if len(examples) == before:
+            raise ScanError(f"harness scan: the eval set {path} has no example with text in field '{field}'. "
+                            "Fix: check the file and --field.")
+    return examples
+
+
+# -- matching: per-example tallies -------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """What the training data matched of one eval example."""
+
+    matched: dict[int, set[int]] = field(default_factory=dict)  # variant -> matched window offsets
+    documents: set[str] = field(default_factory=set)
+    locations: list[dict[str, Any]] = field(default_factory=list)
+    near: list[dict[str, Any]] = field(default_factory=list)  # training documents that are near-duplicates of the example
+
+    def add(self, hit: Hit, document: str, snippet: str, max_locations: int) -> None:
+        self.matched.setdefault(hit.variant, set()).add(hit.offset)
+        if document not in self.documents:
+            self.documents.add(document)
+            if len(self.locations) < max_locations:
+                self.locations.append({"document": document, "position": hit.position, "snippet": snippet})
+
+
+def judge(index: NgramIndex, e: int, tally: Tally | None, options: ScanOptions) -> dict[str, Any]:
+    """The report row of one eval example: fractions, longest span, documents, status."""
+    example = index.examples[e]
+    best = {"fraction": 0.0, "coverage": 0.0, "longest": 0}
+    for v, units in enumerate(example.variants):
+        offsets = sorted((tally.matched.get(v) or set()) if tally else set())
+        total = index.windows_of(e, v)
+        if not total or not offsets:
+            continue
+        window = min(index.n, len(units))
+        covered = np.zeros(len(units), dtype=bool)
+        for o in offsets:
+            covered[o : o + window] = True
+        run = longest = 0
+        previous = None
+        for o in offsets:
+            run = run + 1 if previous is not None and o == previous + 1 else 1
+            longest = max(longest, run)
+            previous = o
+        candidate = {"fraction": len(offsets) / total, "coverage": float(covered.mean()), "longest": longest + window - 1}
+        if candidate["fraction"] > best["fraction"]:
+            best = candidate
+    near = sorted(tally.near, key=lambda d: -d["jaccard"]) if tally else []
+    if example.length < options.min_length and not near:
+        status = "too_short"
+    elif best["fraction"] >= options.dirty_fraction or near:
+        status = "dirty"
+    elif best["fraction"] > options.partial_fraction:
+        status = "partial"
+    else:
+        status = "clean"
+    return {
+        "eval_set": example.eval_set, "id": example.example_id, "status": status, "units": example.length,
+        "matched_fraction": round(best["fraction"], 6), "coverage": round(best["coverage"], 6), "longest_span": best["longest"],
+        "documents_hit": len(tally.documents) if tally else 0, "locations": tally.locations if tally else [],
+        "near_duplicates": len(near), "near_duplicate_jaccard": near[0]["jaccard"] if near else None,
+        "near_duplicate_documents": near[: options.max_locations],
+    }

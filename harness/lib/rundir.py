@@ -1,0 +1,140 @@
+"""The run directory before the first step: writable (checked by writing), and held by one run at a time.
+
+``check_writable`` creates ``<output_dir>/harness`` and writes and removes a
+small file there: ``os.access`` answers "yes" for root on read-only mounts
+and on paths it cannot create, so only a real write tells.
+
+The lock is a POSIX record lock (``fcntl.lockf``) on ``<output_dir>/harness/.lock``,
+taken by rank 0 for the length of each ``train()`` call (``attach`` only
+checks that it is free, so a second run is refused before it writes
+anything). A record lock belongs to the process, is not inherited by forked
+children (data-loader workers, ``datasets.map`` pools: with ``flock`` an
+orphaned worker of a killed run would keep holding it) and the kernel drops
+it when the process dies, so a killed run never leaves a stale lock behind;
+the lock file keeps the pid of its holder only so that the error can name
+it. Within one process the lock is shared: several trainers attached to the
+same output directory one after the other (a resume in the same script, the
+stage runner's rollback) do not lock each other out. (A record lock is also
+dropped when the process closes any descriptor of the file, so nothing but
+this module opens it.)
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from harness.core.errors import RunDirLockedError, RunDirNotWritableError
+
+log = logging.getLogger("harness")
+LOCK_NAME = ".lock"
+
+# lock file (real path) -> (open descriptor, ids of the holders in this process)
+_HELD: dict[str, tuple[int, set[int]]] = {}
+
+
+def check_writable(run_dir: Path) -> None:
+    """Create ``run_dir`` and prove it writable by writing a file; else a ``RunDirNotWritableError``."""
+    run_dir = Path(run_dir)
+    probe = run_dir / f".write-test.{os.getpid()}.{socket.gethostname()}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        blocker = _first_non_directory(run_dir)
+        why = (
+            f"{blocker} is a file, not a folder" if blocker is not None
+            else f"{type(exc).__name__}: {exc.strerror or exc}"
+        )
+        raise RunDirNotWritableError(
+            f"the harness cannot write its run directory {run_dir} ({why}). Every finding, the ledger, captures and the "
+            "report go there, so training does not start without it. Fix: choose a writable output_dir (TrainingArguments"
+            ".output_dir, or `output_dir` in the harness config), or make the folder writable for this user "
+            f"(e.g. `chown -R $(id -u) {run_dir.parent}`), or free the disk / remount it read-write."
+        ) from exc
+
+
+def _first_non_directory(path: Path) -> Path | None:
+    """The first existing component of ``path`` that is not a folder (a file where a folder must be)."""
+    for part in reversed([path, *path.parents]):
+        try:
+            if part.exists() and not part.is_dir():
+                return part
+        except OSError:  # a folder this user cannot look into: the error itself says why
+            return None
+    return None
+
+
+def lock_path(run_dir: Path) -> Path:
+    return Path(run_dir) / LOCK_NAME
+
+
+def acquire(run_dir: Path, holder: int) -> None:
+    """Take (or share, within this process) the run directory's lock; ``RunDirLockedError`` if another process has it."""
+    import fcntl
+
+    path = lock_path(run_dir)
+    key = os.path.realpath(path)
+    held = _HELD.get(key)
+    if held is not None:
+        held[1].add(holder)
+        return
+    try:
+        fd = os.open(key, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:  # writability was checked before; a lock that cannot be made must not stop training
+        log.warning("harness: could not create the run lock %s (%s); a second run on this directory will not be refused", path, exc)
+        return
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # a filesystem without record locks
+            os.close(fd)
+            log.warning("harness: the file system of %s does not support file locks (%s); a second run on it will not be refused", path, exc)
+            return
+        owner = _read_owner(fd)
+        os.close(fd)
+        raise RunDirLockedError(
+            f"another run is using {Path(run_dir)} ({owner} holds {path}). Two runs writing the same output directory "
+            "overwrite each other's checkpoints, findings and ledger. Fix: wait for that run to end (or stop it: "
+            f"`kill {owner.split()[1] if owner.startswith('pid ') else '<pid>'}`), or give this run another output_dir. "
+            "A killed run does not hold the lock: the kernel drops it with the process."
+        ) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+    except OSError:
+        pass
+    _HELD[key] = (fd, {holder})
+
+
+def release(run_dir: Path, holder: int) -> None:
+    """Drop ``holder``'s share of the lock; the lock goes when the last holder in this process lets go."""
+    import fcntl
+
+    key = os.path.realpath(lock_path(run_dir))
+    held = _HELD.get(key)
+    if held is None:
+        return
+    fd, holders = held
+    holders.discard(holder)
+    if holders:
+        return
+    del _HELD[key]
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _read_owner(fd: int) -> str:
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = json.loads(os.read(fd, 4096).decode() or "{}")
+        return f"pid {data['pid']} on {data.get('host', '?')}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not written its pid yet"

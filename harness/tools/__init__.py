@@ -1,0 +1,1 @@
+"""Offline commands: scan, replay, estimate, explain, report."""

@@ -1,0 +1,119 @@
+"""``harness explain`` and ``harness playbook``: the run directory and the playbooks, in a terminal (``harness report`` is :mod:`harness.tools.report`)."""
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+from harness.core.errors import HarnessError, did_you_mean
+from harness.lib.playbook import find_section, load_library
+from harness.report.rundirs import scan_run_dirs
+
+
+def run_dirs_or_fail(path: Path) -> list[Path]:
+    """The run directories at or below ``path``; a folder with none is an error that says why."""
+    return scan_or_fail(path)[0]
+
+
+def scan_or_fail(path: Path) -> tuple[list[Path], list[Path]]:
+    """(run directories at or below ``path``, symlinks not followed, each noted on stderr); none is an error."""
+    if not path.exists():
+        raise HarnessError(f"'{path}' does not exist. Fix: pass the training run's output_dir (the folder that holds harness/).")
+    found, links = scan_run_dirs(path)
+    for link in links:  # a note, not a failure: `runs/latest -> runs/2024-...` is common and its run is found anyway
+        sys.stderr.write(f"harness: note: not followed: {link} is a symbolic link (links found while searching for runs "
+                         "are never followed; pass the real folder it points to, if you trust it).\n")
+    if not found:
+        looks = [name for name in ("run.json", "findings.jsonl", "config.yaml", "report.md") if (path / name).exists()]
+        if looks:
+            raise HarnessError(
+                f"'{path}' is not a train-harness run directory: it has {', '.join(looks)}, but its run.json has no "
+                '"format": "train-harness-run/1" marker and it is not an older harness run directory (a folder named '
+                "harness with the harness's config.yaml and findings.jsonl or run.json). Nothing was read or written. "
+                "Fix: pass the output_dir of a training run that had the harness attached (the folder that holds harness/)."
+            )
+        raise HarnessError(
+            f"no harness run directory in '{path}': expected '{path / 'harness'}' written by the harness (run.json with "
+            '"format": "train-harness-run/1", or config.yaml with findings.jsonl). '
+            "Fix: pass the Trainer's output_dir of a run that had the harness attached."
+        )
+    return found, links
+
+
+def print_explain(path: Path, width: int = 100) -> int:
+    """The verdict and, for each finding code, what happened and the first step of its playbook."""
+    from harness.report.build import group_findings, next_step
+    from harness.report.record import RunRecord
+    from harness.report.verdict import symptoms_of, verdict_of
+
+    for n, run_dir in enumerate(run_dirs_or_fail(path)):
+        run = RunRecord.load(run_dir)
+        if n:
+            print()
+        print(f"== {run_dir}")
+        print(textwrap.fill(f"Verdict: {verdict_of(run).line()}", width, subsequent_indent="  "))
+        for note in run.damage_notes():
+            print(textwrap.fill(f"Note: {note}", width, subsequent_indent="  "))
+        groups = group_findings(run)
+        explained: set[str] = set()
+        for group in groups:
+            print()
+            head = f"[{group.severity.value}] {group.code} x{group.count} (step {group.step_range}): {group.message}"
+            print(textwrap.fill(head, width, subsequent_indent="    "))
+            if group.code in explained:
+                print("  next: as above")
+                continue
+            explained.add(group.code)
+            print(_fill(f"next: {next_step(group, run.output_dir)}", width))
+            if group.playbook is not None:
+                print(f"  more: harness playbook {group.code}   (playbooks/{group.playbook.link})")
+        for symptom in symptoms_of(run):
+            section = find_section(symptom.topic)
+            print()
+            print(textwrap.fill(f"[worth a look] {symptom.topic}: {symptom.why}", width, subsequent_indent="    "))
+            if section is not None and section.next_step:
+                print(_fill(f"next: {section.next_step.replace('<output_dir>', str(run.output_dir))}", width))
+                print(f"  more: harness playbook {symptom.topic}")
+        if not groups:
+            print("No findings.")
+    return 0
+
+
+def _fill(text: str, width: int) -> str:
+    """Wrapped at spaces only: paths and commands stay whole, so they can be copied."""
+    return textwrap.fill(text, width, initial_indent="  ", subsequent_indent="        ", break_long_words=False, break_on_hyphens=False)
+
+
+def print_playbook(key: str | None) -> int:
+    """List the playbooks, or print one code's section / one topic."""
+    books = load_library()
+    if key is None:
+        for book in books.values():
+            kind = "topic" if book.is_topic else "codes"
+            codes = "" if book.is_topic else ": " + ", ".join(s.key for s in book.sections)
+            print(f"{book.name:<24} {kind:<5} {book.title}{codes}")
+        print("\nharness playbook CODE prints a finding code's section; harness playbook TOPIC prints a file.")
+        return 0
+    section = find_section(key)
+    if section is not None:
+        _print_markdown(section.text)
+        return 0
+    book = books.get(key.lower())
+    if book is not None:
+        _print_markdown(book.text)
+        return 0
+    choices = [s.key for b in books.values() for s in b.sections] + list(books)
+    raise HarnessError(
+        f"no playbook for '{key}'.{did_you_mean(key.upper(), choices) or did_you_mean(key.lower(), choices)} "
+        "Fix: use a finding code (harness plugins --codes) or a playbook name (harness playbook, no argument)."
+    )
+
+
+def _print_markdown(text: str) -> None:
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.markdown import Markdown
+
+        Console().print(Markdown(text))
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")

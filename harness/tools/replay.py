@@ -1,0 +1,229 @@
+"""``harness replay``: recompute a capture's per-sample losses on a checkpoint, to confirm what a capture blames.
+
+The capture holds the micro-batch tensors and the RNG state of the forward
+pass that produced its per-sample losses. Loading the checkpoint the capture
+was taken on (the one saved at the step before the spike) and running the
+same forward pass must give the same numbers; a different checkpoint shows
+how the blamed samples fare on other weights (e.g. before the data changed).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.lib.capture import per_sample_loss, set_rng_state
+from harness.core.errors import HarnessError
+
+
+@dataclass
+class ReplayRow:
+    micro_batch: int
+    row: int
+    sample_id: Any
+    captured: float | None
+    replayed: float
+    text: str
+
+    @property
+    def diff(self) -> float | None:
+        if self.captured is None:
+            return None
+        if math.isnan(self.captured) or math.isnan(self.replayed):
+            return 0.0 if math.isnan(self.captured) and math.isnan(self.replayed) else math.inf
+        if math.isinf(self.captured) or math.isinf(self.replayed):
+            return 0.0 if self.captured == self.replayed else math.inf
+        return abs(self.replayed - self.captured)
+
+
+def _as_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    return float(value)  # "nan" / "inf" strings parse too
+
+
+def find_capture_file(capture_dir: Path, rank: int | None) -> Path:
+    if not capture_dir.is_dir():
+        raise HarnessError(f"capture directory {capture_dir} does not exist; captures are under <output_dir>/harness/captures/step-<N>/.")
+    files = sorted(capture_dir.glob("capture.rank-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    if rank is not None:
+        files = [f for f in files if f.stem == f"capture.rank-{rank}"]
+    if not files:
+        which = f" for rank {rank}" if rank is not None else ""
+        raise HarnessError(f"no capture.rank-*.json{which} in {capture_dir}; pass the step-<N> directory of a capture (or another --rank).")
+    return files[0]
+
+
+def find_checkpoint(meta: dict[str, Any], capture_file: Path) -> tuple[Path, bool]:
+    """The checkpoint saved at the step before the capture, else the latest before it; (path, exact).
+
+    Only a checkpoint complete for the Trainer counts (``trainer_state.json``
+    and the weights, :func:`harness.lib.checkpoints.trainer_missing`): a save
+    killed half-way leaves a ``checkpoint-<N>`` whose weights may be partial.
+    The run directory the capture lies in comes first: the ``output_dir``
+    stored in ``capture.json`` is absolute, so for a run directory copied or
+    moved elsewhere it names the old place (or another run now living
+    there). It is looked at only when no checkpoint lies beside the capture.
+    """
+    checkpoint, exact, _ = _find_checkpoint(meta, capture_file)
+    return checkpoint, exact
+
+
+def _find_checkpoint(meta: dict[str, Any], capture_file: Path) -> tuple[Path, bool, list[tuple[Path, list[str]]]]:
+    """:func:`find_checkpoint`, and the newer checkpoints it passed over as incomplete (folder, what it lacks)."""
+    from harness.lib.checkpoints import checkpoint_step, list_checkpoints, trainer_missing
+
+    wanted = int(meta["weights_from_step"])
+    beside = capture_file.parents[3] if len(capture_file.parents) > 3 else capture_file.parent
+    candidates = [beside]
+    if meta.get("output_dir") and Path(meta["output_dir"]).resolve() != beside.resolve():
+        candidates.append(Path(meta["output_dir"]))
+    for base in candidates:
+        found = [c for c in list_checkpoints(base) if checkpoint_step(c) <= wanted]  # type: ignore[operator]  # newest first
+        if not found:
+            continue
+        # the first place with a checkpoint wins: never mix the copy's checkpoints with the original's
+        skipped: list[tuple[Path, list[str]]] = []
+        for checkpoint in found:
+            missing = trainer_missing(checkpoint)
+            if not missing:
+                return checkpoint, checkpoint_step(checkpoint) == wanted, skipped
+            skipped.append((checkpoint, missing))
+        lacks = "; ".join(f"{c} lacks {', '.join(m)}" for c, m in skipped)
+        raise HarnessError(
+            f"no complete checkpoint at or before step {wanted} in {base}: {lacks} (a save that did not finish; "
+            "the weights in it may be partial). Fix: pass --checkpoint DIR (a complete Trainer checkpoint or a saved "
+            "model directory)."
+        )
+    raise HarnessError(
+        f"no checkpoint at or before step {wanted} next to the capture (looked in {', '.join(str(c) for c in candidates)}); "
+        "pass --checkpoint DIR (a Trainer checkpoint or a saved model directory)."
+    )
+
+
+def load_model(checkpoint: Path, meta: dict[str, Any], device: str) -> Any:
+    if not Path(checkpoint).is_dir():
+        # never a hub id: from_pretrained would take a mistyped local path for a model name and look it up online
+        what = "does not exist" if not Path(checkpoint).exists() else "is not a directory"
+        raise HarnessError(
+            f"checkpoint {checkpoint} {what} (resolved: {Path(checkpoint).resolve()}). "
+            "Pass --checkpoint with a local Trainer checkpoint or saved model directory (config.json and weights)."
+        )
+    from transformers import AutoModelForCausalLM
+
+    model_info = meta.get("model", {})
+    kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}  # a checkpoint's auto_map code never runs
+    dtype = getattr(torch, model_info["dtype"], None) if isinstance(model_info.get("dtype"), str) else None
+    if isinstance(dtype, torch.dtype):  # a name from the capture file: a torch dtype, never any other attribute of torch
+        kwargs["dtype"] = dtype
+    if model_info.get("attn_implementation"):
+        kwargs["attn_implementation"] = model_info["attn_implementation"]
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint), **kwargs)
+    except (OSError, ValueError) as exc:
+        raise HarnessError(f"could not load a model from {checkpoint}: {exc}. Pass --checkpoint with a directory that has config.json and weights.") from exc
+    model.to(device)
+    model.train(bool(model_info.get("training_mode", True)))
+    return model
+
+
+def _autocast(device: str, precision: str | None) -> AbstractContextManager[Any]:
+    """The autocast the Trainer's forward ran under (accelerate's bf16/fp16), so that replay computes alike."""
+    if precision not in ("bf16", "fp16"):
+        return nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def default_tolerance(meta: dict[str, Any]) -> float:
+    """fp32 forward passes agree to ~1e-6; under bf16/fp16 autocast or in half precision only to ~1e-2."""
+    model = meta.get("model", {})
+    half = model.get("autocast") or model.get("dtype") in ("bfloat16", "float16")
+    return 2e-2 if half else 1e-4
+
+
+def replay(capture_dir: Path, checkpoint: Path | None = None, rank: int | None = None, device: str = "cpu") -> tuple[dict[str, Any], Path, bool, list[ReplayRow]]:
+    """Recompute the per-sample losses of a capture; returns (meta, checkpoint used, exact checkpoint, rows)."""
+    capture_file = find_capture_file(Path(capture_dir), rank)
+    meta = json.loads(capture_file.read_text(encoding="utf-8"))
+    batch_file = capture_file.with_name(capture_file.name.replace("capture.", "batch.").replace(".json", ".pt"))
+    if not batch_file.exists():
+        raise HarnessError(f"{batch_file} is missing: the capture's tensors are needed to replay it.")
+    saved = torch.load(batch_file, map_location="cpu", weights_only=True)
+    if checkpoint is None:
+        checkpoint, exact = find_checkpoint(meta, capture_file)
+    else:
+        named = re.fullmatch(r"checkpoint-(\d+)", Path(checkpoint).name)
+        exact = named is not None and int(named.group(1)) == int(meta["weights_from_step"])
+    model = load_model(Path(checkpoint), meta, device)
+    set_rng_state(saved["rng"])
+    recorded = {(s["micro_batch"], s["row"]): s for s in meta["samples"]}
+    rows: list[ReplayRow] = []
+    autocast = meta.get("model", {}).get("autocast")
+    for micro, tensors in zip(saved["micro_batch_index"], saved["micro_batches"]):
+        batch = {k: v.to(device) for k, v in tensors.items()}
+        with _autocast(device, autocast):
+            losses = per_sample_loss(model, batch)
+        if losses is None:
+            raise HarnessError(f"micro-batch {micro} of {capture_file} is not a causal-LM batch (no input_ids and labels); it cannot be replayed.")
+        for r, value in enumerate(losses.tolist()):
+            s = recorded.get((micro, r), {})
+            rows.append(ReplayRow(micro, r, s.get("sample_id"), _as_float(s.get("loss")), value, (s.get("text") or "")[:50]))
+    order = {(s["micro_batch"], s["row"]): i for i, s in enumerate(meta["samples"])}
+    rows.sort(key=lambda x: order.get((x.micro_batch, x.row), len(order)))
+    return meta, Path(checkpoint), exact, rows
+
+
+def print_replay(capture_dir: Path, checkpoint: Path | None, rank: int | None, device: str | None, tolerance: float | None) -> int:
+    """The CLI: print the table; exit 0 when the captured numbers are reproduced, 1 when they are not."""
+    from rich.console import Console
+    from rich.table import Table
+
+    capture_file = find_capture_file(Path(capture_dir), rank)
+    meta = json.loads(capture_file.read_text(encoding="utf-8"))
+    captured_on = meta.get("model", {}).get("device_type") or "cpu"
+    device = device or (captured_on if captured_on == "cpu" or torch.cuda.is_available() else "cpu")
+    tolerance = default_tolerance(meta) if tolerance is None else tolerance
+    console = Console()
+    if checkpoint is None:
+        checkpoint, _, skipped = _find_checkpoint(meta, capture_file)
+        for folder, missing in skipped:
+            console.print(f"skipped {folder}: it lacks {', '.join(missing)} (a save that did not finish).",
+                          style="yellow", markup=False, highlight=False)  # a path is no markup
+    meta, used, exact, rows = replay(capture_dir, checkpoint, rank, device)
+    if device != captured_on:
+        console.print(f"[yellow]the capture ran on {captured_on}, this replay on {device}: kernels differ, expect small differences.[/yellow]")
+    table = Table(title=f"{meta['code']} at step {meta['step']}, rank {meta['rank']}: per-sample loss on {used}")
+    for column in ("suspect", "micro-batch", "row", "sample id", "captured", "replayed", "|diff|", "text"):
+        table.add_column(column, justify="right" if column not in ("text",) else "left")
+    for i, row in enumerate(rows, 1):
+        diff = row.diff
+        table.add_row(
+            str(i), str(row.micro_batch), str(row.row), str(row.sample_id), "-" if row.captured is None else f"{row.captured:.5f}",
+            f"{row.replayed:.5f}", "-" if diff is None else f"{diff:.2e}", row.text.replace("\n", " "),
+        )
+    console.print(table)
+    comparable = [r.diff for r in rows if r.diff is not None]
+    if not exact:
+        console.print(
+            f"[yellow]{used} is not the checkpoint of step {meta['weights_from_step']} the capture was taken on: "
+            "the numbers show these samples on other weights and are not expected to match.[/yellow]"
+        )
+        return 0
+    if not comparable:
+        console.print("The capture has no per-sample losses to compare with (they were not recomputed at capture time).")
+        return 0
+    worst = max(comparable)
+    if worst <= tolerance:
+        console.print(f"[green]reproduced: every per-sample loss within {tolerance:g} of the capture (max |diff| {worst:.2e}).[/green]")
+        return 0
+    console.print(
+        f"[red]not reproduced: max |diff| {worst:.2e} > {tolerance:g}. Check that {used} holds the weights of step "
+        f"{meta['weights_from_step']} and that the model code and dtype are unchanged.[/red]"
+    )
+    return 1

@@ -1,0 +1,336 @@
+"""mlflow: every number, finding and piece of evidence of a run in MLflow, without slowing or losing the run.
+
+Rank 0 only. The training thread enqueues records (microseconds); a
+background writer journals and delivers them (see ``harness.plugins.mlflow.writer``). The
+default store is a SQLite file in the run directory, so nothing needs a
+server; ``MLFLOW_TRACKING_URI``/``MLFLOW_EXPERIMENT_NAME``/``MLFLOW_RUN_ID``/
+``MLFLOW_TAGS`` and this plugin's options point it elsewhere, with the same
+meaning as in transformers' own MLflow integration.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness.core.findings import Finding, FindingCode, Severity
+from harness.core.hookspecs import hookimpl
+from harness.core.plugin import Plugin
+from harness.lib.journal import Journal
+from harness.core.offline import disable_telemetry
+from harness.plugins.mlflow.writer import (
+    MlflowWriter,
+    RunTarget,
+    default_http_settings,
+    flatten,
+    metric_records,
+    truncate,
+)
+
+log = logging.getLogger("harness.mlflow")
+
+TRACKING_DEGRADED = FindingCode(
+    "TRACKING_DEGRADED",
+    Severity.WARNING,
+    "The tracker was unreachable or refused records; training went on and records were kept locally.",
+    "tracking#tracking_degraded",
+)
+ARTIFACT_FILES = ("findings.jsonl", "config.yaml", "metrics.jsonl", "steps.jsonl", "run.json", "report.md", "report.html", "run_card.json")
+ARTIFACT_DIRS = ("captures", "contamination", "report")
+
+
+class MlflowOptions(BaseModel):
+    """Options of the ``mlflow`` plugin."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tracking_uri: str | None = Field(
+        None,
+        description="Tracking URI. Default: $MLFLOW_TRACKING_URI, else a SQLite store at <output_dir>/harness/mlflow/mlflow.db.",
+    )
+    experiment_name: str | None = Field(None, description="Experiment. Default: $MLFLOW_EXPERIMENT_NAME, else 'train-harness'.")
+    run_name: str | None = Field(None, description="Run name. Default: the Trainer's run_name.")
+    run_id: str | None = Field(None, description="Log into this existing run. Default: $MLFLOW_RUN_ID, else the resumed run or a new one.")
+    tags: dict[str, str] = Field(default_factory=dict, description="Run tags, added to those of $MLFLOW_TAGS (a JSON object).")
+    flush_interval_s: float = Field(1.0, gt=0, description="How often the background writer sends queued records.")
+    retry_interval_s: float = Field(2.0, gt=0, description="Wait between attempts while the tracker is unreachable.")
+    final_flush_timeout_s: float = Field(
+        30.0, ge=0, description="At run end, how long to wait for an unreachable tracker before replaying into the local store."
+    )
+    http_timeout_s: int = Field(10, ge=1, description="HTTP timeout per request (sets MLFLOW_HTTP_REQUEST_TIMEOUT unless already set).")
+    max_param_length: int = Field(6000, ge=50, description="Longer parameter values are cut, with a '...[truncated N chars]' marker.")
+    max_artifact_mb: float = Field(100.0, ge=0, description="Upload cap for evidence artifacts (captures, reports) per run, in MB.")
+    log_checkpoints: bool = Field(False, description="Also upload the last checkpoint directory at run end (never by default).")
+    system_metrics: bool = Field(False, description="Log MLflow system metrics (CPU, memory, GPU) for the run (needs psutil).")
+    batch_size: int = Field(900, ge=1, le=1000, description="Records per delivery round.")
+
+
+def _env_tags() -> dict[str, str]:
+    raw = os.environ.get("MLFLOW_TAGS")
+    if not raw:
+        return {}
+    try:
+        return {str(k): str(v) for k, v in json.loads(raw).items()}
+    except (ValueError, AttributeError):
+        log.warning("harness mlflow: MLFLOW_TAGS is not a JSON object; ignored")
+        return {}
+
+
+class MlflowTracker(Plugin):
+    """Logs params, metrics, findings and evidence of the run to MLflow from rank 0, in the background."""
+
+    name = "mlflow"
+    Options = MlflowOptions
+    CODES = (TRACKING_DEGRADED,)
+
+    def __init__(self) -> None:
+        self.options = MlflowOptions()
+        self.writer: MlflowWriter | None = None
+        self.training_thread_seconds = 0.0  # per-step time on the training thread, start-up excluded (benchmarks read it)
+        self._finding_counts: dict[str, int] = {}
+        self._skipped_keys: set[str] = set()
+        self._trainer: Any = None
+        self._tracking_uri = ""
+        self._status = "crashed"
+
+    # -- start -----------------------------------------------------------------------------
+
+    def _default_store(self, ctx: Any) -> tuple[str, str]:
+        store = ctx.run_dir / "mlflow"
+        store.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{(store / 'mlflow.db').resolve()}", (store / "artifacts").resolve().as_uri()
+
+    def _start(self, ctx: Any, resumed_run: str | None) -> None:
+        # no usage telemetry from the harness's tracking (also under wrap/attach); effective when this imports mlflow first
+        disable_telemetry()
+        o = self.options
+        default_uri, default_artifacts = self._default_store(ctx)
+        uri = o.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri
+        self._tracking_uri = uri
+        if uri.startswith("http"):
+            default_http_settings(o.http_timeout_s)
+        run_id = o.run_id or os.environ.get("MLFLOW_RUN_ID") or resumed_run
+        args = getattr(self._trainer, "args", None)
+        tags = {**_env_tags(), **o.tags, "harness.rank0_output_dir": str(ctx.run_dir.parent), "harness.world_size": str(ctx.world_size)}
+        target = RunTarget(
+            tracking_uri=uri,
+            experiment_name=o.experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "train-harness",
+            run_name=truncate(str(o.run_name or getattr(args, "run_name", None) or ""), 250) or None,
+            tags=tags,
+            artifact_location=default_artifacts if uri == default_uri else None,
+            run_id=run_id,
+        )
+        session = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        journal = Journal(ctx.run_dir / "mlflow" / f"outbox-{session}.jsonl")
+        self.writer = MlflowWriter(
+            target, journal, run_file=ctx.run_dir / "mlflow" / "run.json",
+            flush_interval_s=o.flush_interval_s, retry_interval_s=o.retry_interval_s, batch_size=o.batch_size,
+        )
+        if not uri.startswith(("http://", "https://", "databricks")):
+            # A local store costs seconds of CPU once (imports, schema migrations): pay them here, before
+            # the first step, rather than in the writer thread competing with training for the cores.
+            self.writer.prepare()
+        self.writer.start()
+        self._queue_params(ctx)
+        if o.system_metrics:
+            self._start_system_metrics()
+
+    def _queue_params(self, ctx: Any) -> None:
+        params: dict[str, str] = {}
+        args = getattr(self._trainer, "args", None)
+        if args is not None:
+            params.update(flatten(args.to_dict(), "trainer."))
+        model = getattr(self._trainer, "model", None)
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            params.update(flatten(config.to_dict(), "model."))
+        params.update(flatten(ctx.config.model.model_dump(mode="json"), "harness."))
+        params["harness.plugins"] = ",".join(ctx.config.enabled)
+        limit = self.options.max_param_length
+        for key, value in params.items():
+            self.writer.put({"k": "p", "key": key[:250], "value": truncate(value, limit)})  # type: ignore[union-attr]
+
+    def _start_system_metrics(self) -> None:
+        writer = self.writer
+        assert writer is not None
+
+        def start_when_run_exists() -> None:
+            if not writer.run_ready.wait(120):
+                return
+            try:
+                from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+                self._system_monitor = SystemMetricsMonitor(writer.target.run_id)
+                self._system_monitor.start()
+            except Exception as exc:  # noqa: BLE001 - optional extra (psutil), never fatal
+                log.warning("harness mlflow: system metrics unavailable: %s", exc)
+
+        import threading
+
+        threading.Thread(target=start_when_run_exists, daemon=True, name="harness-mlflow-sysmetrics").start()
+
+    @hookimpl
+    def on_run_start(self, ctx: Any, trainer: Any) -> None:
+        if not ctx.is_main:
+            return
+        self._trainer = trainer
+        if ctx.resumed_from is None:
+            self._start(ctx, None)  # a resume waits for on_resume, which knows the run to continue
+
+    @hookimpl
+    def on_resume(self, ctx: Any, checkpoint_dir: Path, state: dict[str, Any] | None) -> None:
+        if not ctx.is_main or self.writer is not None:
+            return
+        stored = state or {}
+        same_store = stored.get("tracking_uri") in (None, self.options.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or self._default_store(ctx)[0])
+        self._start(ctx, stored.get("run_id") if same_store else None)
+
+    # -- every log / metric / finding ----------------------------------------------------------
+
+    def _put_metrics(self, values: dict[str, Any], step: int) -> None:
+        began = time.perf_counter()
+        records, skipped = metric_records(values, step)
+        for record in records:
+            self.writer.put(record)  # type: ignore[union-attr]
+        for key in skipped:
+            if key not in self._skipped_keys:
+                self._skipped_keys.add(key)
+                log.info("harness mlflow: metric %r is not a number; not logged", key)
+        self.training_thread_seconds += time.perf_counter() - began
+
+    @hookimpl
+    def on_log(self, ctx: Any, step: int, logs: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self._put_metrics(logs, step)
+
+    @hookimpl
+    def on_metrics(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self._put_metrics(metrics, step)
+
+    @hookimpl
+    def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        if metrics.get("skipped"):
+            self._put_metrics({"harness/skipped_step": 1.0}, step)
+        self._report_events(ctx)
+
+    @hookimpl
+    def on_finding(self, ctx: Any, finding: Finding) -> None:
+        if self.writer is None:
+            return
+        began = time.perf_counter()
+        count = self._finding_counts.get(finding.code, 0) + 1
+        self._finding_counts[finding.code] = count
+        step = finding.step if finding.step is not None else ctx.step
+        self.writer.put({"k": "m", "key": f"harness/findings/{finding.code}", "value": float(count), "ts": int(finding.time * 1000), "step": int(step)})
+        self.writer.put({"k": "t", "key": f"harness.finding.{finding.code}", "value": f"{count} ({finding.severity.value}), last at step {step}"})
+        self.writer.put({"k": "a", "path": str(ctx.run_dir / "findings.jsonl"), "dir": "harness"})
+        self.training_thread_seconds += time.perf_counter() - began
+
+    def _report_events(self, ctx: Any) -> None:
+        for kind, message in self.writer.take_events() if self.writer else []:
+            if kind == "degraded":
+                self.report(
+                    TRACKING_DEGRADED.code,
+                    f"MLflow tracker at {self._tracking_uri} is unreachable ({message}); training goes on, "
+                    "records wait in the local journal and are replayed in order when it answers.",
+                    evidence={"tracking_uri": self._tracking_uri, "error": message, "journal": str(self.writer.journal.path) if self.writer else None},
+                )
+            elif kind == "rejected":
+                self.report(
+                    TRACKING_DEGRADED.code,
+                    f"MLflow refused a record ({message}); it is skipped, the rest is logged.",
+                    evidence={"tracking_uri": self._tracking_uri, "rejected": message},
+                    severity=Severity.INFO,
+                )
+            else:
+                log.warning("harness mlflow: %s", message)
+
+    # -- checkpoints and end -----------------------------------------------------------------------
+
+    @hookimpl
+    def checkpoint_state(self, ctx: Any, step: int) -> dict[str, Any] | None:
+        if not ctx.is_main or self.writer is None:
+            return None
+        self.writer.run_ready.wait(5)  # the run is normally created within a second of the start
+        return {"run_id": self.writer.target.run_id, "tracking_uri": self._tracking_uri}
+
+    @hookimpl
+    def on_run_end(self, status: str) -> None:
+        self._status = status
+
+    @hookimpl
+    def on_report(self, ctx: Any) -> None:
+        """The report exists now: upload it with the other artifacts, then finish the MLflow run."""
+        writer = self.writer
+        if writer is None:
+            return
+        self._queue_artifacts(ctx)
+        writer.put({"k": "status", "status": {"completed": "FINISHED", "stopped": "FINISHED"}.get(self._status, "FAILED")})
+        unsent = writer.close(self.options.final_flush_timeout_s)
+        self._report_events(ctx)
+        if unsent:
+            self._replay_locally(ctx, writer)
+        monitor = getattr(self, "_system_monitor", None)
+        if monitor is not None:
+            monitor.finish()
+        self.writer = None
+
+    def _queue_artifacts(self, ctx: Any) -> None:
+        budget = int(self.options.max_artifact_mb * 1024 * 1024)
+        candidates = [ctx.run_dir / name for name in ARTIFACT_FILES] + [ctx.run_dir / name for name in ARTIFACT_DIRS]
+        if self.options.log_checkpoints and self._trainer is not None:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            last = get_last_checkpoint(self._trainer.args.output_dir)
+            if last:
+                candidates.append(Path(last))
+        skipped: list[str] = []
+        for path in candidates:
+            if not path.exists():
+                continue
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+            if size > budget:
+                skipped.append(f"{path.name} ({size / 1e6:.1f} MB)")
+                continue
+            budget -= size
+            artifact_dir = "harness" if path.parent == ctx.run_dir else "checkpoint"
+            self.writer.put({"k": "a", "path": str(path), "dir": f"{artifact_dir}/{path.name}" if path.is_dir() else artifact_dir})  # type: ignore[union-attr]
+        if skipped:
+            self.writer.put({"k": "t", "key": "harness.artifacts_skipped", "value": truncate(", ".join(skipped), 5000)})  # type: ignore[union-attr]
+
+    def _replay_locally(self, ctx: Any, writer: MlflowWriter) -> None:
+        """The tracker never came back: replay the whole journal into the local store, so nothing is lost."""
+        uri, artifacts = self._default_store(ctx)
+        if writer.target.tracking_uri == uri:
+            self.report(
+                TRACKING_DEGRADED.code,
+                f"the local MLflow store {uri} could not take every record; the rest is in {writer.journal.path}.",
+                evidence={"journal": str(writer.journal.path), "error": writer.last_error},
+                severity=Severity.ERROR,
+            )
+            return
+        target = RunTarget(
+            tracking_uri=uri,
+            experiment_name=writer.target.experiment_name,
+            run_name=writer.target.run_name,
+            tags={**writer.target.tags, "harness.fallback_for": f"{writer.target.tracking_uri} run {writer.target.run_id}"},
+            artifact_location=artifacts,
+        )
+        local = MlflowWriter(target, Journal(writer.journal.path, cursor="local-cursor"), run_file=ctx.run_dir / "mlflow" / "local-run.json")
+        local.start()
+        unsent = local.close(self.options.final_flush_timeout_s)
+        self.report(
+            TRACKING_DEGRADED.code,
+            f"MLflow tracker {writer.target.tracking_uri} stayed unreachable to the end ({writer.last_error}); the complete run "
+            f"was written to the local store {uri} (run {target.run_id})" + (f"; {unsent} bytes remain in {writer.journal.path}" if unsent else "."),
+            evidence={"tracking_uri": writer.target.tracking_uri, "local_uri": uri, "local_run_id": target.run_id, "journal": str(writer.journal.path)},
+            severity=Severity.ERROR,
+        )

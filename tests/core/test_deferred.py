@@ -1,0 +1,132 @@
+"""DeferredReads (harness.core.deferred): every queued tensor read in one transfer, values exact and in order."""
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from harness.core.deferred import DeferredReads
+
+HOST_READS = {"cpu", "item", "tolist", "numpy", "__bool__", "__float__", "__int__", "to"}
+
+
+class CountReads(TorchFunctionMode):
+    """Counts the tensor methods that could copy to the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _bits(value: float) -> bytes:
+    return struct.pack("<d", value)
+
+
+def test_everything_queued_is_read_in_one_transfer() -> None:
+    reads = DeferredReads()
+    for i in range(5):
+        reads.defer("p", f"k{i}", torch.tensor(float(i)))
+    reads.defer("q", "mask", torch.tensor([True, False]))
+    assert reads.pending == 6
+    with CountReads() as mode:
+        reads.read()
+    assert mode.calls.count("cpu") == 1 and not {"item", "tolist", "__bool__", "__float__"} & set(mode.calls)
+    assert reads.reads == 1 and reads.pending == 0
+    assert [reads.values("p", f"k{i}") for i in range(5)] == [[0.0], [1.0], [2.0], [3.0], [4.0]]
+    assert reads.values("q", "mask") == [[True, False]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_floats_come_back_bit_exact_with_nan_and_inf(dtype: torch.dtype) -> None:
+    tiny = torch.finfo(dtype).tiny / 4  # a subnormal of this dtype
+    source = torch.tensor([0.1, -0.0, math.inf, -math.inf, math.nan, torch.finfo(dtype).max, tiny], dtype=dtype)
+    reads = DeferredReads()
+    reads.defer("p", "x", source)
+    reads.read()
+    (values,) = reads.values("p", "x")
+    expected = source.to(torch.float64).tolist()
+    assert [_bits(v) for v in values] == [_bits(e) for e in expected]
+    assert all(type(v) is float for v in values)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8])
+def test_integers_come_back_exact_at_the_extremes(dtype: torch.dtype) -> None:
+    info = torch.iinfo(dtype)
+    reads = DeferredReads()
+    reads.defer("p", "x", torch.tensor([info.min, -1 if info.min < 0 else 0, 0, info.max], dtype=dtype))
+    reads.defer("p", "scalar", torch.tensor(info.max, dtype=dtype))
+    reads.read()
+    assert reads.values("p", "x") == [[info.min, -1 if info.min < 0 else 0, 0, info.max]]
+    assert reads.values("p", "scalar") == [info.max] and type(reads.values("p", "scalar")[0]) is int
+
+
+def test_bools_and_shapes() -> None:
+    reads = DeferredReads()
+    reads.defer("p", "flag", torch.tensor(True))
+    reads.defer("p", "grid", torch.arange(6).reshape(2, 3))
+    reads.defer("p", "one", torch.tensor([7.5]))
+    reads.defer("p", "empty", torch.zeros(0))
+    reads.defer("p", "empty2d", torch.zeros(2, 0, dtype=torch.bool))
+    reads.defer("p", "host", 3)  # a plain number is accepted too
+    reads.read()
+    assert reads.values("p", "flag") == [True] and type(reads.values("p", "flag")[0]) is bool
+    assert reads.values("p", "grid") == [[[0, 1, 2], [3, 4, 5]]]
+    assert reads.values("p", "one") == [[7.5]]
+    assert reads.values("p", "empty") == [[]] and reads.values("p", "empty2d") == [[[], []]]
+    assert reads.values("p", "host") == [3]
+
+
+def test_repeated_keys_keep_their_order_and_owners_are_apart() -> None:
+    reads = DeferredReads()
+    for micro_batch, loss in enumerate([2.5, 1.5, 3.5]):
+        reads.defer("nan_guard", "finite", torch.tensor(micro_batch != 1))
+        reads.defer("spike", "loss", torch.tensor(loss))
+    reads.defer("other", "loss", torch.tensor(9.0))
+    reads.read()
+    assert reads.values("nan_guard", "finite") == [True, False, True]
+    assert reads.values("spike", "loss") == [2.5, 1.5, 3.5]
+    assert reads.values("other", "loss") == [9.0] and reads.values("nobody", "loss") == []
+
+
+def test_the_next_read_replaces_the_values_and_an_empty_read_transfers_nothing() -> None:
+    reads = DeferredReads()
+    reads.defer("p", "a", torch.tensor(1.0))
+    reads.read()
+    reads.defer("p", "b", torch.tensor(2.0))
+    reads.read()
+    assert reads.values("p", "a") == [] and reads.values("p", "b") == [2.0]
+    with CountReads() as mode:
+        reads.read()
+    assert mode.calls == [] and reads.reads == 2 and reads.values("p", "b") == []
+
+
+def test_a_tensor_that_needs_grad_is_read_detached_and_later_changes_do_not_leak_in() -> None:
+    weight = torch.tensor([1.0, 2.0], requires_grad=True)
+    loss = (weight * 2).sum()
+    reads = DeferredReads()
+    reads.defer("p", "loss", loss)
+    reads.read()
+    assert reads.values("p", "loss") == [6.0]
+    reads.clear()
+    assert reads.values("p", "loss") == [] and reads.pending == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_tensors_of_several_dtypes_in_one_transfer() -> None:
+    reads = DeferredReads()
+    reads.defer("p", "loss", torch.tensor(float("nan"), device="cuda"))
+    reads.defer("p", "ids", torch.tensor([2**62, -(2**63)], device="cuda"))
+    reads.defer("p", "ok", torch.tensor(False, device="cuda"))
+    reads.read()
+    assert math.isnan(reads.values("p", "loss")[0])
+    assert reads.values("p", "ids") == [[2**62, -(2**63)]] and reads.values("p", "ok") == [False]

@@ -1,0 +1,124 @@
+"""The step guard on a real run context (catalog, config, plugin manager): agreement, rollback, the one read. No Trainer."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.core.actions import Action
+from harness.hf.guard import StepGuard, forget_late_skip
+from harness.hf.step_record import StepRecord
+from unit_context import run_context
+
+
+def _guard(tmp_path: Path, policy: dict[str, str] | None = None, **kwargs: object) -> tuple[StepGuard, StepRecord, object, object]:
+    ctx, probe = run_context(tmp_path / "harness", policy)
+    record = StepRecord()
+    return StepGuard(ctx, lambda: record, **kwargs), record, ctx, probe  # type: ignore[arg-type]
+
+
+def test_nothing_pending_agrees_continue(tmp_path: Path) -> None:
+    guard, record, ctx, _ = _guard(tmp_path)
+    assert guard.guard(model=None, optimizer=None) is Action.CONTINUE
+    assert record.agreed is Action.CONTINUE
+
+
+@pytest.mark.parametrize("asked", ["skip_step", "save_and_stop", "stop"])
+def test_a_finding_s_action_becomes_the_agreed_action_and_the_pending_one_is_consumed(tmp_path: Path, asked: str) -> None:
+    guard, record, ctx, _ = _guard(tmp_path, {"PROBE_FAULT": asked})
+    finding = ctx.report("PROBE_FAULT", "bad batch", plugin="probe")
+    assert finding.action == asked and ctx.pending_action is Action(asked)
+    assert guard.guard(model=None, optimizer=None) is Action(asked)
+    assert record.agreed is Action(asked)
+    assert ctx.pending_action is Action.CONTINUE  # agreed once: the next step starts clean
+    assert guard.guard(model=None, optimizer=None) is Action.CONTINUE
+
+
+def test_rollback_without_a_handler_saves_and_stops(tmp_path: Path) -> None:
+    guard, record, ctx, _ = _guard(tmp_path, {"PROBE_FAULT": "rollback"})
+    ctx.report("PROBE_FAULT", "bad batch", plugin="probe")
+    assert guard.guard(model=None, optimizer=None) is Action.SAVE_AND_STOP
+    assert record.agreed is Action.SAVE_AND_STOP
+
+
+def test_rollback_with_a_handler_stays_a_rollback(tmp_path: Path) -> None:
+    guard, record, ctx, _ = _guard(tmp_path, {"PROBE_FAULT": "rollback"}, rollback_available=True)
+    ctx.report("PROBE_FAULT", "bad batch", plugin="probe")
+    assert guard.guard(model=None, optimizer=None) is Action.ROLLBACK
+
+
+def test_the_strongest_pending_action_wins(tmp_path: Path) -> None:
+    guard, _, ctx, _ = _guard(tmp_path, {"PROBE_FAULT": "skip_step"})
+    ctx.report("PROBE_FAULT", "bad batch", plugin="probe")
+    ctx.pending_action = Action.STOP  # e.g. a plugin's HarnessStop in the same step
+    assert guard.guard(model=None, optimizer=None) is Action.STOP
+
+
+def test_a_skip_asked_after_the_guard_is_forgotten_at_the_next_step_but_a_stop_is_not(tmp_path: Path) -> None:
+    _, _, ctx, _ = _guard(tmp_path)
+    ctx.pending_action = Action.SKIP_STEP
+    forget_late_skip(ctx)
+    assert ctx.pending_action is Action.CONTINUE
+    ctx.pending_action = Action.STOP
+    forget_late_skip(ctx)
+    assert ctx.pending_action is Action.STOP
+
+
+def test_one_read_per_step_hands_host_floats_to_the_plugins(tmp_path: Path) -> None:
+    guard, record, ctx, probe = _guard(tmp_path, current_lr=lambda: 0.125)
+    ctx.step = 7
+    record.add_step_loss_part(torch.tensor(1.5))
+    record.add_step_loss_part(torch.tensor(0.25))
+    record.grad_norm = torch.tensor(3.0)
+    probe.queue(ctx, torch.tensor([1, 2]))  # a plugin's deferred device tensor rides the same transfer
+    reads = ctx.reads.reads
+    guard.guard(model=None, optimizer=None)
+    assert ctx.reads.reads == reads + 1
+    (step, grad_norm, loss, reads_then) = probe.before_step[0]
+    assert (step, grad_norm, loss) == (7, 3.0, 1.75) and type(grad_norm) is float and type(loss) is float
+    assert reads_then == reads + 1  # read before on_before_optimizer_step
+    assert probe.deferred_seen == [[[1, 2]]]
+    assert record.values_read and record.step_loss == 1.75 and record.grad_norm == 3.0 and record.lr == 0.125
+    guard.read_step_values(record)  # step end: already read, no second transfer
+    assert ctx.reads.reads == reads + 1
+
+
+def test_the_step_loss_falls_back_to_the_sum_of_training_step_losses(tmp_path: Path) -> None:
+    guard, record, ctx, _ = _guard(tmp_path)
+    record.add_micro_batch_loss(torch.tensor(2.0))
+    record.add_micro_batch_loss(torch.tensor(0.5))
+    guard.read_step_values(record)
+    assert record.step_loss == 2.5 and record.grad_norm is None and record.micro_batches == 2
+
+
+def test_a_host_grad_norm_is_kept_as_a_float_without_a_transfer(tmp_path: Path) -> None:
+    guard, record, ctx, _ = _guard(tmp_path)
+    record.grad_norm = 4  # some engines return a Python number
+    reads = ctx.reads.reads
+    guard.read_step_values(record)
+    assert record.grad_norm == 4.0 and type(record.grad_norm) is float
+    assert ctx.reads.reads == reads  # nothing was queued, nothing copied
+
+
+def test_guard_time_is_counted_only_outside_training_step(tmp_path: Path) -> None:
+    inside = [False]
+    guard, record, _, _ = _guard(tmp_path, in_training_step=lambda: inside[0])
+    guard.guard(model=None, optimizer=None)
+    assert record.guard_time > 0
+    inner = StepRecord()
+    guard._record = lambda: inner  # the next step, under DeepSpeed: the guard runs inside training_step
+    inside[0] = True
+    guard.guard(model=None, optimizer=None)
+    assert inner.guard_time == 0.0
+
+
+def test_optimizer_skip_and_skip_not_applied(tmp_path: Path) -> None:
+    guard, record, ctx, _ = _guard(tmp_path)
+    guard.note_optimizer_skip(True)
+    assert record.optimizer_skipped
+    ctx.step = 4
+    guard.skip_not_applied("SomeOptimizer")
+    (finding,) = [f for f in ctx.findings if f.code == "SKIP_NOT_APPLIED"]
+    assert finding.step == 4 and finding.severity.value == "critical" and "SomeOptimizer" in finding.message
+    assert finding.action == "continue"

@@ -1,0 +1,134 @@
+"""`harness wrap`: unmodified scripts, exit codes, config errors before launch, kill -9 durability, TRL's own script."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLE, FAULTS, REPO, findings_of, harness_cli, read_jsonl, write_yaml
+
+PY = sys.executable
+
+
+def test_wrap_runs_unmodified_script_and_keeps_its_exit_code(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = harness_cli("wrap", "--", PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "3", "--exit_code", "3")
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert (out / "harness" / "findings.jsonl").exists()
+    assert findings_of(out) == []
+    assert len(read_jsonl(out / "harness" / "metrics.jsonl")) >= 3
+    assert "metrics_log" in (out / "harness" / "config.yaml").read_text()
+
+
+def test_wrap_passes_config_and_plugins_to_the_script(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {"fault_injector": {"report_at_step": 2}, "severity": {"TEST_FAULT": "error"}})
+    result = harness_cli(
+        "wrap", "--config", str(config), "--plugins", FAULTS, "--", PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "3"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (finding,) = findings_of(out, "TEST_FAULT")
+    assert finding["step"] == 2 and finding["severity"] == "error"
+
+
+def test_wrap_rejects_a_bad_config_before_starting_the_job(tmp_path: Path) -> None:
+    config = write_yaml(tmp_path / "bad.yaml", {"plugins": ["metrics_lgo"]})
+    marker = tmp_path / "started"
+    result = harness_cli("wrap", "--config", str(config), "--", PY, "-c", f"open({str(marker)!r}, 'w')")
+    assert result.returncode == 2
+    assert "unknown plugin 'metrics_lgo'" in result.stderr and "Traceback" not in result.stderr
+    assert not marker.exists()
+
+
+def test_wrap_reports_a_missing_command() -> None:
+    result = harness_cli("wrap", "--", "no-such-command-xyz")
+    assert result.returncode == 2 and "command not found" in result.stderr
+
+
+def test_kill_9_keeps_findings_already_made(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {"plugins": [FAULTS], "fault_injector": {"report_at_step": 2, "hang_at_step": 3}})
+    env = dict(os.environ)
+    proc = subprocess.Popen(
+        [PY, "-m", "harness.cli", "wrap", "--config", str(config), "--", PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "6"],
+        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    deadline = time.time() + 300
+    while not (out / "harness" / "hanging.rank-0").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before reaching the hang"
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    (finding,) = findings_of(out, "TEST_FAULT")
+    assert finding["step"] == 2
+
+
+@pytest.mark.slow
+def test_trl_sft_script_through_wrap(tmp_path: Path) -> None:
+    """TRL's own `python -m trl.scripts.sft` on a local tiny model and local data, untouched."""
+    from harness.lib.tiny import save_tiny_model_dir, write_tiny_sft_jsonl
+
+    model_dir = save_tiny_model_dir(tmp_path / "model", vocab_size=256)
+    data_dir = write_tiny_sft_jsonl(tmp_path / "data", n_rows=32).parent
+    out = tmp_path / "sft"
+    result = harness_cli(
+        "wrap", "--plugins", FAULTS, "--", PY, "-m", "trl.scripts.sft",
+        "--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir),
+        "--output_dir", str(out), "--max_steps", "3", "--per_device_train_batch_size", "2",
+        "--report_to", "none", "--logging_steps", "1", "--save_strategy", "no", "--use_cpu", "true",
+        "--max_length", "64",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (out / "harness" / "findings.jsonl").exists()
+    assert findings_of(out) == []
+    assert len(read_jsonl(out / "harness" / "metrics.jsonl")) >= 3
+
+
+def test_settings_survive_a_launcher_that_forwards_only_python_variables(tmp_path: Path) -> None:
+    """DeepSpeed's multi-node launcher forwards PYTHON* variables only: the carrier restores the rest."""
+    from harness.launch.wrap import wrap_environment
+
+    out = tmp_path / "run"
+    env = wrap_environment(None, [FAULTS])
+    for key in ("HARNESS_WRAP", "HARNESS_CONFIG", "HARNESS_PLUGINS"):
+        env.pop(key, None)
+    result = subprocess.run(
+        [PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "2"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fault_injector" in (out / "harness" / "config.yaml").read_text()
+
+
+SUBCLASS_SCRIPT = '''
+import sys
+from transformers import Trainer, TrainingArguments
+from harness.lib.tiny import build_tiny_llama, corpus_lines, lm_dataset, train_tokenizer
+
+class CountingTrainer(Trainer):
+    bodies = 0
+    def train(self, *args, **kwargs):
+        type(self).bodies += 1
+        return super().train(*args, **kwargs)
+
+tok = train_tokenizer(corpus_lines(), 256)
+args = TrainingArguments(output_dir=sys.argv[1], max_steps=2, report_to="none", use_cpu=True, save_strategy="no")
+trainer = CountingTrainer(model=build_tiny_llama(tok), args=args, train_dataset=lm_dataset(tok, seq_len=32, n_rows=16))
+trainer.train()
+trainer.train()
+print("BODIES", CountingTrainer.bodies)
+'''
+
+
+def test_wrap_runs_a_subclass_train_body_once_per_call(tmp_path: Path) -> None:
+    script = tmp_path / "subclass_train.py"
+    script.write_text(SUBCLASS_SCRIPT, encoding="utf-8")
+    out = tmp_path / "run"
+    result = harness_cli("wrap", "--", PY, str(script), str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "BODIES 2" in result.stdout
+    assert (out / "harness" / "findings.jsonl").exists()

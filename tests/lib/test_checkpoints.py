@@ -1,0 +1,236 @@
+"""Resuming after a kill during a save: ``resume_from_checkpoint=True`` takes the last COMPLETE checkpoint and says
+which folders it passed over; a resume that cannot be verified says so (``RESUME_UNCHECKED``).
+
+Real tiny runs with saves; the kill is simulated by removing what an interrupted save would not have written, and,
+in the slow test, is a real SIGKILL of a ``harness wrap`` job inside the harness's part of a save.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import harness
+from conftest import EXAMPLE, findings_of, harness_cli, read_jsonl, torchrun, wrapped_example, write_yaml
+from harness.lib.checkpoints import resolve_last
+from harness.core.errors import NoCompleteCheckpointError
+
+
+def _run(make_trainer: Any, out: Path, resume: Any = None, **args: Any) -> Any:
+    """14 steps with checkpoints at 5 and 10 (a resumed run re-saves those after its resume point)."""
+    trainer = make_trainer(output_dir=out, **{"max_steps": 14, "save_strategy": "steps", "save_steps": 5, **args})
+    ctx = harness.attach(trainer)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, ctx
+
+
+def _resume_codes(out: Path) -> list[str]:
+    return sorted({f["code"] for f in findings_of(out) if f["code"].startswith("RESUME_")})
+
+
+def _attempts(out: Path) -> list[dict[str, Any]]:
+    return json.loads((out / "harness" / "run.json").read_text(encoding="utf-8"))["attempts"]
+
+
+def test_a_harness_save_is_marked_complete_last(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _run(make_trainer, out)
+    for step in (5, 10, 14):  # the Trainer also saves at the last step
+        state = out / f"checkpoint-{step}" / "harness_state"
+        assert json.loads((state / "complete.rank-0").read_text()) == {"step": step, "rank": 0, "world_size": 1}
+        assert (state / "complete.rank-0").stat().st_mtime_ns >= (state / "rank-0.json").stat().st_mtime_ns
+        assert (state / "complete.rank-0").stat().st_mtime_ns >= (state.parent / "trainer_state.json").stat().st_mtime_ns
+    assert resolve_last(out).chosen == out / "checkpoint-14"
+
+
+def test_resume_skips_incomplete_checkpoint(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _run(make_trainer, out)
+    shutil.rmtree(out / "checkpoint-14", ignore_errors=True)  # the run "died" during the save at 10
+    (out / "checkpoint-10" / "trainer_state.json").unlink()  # HF writes it last: a kill mid-save leaves none
+    trainer, ctx = _run(make_trainer, out, resume=True)  # HF alone: FileNotFoundError .../checkpoint-10/trainer_state.json
+    assert ctx.resumed_from == out / "checkpoint-5"
+    assert trainer.state.global_step == 14 and ctx.status == "completed"
+    assert _attempts(out)[-1]["resumed_from"] == str(out / "checkpoint-5")
+    (incomplete,) = findings_of(out, "CHECKPOINT_INCOMPLETE")
+    assert incomplete["severity"] == "warning" and incomplete["step"] == 10
+    assert "checkpoint-10" in incomplete["message"] and "trainer_state.json" in incomplete["message"]
+    assert "checkpoint-5" in incomplete["message"]
+    assert incomplete["evidence"]["checkpoint"] == str(out / "checkpoint-10")
+    assert incomplete["evidence"]["missing"] == ["trainer_state.json"]
+    assert incomplete["playbook"] == "resume#checkpoint_incomplete"
+    assert _resume_codes(out) == []  # checkpoint-5 is intact: the resume from it verifies clean
+    assert (out / "checkpoint-10" / "trainer_state.json").exists()  # the resumed run saved step 10 again
+    assert resolve_last(out).chosen == out / "checkpoint-14" and resolve_last(out).skipped == []
+    kept = out / "incomplete-checkpoint-10"  # set aside, not deleted: out of the names HF resumes from and rotates
+    assert incomplete["evidence"]["renamed_to"] == str(kept) and kept.name in incomplete["message"]
+    assert (kept / "model.safetensors").exists() and not (kept / "trainer_state.json").exists()
+
+
+def test_resume_passes_over_a_checkpoint_without_the_harness_part_of_its_save(make_trainer: Any, tmp_path: Path) -> None:
+    """HF's files are all there but the kill came before the harness wrote its state: HF calls it complete, the harness not."""
+    out = tmp_path / "run"
+    _run(make_trainer, out, max_steps=10)
+    shutil.rmtree(out / "checkpoint-10" / "harness_state")
+    _, ctx = _run(make_trainer, out, resume="last", max_steps=10)
+    assert ctx.resumed_from == out / "checkpoint-5"
+    (incomplete,) = findings_of(out, "CHECKPOINT_INCOMPLETE")
+    assert incomplete["evidence"]["missing"] == ["harness_state/rank-0.json", "harness_state/complete.rank-0"]
+    assert "harness_state/rank-0.json" in incomplete["message"]
+    assert _resume_codes(out) == []
+
+
+def test_resume_without_harness_state_is_unchecked(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _run(make_trainer, out, max_steps=10)
+    shutil.rmtree(out / "checkpoint-10" / "harness_state")
+    trainer, _ = _run(make_trainer, out, resume=str(out / "checkpoint-10"))  # named: no resolution, resumed as asked
+    assert trainer.state.global_step == 14
+    (unchecked,) = findings_of(out, "RESUME_UNCHECKED")
+    assert unchecked["severity"] == "warning" and unchecked["plugin"] == "resume_check" and unchecked["step"] == 10
+    assert unchecked["evidence"] == {"checkpoint": str(out / "checkpoint-10"), "missing": str(out / "checkpoint-10" / "harness_state")}
+    assert "harness_state/ is missing" in unchecked["message"] and "not compared" in unchecked["message"]
+    assert unchecked["playbook"] == "resume#resume_unchecked"
+
+
+def test_a_run_saved_without_the_harness_resumes_from_its_last_checkpoint_unchecked(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    plain = make_trainer(output_dir=out, max_steps=10, save_strategy="steps", save_steps=5)
+    plain.train()  # no harness at all: no harness_state anywhere, so none is expected
+    assert not (out / "checkpoint-10" / "harness_state").exists()
+    _, ctx = _run(make_trainer, out, resume=True)
+    assert ctx.resumed_from == out / "checkpoint-10"
+    assert findings_of(out, "CHECKPOINT_INCOMPLETE") == []
+    assert [f["step"] for f in findings_of(out, "RESUME_UNCHECKED")] == [10]
+
+
+def test_no_complete_checkpoint_is_a_clear_error(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _run(make_trainer, out, max_steps=5)
+    (out / "checkpoint-5" / "trainer_state.json").unlink()
+    trainer = make_trainer(output_dir=out, max_steps=10, save_strategy="steps", save_steps=5)
+    harness.attach(trainer)
+    with pytest.raises(NoCompleteCheckpointError, match=r"no complete checkpoint in .*checkpoint-5 lacks trainer_state.json"):
+        trainer.train(resume_from_checkpoint=True)
+    assert [f["evidence"]["checkpoint"] for f in findings_of(out, "CHECKPOINT_INCOMPLETE")] == [str(out / "checkpoint-5")]
+
+
+@pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
+def test_harness_run_resume_skips_incomplete_checkpoint(tmp_path: Path) -> None:
+    import yaml
+
+    from conftest import REPO
+    from harness.stages.runner import run_stage
+
+    data = yaml.safe_load((REPO / "examples" / "pretrain.yaml").read_text())
+    data["output_dir"] = str(tmp_path / "pretrain")
+    for source in data["data"]["sources"]:
+        source["path"] = str((REPO / "examples" / source["path"]).resolve())
+    data["training"].update({"max_steps": 6, "save_steps": 2, "warmup_steps": 0})
+    config = write_yaml(tmp_path / "pretrain.yaml", data)
+    out = tmp_path / "pretrain"
+    assert run_stage("pretrain", config) == 0
+    (out / "checkpoint-6" / "trainer_state.json").unlink()
+    resumed = harness_cli("run", "pretrain", "--config", str(config), "--resume")  # HF alone: FileNotFoundError
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (incomplete,) = findings_of(out, "CHECKPOINT_INCOMPLETE")
+    assert incomplete["evidence"]["checkpoint"] == str(out / "checkpoint-6") and incomplete["evidence"]["missing"] == ["trainer_state.json"]
+    assert _attempts(out)[-1]["resumed_from"] == str(out / "checkpoint-4") and _attempts(out)[-1]["status"] == "completed"
+    assert _resume_codes(out) == []
+
+
+KILLER = '''
+"""Kills its own process with SIGKILL in on_checkpoint_save of one step: a kill during the harness's part of a save."""
+import os
+import signal
+
+from harness import hookimpl
+
+
+class KillInSave:
+    name = "kill_in_save"
+
+    @hookimpl
+    def on_checkpoint_save(self, ctx, step, checkpoint_dir):
+        if step == int(os.environ["KILL_IN_SAVE_AT"]) and not (ctx.run_dir / "killed-in-save").exists():
+            (ctx.run_dir / "killed-in-save").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+@pytest.mark.slow
+def test_a_real_kill_during_a_save_then_resume_last_through_wrap(tmp_path: Path) -> None:
+    (tmp_path / "killsave.py").write_text(KILLER, encoding="utf-8")
+    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults", "killsave:KillInSave"]})
+    out = tmp_path / "run"
+    env = {"PYTHONPATH": str(tmp_path), "KILL_IN_SAVE_AT": "10", "DS_ACCELERATOR": "cpu"}
+
+    def wrapped(*extra: str) -> Any:
+        script = [str(EXAMPLE), "--output_dir", str(out), "--max_steps", "14", "--save_steps", "5", *extra]
+        return harness_cli("wrap", "--config", str(config), "--", sys.executable, *script, env=env)
+
+    killed = wrapped()
+    assert killed.returncode == 128 + 9, killed.stderr[-3000:]  # SIGKILL inside on_save of step 10
+    state = out / "checkpoint-10" / "harness_state"
+    assert (out / "checkpoint-10" / "trainer_state.json").exists() and (state / "rank-0.json").exists()
+    assert not (state / "complete.rank-0").exists()  # HF's part and the plugin state are there; the save did not finish
+    resumed = wrapped("--resume_from_checkpoint", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (incomplete,) = findings_of(out, "CHECKPOINT_INCOMPLETE")
+    assert incomplete["evidence"]["checkpoint"] == str(out / "checkpoint-10")
+    assert incomplete["evidence"]["missing"] == ["harness_state/complete.rank-0"]
+    attempts = _attempts(out)
+    assert attempts[-1]["resumed_from"] == str(out / "checkpoint-5") and attempts[-1]["status"] == "completed"
+    assert _resume_codes(out) == []
+    assert (state / "complete.rank-0").exists()  # saved again, completely, by the resumed run
+    assert max(r["step"] for r in read_jsonl(out / "harness" / "metrics.jsonl") if "loss" in r) == 14
+
+
+@pytest.mark.slow
+def test_two_processes_each_mark_their_part_of_the_save(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults"], "policy": {"RESUME_DATA_POSITION": "continue"}})
+    first = wrapped_example(out, config, launcher=torchrun(), steps=10, save_steps=5)
+    assert first.returncode == 0, first.stderr[-3000:]
+    for rank in (0, 1):
+        marker = json.loads((out / "checkpoint-10" / "harness_state" / f"complete.rank-{rank}").read_text())
+        assert marker == {"step": 10, "rank": rank, "world_size": 2}
+    (out / "checkpoint-10" / "harness_state" / "complete.rank-1").unlink()  # rank 1 was killed before it finished
+    found = resolve_last(out)
+    assert found.chosen == out / "checkpoint-5" and found.skipped == [(out / "checkpoint-10", ["harness_state/complete.rank-1"])]
+    resumed = wrapped_example(out, config, "--resume_from_checkpoint", "last", launcher=torchrun(), steps=10, save_steps=5)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (incomplete,) = findings_of(out, "CHECKPOINT_INCOMPLETE")  # reported once, by rank 0; both ranks resumed from checkpoint-5
+    assert incomplete["rank"] == 0 and incomplete["evidence"]["missing"] == ["harness_state/complete.rank-1"]
+    assert _attempts(out)[-1]["resumed_from"] == str(out / "checkpoint-5")
+    assert (out / "checkpoint-10" / "harness_state" / "complete.rank-1").exists()
+
+
+@pytest.mark.parametrize(
+    "files, complete",
+    [
+        (["model.safetensors"], True),
+        (["pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json"], True),
+        (["pytorch_model_fsdp_rank0.bin"], True),  # FSDP LOCAL_STATE_DICT
+        (["adapter_model.safetensors"], True),  # PEFT
+        (["global_step10/"], True),  # DeepSpeed
+        (["custom_weights.npz", "harness_state/complete.rank-0"], True),  # a Trainer subclass's own _save, then the harness
+        (["custom_weights.npz"], False),  # unknown format, no harness marker: not provably complete
+        (["training_args.bin", "optimizer.pt", "scheduler.pt"], False),  # no weights
+    ],
+)
+def test_weights_are_recognised_in_every_format(tmp_path: Path, files: list[str], complete: bool) -> None:
+    from harness.lib.checkpoints import trainer_missing
+
+    checkpoint = tmp_path / "checkpoint-10"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text("{}")
+    for name in files:
+        target = checkpoint / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.mkdir() if name.endswith("/") else target.write_text("x")
+    assert (trainer_missing(checkpoint) == []) is complete

@@ -1,0 +1,62 @@
+"""The robust judge (harness.lib.robust): the level is a recent median, the spread the MAD of step-to-step differences."""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import pytest
+
+from harness.lib.robust import MAD_TO_SIGMA, judge
+
+ALTERNATING = [0.0, 1.0] * 5 + [0.0]  # 11 values: diffs are five +1 and five -1, so the MAD is exactly 1
+ALTERNATING_SD = MAD_TO_SIGMA / math.sqrt(2)
+
+
+def test_no_judgement_until_the_window_holds_min_history() -> None:
+    assert judge(5.0, [1.0] * 9, min_history=10, level_steps=5) is None
+    assert judge(5.0, [1.0] * 10, min_history=10, level_steps=5) is not None
+
+
+def test_spread_is_the_scaled_mad_of_step_differences() -> None:
+    j = judge(5.0, ALTERNATING, min_history=5, level_steps=len(ALTERNATING))
+    assert j is not None
+    assert j.median == 0.0  # six zeros, five ones
+    assert j.sd == pytest.approx(ALTERNATING_SD, rel=1e-12)
+    assert j.z == pytest.approx(5.0 / ALTERNATING_SD, rel=1e-12)
+    assert (j.value, j.size) == (5.0, 11)
+
+
+def test_the_level_is_the_median_of_the_last_level_steps_only() -> None:
+    window = [10.0] * 10 + [2.0, 2.0, 2.0]
+    j = judge(2.0, window, min_history=5, level_steps=3)
+    assert j is not None and j.median == 2.0 and j.z == 0.0
+
+
+def test_a_steady_trend_does_not_widen_the_spread() -> None:
+    """A falling loss has constant differences: MAD 0, so the spread is the floor of 1e-3 of the level."""
+    window = [10.0 - 0.1 * i for i in range(20)]
+    j = judge(window[-1], window, min_history=10, level_steps=5)
+    assert j is not None
+    assert j.median == pytest.approx(8.3)  # median of the last five: 8.5 .. 8.1
+    assert j.sd == pytest.approx(1e-3 * 8.3)
+
+
+def test_a_constant_zero_window_has_a_tiny_positive_spread() -> None:
+    j = judge(1e-9, [0.0] * 10, min_history=10, level_steps=10)
+    assert j is not None and j.sd == 1e-12 and j.z == pytest.approx(1000.0)
+
+
+def test_one_outlier_in_the_window_barely_moves_level_and_spread() -> None:
+    clean = judge(0.0, ALTERNATING, min_history=5, level_steps=11)
+    dirty_window = list(ALTERNATING)
+    dirty_window[3] = 1e6  # one of the ones
+    dirty = judge(0.0, dirty_window, min_history=5, level_steps=11)
+    assert clean is not None and dirty is not None
+    assert dirty.median == clean.median == 0.0
+    assert dirty.sd <= 2 * clean.sd  # a mean/std baseline would move by orders of magnitude
+
+
+def test_accepts_a_deque_and_names_its_evidence() -> None:
+    j = judge(3.0, deque(ALTERNATING, maxlen=50), min_history=5, level_steps=11)
+    assert j is not None
+    assert j.evidence("loss") == {"loss": 3.0, "median": 0.0, "robust_sd": j.sd, "z": j.z, "window": 11}

@@ -1,0 +1,359 @@
+"""Run directories received from others are data: `harness report`/`explain` import nothing they name, write nothing
+through their symlinks, rebuild only real run directories, survive damaged lines, can write elsewhere, and escape text."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import REPO, broken_report_links, harness_cli
+
+EVIL = "http://evil.example/x"
+SCRIPT = "<script>alert(1)</script>"
+
+
+def _finding(**over: Any) -> dict[str, Any]:
+    record = {"code": "NONFINITE_LOSS", "severity": "error", "plugin": "nan_guard", "message": "loss was nan at step 2",
+              "step": 2, "rank": 0, "evidence": {}, "playbook": "numeric-health#nonfinite_loss", "action": "skip_step",
+              "time": 1_700_000_000.0, "id": "good0001"}
+    record.update(over)
+    return record
+
+
+def make_run(output_dir: Path, plugins: list[str] | None = None, run_json: dict[str, Any] | None = None,
+             findings: list[Any] | None = None) -> Path:
+    """A run directory by hand, as this harness writes it (marker, resolved config, findings, step records)."""
+    run_dir = output_dir / "harness"
+    run_dir.mkdir(parents=True)
+    config = {"plugins": plugins if plugins is not None else ["metrics_log"], "disable": [], "severity": {}, "policy": {},
+              "output_dir": None, "max_plugin_errors": 10, "report": True, "report_plots": False, "recent_batches": 4}
+    (run_dir / "config.yaml").write_text(json.dumps(config), encoding="utf-8")  # JSON is YAML
+    info = {"format": "train-harness-run/1", "stage": "causal-lm", "trainer": "Trainer", "world_size": 1,
+            "attempts": [{"started": 1_700_000_000.0, "resumed_from": None, "start_step": 0, "status": "completed",
+                          "ended": 1_700_000_100.0, "end_step": 4}]}
+    info.update(run_json or {})
+    (run_dir / "run.json").write_text(json.dumps(info), encoding="utf-8")
+    lines = [json.dumps(f) if isinstance(f, dict) else f for f in (findings if findings is not None else [_finding()])]
+    (run_dir / "findings.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    steps = [{"step": s, "loss": 5.0 - s / 2, "grad_norm": 1.0, "lr": 1e-3, "tokens": 128 * s} for s in range(1, 5)]
+    (run_dir / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps), encoding="utf-8")
+    return run_dir
+
+
+def snapshot(folder: Path) -> dict[str, tuple[float, int, bytes | str]]:
+    """Every entry below ``folder`` (links not followed): mtime, mode and content (or link target)."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        st = path.lstat()
+        content: bytes | str = os.readlink(path) if path.is_symlink() else path.read_bytes() if path.is_file() else b""
+        found[str(path.relative_to(folder))] = (st.st_mtime_ns, st.st_mode, content)
+    return found
+
+
+# -- 2: nothing a run directory names is imported -------------------------------------------------------------------
+
+EVILMOD = """
+import pathlib
+pathlib.Path({marker!r}).write_text("imported from " + __file__)
+
+class Evil:
+    name = "evil"
+"""
+
+
+def test_report_imports_nothing_from_run_dir(tmp_path: Path) -> None:
+    received = tmp_path / "received"
+    out = received / "out"
+    run_dir = make_run(out, plugins=["metrics_log", "evil", "evilmod:Evil", "inner_evil:Evil"],
+                       run_json={"plugin_classes": {"evil": "evilmod:Evil", "metrics_log": "evilmod:Evil"}})
+    marker = tmp_path / "PWNED"
+    for folder in (received, out, run_dir):  # beside the run, inside it, and in the working directory
+        (folder / "evilmod.py").write_text(EVILMOD.format(marker=str(marker)), encoding="utf-8")
+    (run_dir / "inner_evil.py").write_text(EVILMOD.format(marker=str(marker)), encoding="utf-8")
+    (received / "matplotlibrc").write_text("backend: module://evilmod\n", encoding="utf-8")  # cwd rc file: no backend import
+    (run_dir / "captures" / "step-2").mkdir(parents=True)
+    (run_dir / "captures" / "step-2" / "capture.rank-0.json").write_text(json.dumps(
+        {"code": "NONFINITE_LOSS", "step": 2, "rank": 0, "reason": "nan", "weights_from_step": 1, "samples": [], "model": {}}))
+    import torch
+
+    torch.save({"rng": {}, "micro_batch_index": [], "micro_batches": []}, run_dir / "captures" / "step-2" / "batch.rank-0.pt")
+    checkpoint = out / "checkpoint-1"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "evilmod", "architectures": ["Evil"],
+                                                         "auto_map": {"AutoConfig": "evilmod.Evil", "AutoModelForCausalLM": "evilmod.Evil"}}))
+    # on the path: the working directory and the run directory itself (not `out`: a folder named harness there
+    # would shadow the installed package for any program, which is no matter of the report's)
+    env = {"PYTHONPATH": os.pathsep.join([str(received), str(run_dir), os.environ.get("PYTHONPATH", "")])}
+    report = harness_cli("report", "out", env=env, cwd=received)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert not marker.exists(), marker.read_text()
+    markdown = (run_dir / "report.md").read_text(encoding="utf-8")
+    assert "plugin 'evil' (evilmod:Evil) is not installed here: its section is left out" in markdown
+    assert "plugin 'evilmod:Evil' is a class path from the run's config.yaml" in markdown
+    assert "plugin 'inner\\_evil:Evil'" in markdown or "plugin 'inner_evil:Evil'" in markdown
+    explain = harness_cli("explain", "out", env=env, cwd=received)
+    assert explain.returncode == 0 and "NONFINITE_LOSS" in explain.stdout, explain.stderr[-3000:]
+    assert not marker.exists()
+    replay = harness_cli("replay", str(run_dir / "captures" / "step-2"), env=env, cwd=received)
+    assert not marker.exists(), replay.stderr[-3000:]  # the checkpoint's auto_map names code: never run without trust
+    assert replay.returncode != 0 and "Traceback" not in replay.stderr, replay.stderr[-3000:]
+
+
+# -- 3: never write or delete through a symlink ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["report_folder", "playbook_file", "report_md", "nested_run"])
+def test_report_never_writes_through_symlinks(tmp_path: Path, case: str) -> None:
+    victim = tmp_path / "victim"
+    (victim / "plots").mkdir(parents=True)
+    (victim / "plots" / "fig1.pdf").write_bytes(b"%PDF precious")
+    (victim / "notes.md").write_text("precious notes\n", encoding="utf-8")
+    project = tmp_path / "proj"
+    run_dir = make_run(project / "a" if case == "nested_run" else project)
+    if case == "report_folder":
+        (run_dir / "report").symlink_to(victim, target_is_directory=True)
+        link = run_dir / "report"
+    elif case == "playbook_file":
+        (run_dir / "report" / "playbooks").mkdir(parents=True)
+        (run_dir / "report" / "playbooks" / "data.md").symlink_to(victim / "notes.md")
+        link = run_dir / "report" / "playbooks" / "data.md"
+    elif case == "report_md":
+        (run_dir / "report.md").symlink_to(victim / "notes.md")
+        link = run_dir / "report.md"
+    else:  # another run, reached through a link in the tree the nested-run search walks
+        other = make_run(victim / "other")
+        (project / "b").symlink_to(victim / "other", target_is_directory=True)
+        link = project / "b"
+    before = snapshot(victim)
+    result = harness_cli("report", str(project))
+    assert snapshot(victim) == before  # nothing deleted, nothing written there
+    assert link.is_symlink()  # and the link itself is left as it was
+    if case == "nested_run":
+        # a link met while searching for runs (`runs/latest -> runs/2024-...`) is a note, not a failure, once a real
+        # run was rebuilt; the run it points to is not rebuilt (nor read)
+        assert result.returncode == 0, (result.stdout, result.stderr[-3000:])
+        assert f"not followed: {link} is a symbolic link" in result.stderr, result.stderr[-3000:]
+        assert not (other / "report.md").exists()
+        assert (run_dir / "report.md").is_file() and str(run_dir) in result.stdout  # the real run below proj is rebuilt
+        only_links = tmp_path / "only_links"
+        only_links.mkdir()
+        (only_links / "latest").symlink_to(victim / "other", target_is_directory=True)
+        alone = harness_cli("report", str(only_links))  # no real run found at all, only a link: exit 2
+        assert alone.returncode == 2, (alone.stdout, alone.stderr[-3000:])
+        assert "no harness run directory" in alone.stderr and f"not followed: {only_links / 'latest'}" in alone.stderr
+        assert snapshot(victim) == before
+    else:  # a write target inside the run being rebuilt is a link: refused, exit 2
+        assert result.returncode == 2, (result.stdout, result.stderr[-3000:])
+        assert str(link) in result.stderr and "symlink" in result.stderr, result.stderr[-3000:]
+        assert not (run_dir / "report.html").exists() or case == "report_md"  # refused before the first write
+
+
+# -- 4: only a real run directory is rebuilt ---------------------------------------------------------------------------
+
+def test_report_refuses_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
+    project = tmp_path / "proj"
+    (project / "report" / "plots").mkdir(parents=True)
+    (project / "report" / "plots" / "fig1.pdf").write_bytes(b"%PDF the user's figure")
+    (project / "report.md").write_text("# my own notes\n", encoding="utf-8")
+    (project / "run.json").write_text(json.dumps({"attempts": [], "experiment": "mine"}), encoding="utf-8")
+    (project / "findings.jsonl").write_text(json.dumps({"finding": "my own"}) + "\n", encoding="utf-8")
+    before = snapshot(project)
+    for command in ("report", "explain"):
+        result = harness_cli(command, str(project))
+        assert result.returncode == 2, (command, result.stdout, result.stderr)
+        assert "is not a train-harness run directory" in result.stderr and "Fix:" in result.stderr, result.stderr
+    assert snapshot(project) == before
+    # a folder named harness with a run.json and config.yaml that are not the harness's: refused too
+    named = tmp_path / "other" / "harness"
+    named.mkdir(parents=True)
+    (named / "run.json").write_text(json.dumps({"attempts": [{"name": "x"}]}), encoding="utf-8")
+    (named / "config.yaml").write_text("lr: 0.1\n", encoding="utf-8")
+    (named / "report.md").write_text("mine\n", encoding="utf-8")
+    assert harness_cli("report", str(tmp_path / "other")).returncode == 2
+    assert (named / "report.md").read_text() == "mine\n"
+    # a run this harness wrote before run.json had its marker is still rebuilt; a marked one anywhere is
+    old = make_run(tmp_path / "old")
+    info = json.loads((old / "run.json").read_text())
+    del info["format"]
+    (old / "run.json").write_text(json.dumps(info), encoding="utf-8")
+    assert harness_cli("report", str(tmp_path / "old")).returncode == 0 and (old / "report.md").is_file()
+    from harness.lib.runinfo import RUN_FORMAT, read_run_info, write_run_info
+
+    write_run_info(tmp_path, {"attempts": []})
+    assert read_run_info(tmp_path)["format"] == RUN_FORMAT  # what training writes carries the marker
+
+
+# -- 14: damaged lines cost themselves, not the report ----------------------------------------------------------------
+
+DAMAGE = {
+    "step_as_string": json.dumps(_finding(step="7", id="bad00001")),
+    "evidence_as_list": json.dumps(_finding(evidence=["a", "b"], id="bad00002")),
+    "rank_as_string": json.dumps(_finding(rank="1", id="bad00003")),
+    "non_utf8_byte": b'{"code": "NONFINITE_LOSS", "message": "\xff\xfe"}',
+    "plugins_not_a_list": None,
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_report_survives_damaged_lines(tmp_path: Path, case: str) -> None:
+    out = tmp_path / "run"
+    run_dir = make_run(out, findings=[_finding(), _finding(step=3, id="good0002")])
+    bad = DAMAGE[case]
+    if case == "plugins_not_a_list":
+        (run_dir / "config.yaml").write_text("plugins: 5\nmax_plugin_errors: 10\n", encoding="utf-8")
+        expected = "config.yaml: 'plugins' is not a list of names (got 5)"
+    else:
+        raw = bad if isinstance(bad, bytes) else bad.encode("utf-8")
+        with open(run_dir / "findings.jsonl", "ab") as handle:
+            handle.write(raw + b"\n")
+        if case == "non_utf8_byte":
+            with open(run_dir / "steps.jsonl", "ab") as handle:
+                handle.write(b'{"step": 9, "loss": "\xff"}\n')
+        expected = "1 line of findings.jsonl could not be read and was skipped"
+    report = harness_cli("report", str(out), "--no-plots")
+    assert report.returncode == 0, report.stderr[-3000:]
+    markdown = (run_dir / "report.md").read_text(encoding="utf-8")
+    assert expected in markdown and expected in report.stdout
+    assert "| NONFINITE_LOSS" in markdown.replace("[NONFINITE_LOSS]", "NONFINITE_LOSS") and "| 2 | 2-3 | 0 |" in markdown
+    if case == "non_utf8_byte":
+        assert "1 line of steps.jsonl could not be read and was skipped" in markdown
+    explain = harness_cli("explain", str(out))
+    assert explain.returncode == 0, explain.stderr[-3000:]
+    assert "NONFINITE_LOSS x2 (step 2-3)" in explain.stdout and " ".join(expected.split()) in " ".join(explain.stdout.split())
+
+
+# -- 15: --out for a read-only run directory ---------------------------------------------------------------------------
+
+def _run_with_capture(out: Path) -> Path:
+    run_dir = make_run(out, findings=[_finding(evidence={"capture": "captures/step-2/capture.rank-0.json"})])
+    capture = run_dir / "captures" / "step-2"
+    capture.mkdir(parents=True)
+    (capture / "capture.rank-0.json").write_text(json.dumps({"code": "NONFINITE_LOSS", "step": 2, "rank": 0, "reason": "nan",
+                                                             "samples": [{"sample_id": 7, "loss": "nan"}]}))
+    return run_dir
+
+
+def test_report_out_writes_elsewhere_for_readonly_run(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run_dir = _run_with_capture(out)
+    for path in [out, *out.rglob("*")]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    try:
+        before = snapshot(out)
+        target = tmp_path / "elsewhere"
+        result = harness_cli("report", str(out), "--out", str(target))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert snapshot(out) == before  # as root a chmod stops nothing: prove that nothing under the run dir changed
+        assert (target / "report.md").is_file() and (target / "report.html").is_file() and (target / "report" / "playbooks").is_dir()
+        assert str(target / "report.md") in result.stdout
+        markdown = (target / "report.md").read_text(encoding="utf-8")
+        assert "../run/harness/captures/step-2/capture.rank-0.json" in markdown  # links point back into the run
+        assert broken_report_links(target) == []
+    finally:
+        for path in [out, *out.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def test_report_on_an_unwritable_run_dir_suggests_out(tmp_path: Path) -> None:
+    """A run directory that cannot be written: a clear message naming --out, not a traceback.
+
+    As root, permissions stop nothing, so the run directory is made a read-only mount for the command alone (a mount
+    namespace of its own: ``unshare -m``), the case of a run directory on a read-only share; as another user a
+    read-only folder does it.
+    """
+    out = tmp_path / "run"
+    run_dir = make_run(out)
+    command = [sys.executable, "-m", "harness.cli", "report", str(out), "--no-plots"]
+    if os.geteuid() == 0:
+        if shutil.which("unshare") is None:
+            pytest.skip("root without unshare: no way to make a folder read-only for root here")
+        script = 'mount --bind -o ro "$1" "$1" || exit 99; shift; exec "$@"'
+        command = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", str(out), *command]
+    else:
+        for path in [out, *out.rglob("*")]:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, cwd=str(REPO), timeout=300)
+    finally:
+        for path in [out, *out.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    if result.returncode == 99:
+        pytest.skip(f"a read-only bind mount is not allowed here: {result.stderr.strip()}")
+    assert result.returncode == 2, (result.stdout, result.stderr[-3000:])
+    assert "not writable" in result.stderr and "--out DIR" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not (run_dir / "report.md").exists()
+
+
+@pytest.mark.parametrize("case", ["html_is_a_folder", "report_is_a_file"])
+def test_report_that_cannot_be_written_suggests_out(tmp_path: Path, case: str) -> None:
+    """A write that fails for real (for root too, where os.access says yes): exit 2 with the --out hint, no traceback."""
+    project = tmp_path / "proj"
+    broken = make_run(project / "a")
+    fine = make_run(project / "b")
+    if case == "html_is_a_folder":  # renaming the new report.html over it fails: IsADirectoryError
+        (broken / "report.html").mkdir()
+        (broken / "report.html" / "keep.txt").write_text("mine\n", encoding="utf-8")
+    else:  # report/plots cannot be made: NotADirectoryError
+        (broken / "report").write_text("a file where the report's folder goes\n", encoding="utf-8")
+    result = harness_cli("report", str(project), "--no-plots")
+    assert result.returncode == 2, (result.stdout, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"the run directory '{broken}' is not writable here" in result.stderr, result.stderr[-3000:]
+    assert f"`harness report {broken.parent} --out DIR`" in result.stderr, result.stderr[-3000:]
+    assert (fine / "report.html").is_file() and str(fine) in result.stdout  # the other run is still rebuilt
+    if case == "html_is_a_folder":
+        assert (broken / "report.html" / "keep.txt").read_text(encoding="utf-8") == "mine\n"
+        assert not list(broken.glob(".report.html.*.tmp"))  # the temporary file is cleaned up
+        elsewhere = harness_cli("report", str(broken.parent), "--out", str(tmp_path / "elsewhere"), "--no-plots")
+        assert elsewhere.returncode == 0 and (tmp_path / "elsewhere" / "report.html").is_file(), elsewhere.stderr[-3000:]
+    else:
+        assert (broken / "report").is_file() and not (broken / "report.md").exists()  # failed before the report files
+    explain = harness_cli("explain", str(project))  # reads only: not affected
+    assert explain.returncode == 0 and "NONFINITE_LOSS" in explain.stdout, explain.stderr[-3000:]
+
+
+# -- text from training data is escaped everywhere ---------------------------------------------------------------------
+
+def test_report_escapes_text_from_training_data(tmp_path: Path) -> None:
+    from markdown_it import MarkdownIt
+
+    from harness.lib.capture import _markdown
+
+    evil = f"[click me]({EVIL}) {SCRIPT} ![img]({EVIL}.png) <{EVIL}>"
+    out = tmp_path / "run"
+    run_dir = make_run(out, plugins=["contamination"], findings=[
+        _finding(message=f"loss was nan on {evil}", evidence={f"[ev]({EVIL})": "captures/step-2/capture.rank-0.json"}),
+        _finding(code=f"[X]({EVIL})", id="weird001", playbook=None, action=SCRIPT)])
+    capture = run_dir / "captures" / "step-2"
+    capture.mkdir(parents=True)
+    sample = {"text": evil, "loss": 9.5, "micro_batch": 0, "row": 1, "sample_id": f"[id]({EVIL})", "repetition": 0.0,
+              "nonprintable_ratio": 0.0, "replacement_ratio": 0.0, "length_tokens": 12}
+    meta = {"code": "NONFINITE_LOSS", "step": 2, "rank": 0, "reason": f"nan on {evil}", "per_sample_loss": "recomputed",
+            "directory": str(capture), "samples": [sample]}
+    (capture / "capture.rank-0.json").write_text(json.dumps(meta))
+    (capture / "summary.rank-0.md").write_text(_markdown(meta, [sample]), encoding="utf-8")  # what the capture writes
+    contamination = run_dir / "contamination"
+    contamination.mkdir()
+    (contamination / "summary.rank-0.json").write_text(json.dumps({
+        "checked_tokens": 100, "eval_sets": {f"set {SCRIPT}": {"dirty": 1}},
+        "examples": [{"eval_set": f"set {SCRIPT}", "id": f"[eval id]({EVIL})", "status": "dirty", "matched_fraction": 1.0,
+                      "longest_span": 20, "documents_hit": 1}]}))
+    result = harness_cli("report", str(out), "--no-plots")
+    assert result.returncode == 0, result.stderr[-3000:]
+    html = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert "<script>" not in html and 'href="http' not in html and 'src="http' not in html
+    assert "[eval id](" in html and "&lt;script&gt;" in html  # shown, as text
+    # the markdown files, rendered by a renderer that allows raw HTML: still no tag, no link, no image from the data
+    permissive = MarkdownIt("commonmark", {"html": True}).enable("table")
+    for path in (run_dir / "report.md", capture / "summary.rank-0.md"):
+        rendered = permissive.render(path.read_text(encoding="utf-8"))
+        assert "<script" not in rendered, path
+        assert 'href="http' not in rendered and 'src="http' not in rendered, (path, rendered[:3000])
+        assert "click me" in rendered, path  # the text is there, as text
+    markdown = (run_dir / "report.md").read_text(encoding="utf-8")
+    assert "## Contamination" in markdown and "\\[eval id\\]" in markdown
