@@ -48,7 +48,7 @@ from harness.lib.tiny import build_tiny_llama, corpus_lines, lm_dataset, train_t
 
 LAST_LINE = "harness host syncs per optimizer step: {harness:.2f} (plain Trainer: {plain:.2f})"
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "to")
-BUILDERS = ("tensor", "as_tensor", "from_numpy")
+BUILDERS = ("tensor", "as_tensor", "from_numpy", "randint")
 
 
 def _dir(path: str | os.PathLike[str]) -> str:
