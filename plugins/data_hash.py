@@ -128,19 +128,20 @@ class DataHash(Plugin):
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
+        self._capacity = 0
+        if ctx.world_size > 1 and self.options.check_rank_overlap:
+            # first, before anything that may fail on one rank only: one slot of the step's exchange, the same on every
+            # rank (the same arguments), reserved in the same order
+            args = getattr(trainer, "args", None)
+            self._capacity = max(1, int(getattr(args, "per_device_train_batch_size", 1) or 1)) * max(
+                1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
+            ctx.reserve("hashes", self._capacity, owner=self.name)
         resumed = str(ctx.resumed_from) if ctx.resumed_from is not None else None
         resume_step = trainer.state.global_step if resumed is not None else None  # one ledger pass serves the whole resume
         self._writer = LedgerWriter(ctx.run_dir, ctx.rank, self.options.fsync_every, resume_step=resume_step)
         self._writer.start(trainer.state.global_step, ctx.world_size, resumed)
         self._epoch = self._current_epoch(trainer)
         self._pending, self._read, self._shared_step = [], None, None
-        self._capacity = 0
-        if ctx.world_size > 1 and self.options.check_rank_overlap:
-            # the same on every rank (the same arguments), reserved in the same order: one slot of the step's exchange
-            args = getattr(trainer, "args", None)
-            self._capacity = max(1, int(getattr(args, "per_device_train_batch_size", 1) or 1)) * max(
-                1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
-            ctx.reserve("hashes", self._capacity, owner=self.name)
 
     @hookimpl
     def inspect_dataset(self, ctx: Any, dataset: Any, split: str) -> None:

@@ -116,8 +116,11 @@ class MetricsLog(Plugin):
 def _host(value: Any) -> Any:
     """A JSON-ready value; non-finite floats become strings JSON can hold ("nan", "inf").
 
-    Step metrics are host values already; anything else JSON cannot hold is left out, never read from a device.
+    Step metrics are host values already (the step guard's one read); scalars of numpy or torch are made numbers,
+    anything else JSON cannot hold is left out.
     """
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()  # a numpy scalar, or a 0-d tensor a third-party hook put into the metrics (rare: a read)
     if value is not None and not isinstance(value, (bool, int, float, str)):
         return None
     if isinstance(value, float) and not math.isfinite(value):

@@ -263,7 +263,7 @@ class NanGuard(Plugin):
             f"{count} such step(s) so far, {in_a_row} in a row. The Trainer counts it as a normal step and its logs do not say so.",
             step=step,
             evidence={"optimizer_skips": count, "in_a_row": in_a_row, "fp16": self._fp16, "grad_norm": _as_float(metrics.get("grad_norm")), "lr": metrics.get("lr")},
-            limit=None if count % 100 == 0 else 10,  # ten reports, then only every hundredth skip
+            limit=None if count % 100 == 0 else 10, say_limit=False,  # ten reports, then only every hundredth skip
         )
 
     @hookimpl

@@ -8,6 +8,7 @@ from typing import Any
 
 from harness.core.actions import Action, strongest
 from harness.core.deferred import DeferredReads
+from harness.core.errors import HarnessError
 from harness.core.distributed import DistInfo, all_reduce_max, exchange_rows, gather_to_main
 from harness.core.exchange import StepExchange
 from harness.core.findings import Finding, FindingCode, FindingsFile, Severity
@@ -88,6 +89,7 @@ class RunContext:
         self._in_on_finding = False
         self.reads = DeferredReads()  # device tensors read once per step, at the guard
         self.exchange = StepExchange()  # plugin payloads riding the guard's one collective
+        self._layout_checked = False
         manager.defer_disabling = dist.world_size > 1  # a failing plugin is switched off on every rank together, in agree()
 
     # -- paths ------------------------------------------------------------------------------
@@ -119,7 +121,12 @@ class RunContext:
 
     def read_deferred(self) -> None:
         """The step's one device-to-host transfer (called by the step guard, and at step end if no guard ran)."""
-        self.reads.read()
+        self.reads.read(on_error=lambda owner, exc: self.manager.record_error(owner, "defer", exc))
+
+    def start_step(self) -> None:
+        """A new optimizer step begins: tensors queued and payloads shared for a step that died half-way are dropped."""
+        self.reads.drop_pending()
+        self.exchange.drop_outgoing()
 
     def reserve(self, key: str, capacity: int, *, owner: str | None = None) -> None:
         """A fixed slot of ``capacity`` int64s in every step's exchange (in ``on_run_start``, on every rank)."""
@@ -207,6 +214,8 @@ class RunContext:
         (``ctx.share``), which ``ctx.shared`` then returns on every rank.
         """
         header = [self.pending_action.level, len(self._hub.outbox), *self.manager.disabling_votes()]
+        if self.world_size > 1 and not self._layout_checked:
+            self._check_layout(len(header))
         headers = self.exchange.unpack(exchange_rows(self.exchange.pack(header)), len(header))
         level, outgoing, *votes = [max(column) for column in zip(*headers)]
         if outgoing:
@@ -214,6 +223,19 @@ class RunContext:
         self._switch_off(votes, "step guard")
         self.pending_action = Action.CONTINUE
         return Action.from_level(level)
+
+    def _check_layout(self, header_width: int) -> None:
+        """Once, at the first guard: every rank's row has the same width (else the all-gather would fail or hang)."""
+        self._layout_checked = True
+        width = header_width + self.exchange.width
+        widest, narrowest = all_reduce_max([width, -width])
+        if widest != -narrowest:
+            raise HarnessError(
+                f"the ranks' step exchanges differ in size (this rank {width}, others between {-narrowest} and {widest} "
+                "int64s): a plugin reserved a slot (ctx.reserve) on some ranks only. Fix: reserve in on_run_start on every "
+                "rank, before anything that can fail on one rank; the reservations made here: "
+                + (", ".join(f"{o}/{k}" for o, k in self.exchange.keys()) or "none")
+            )
 
     def _switch_off(self, votes: list[int], where: str) -> None:
         """Disable the plugins some rank voted off (every rank alike); rank 0 reports each once."""

@@ -11,12 +11,13 @@ to the host in one transfer and unpacks the values. Plugins read theirs with
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 Key = tuple[str, str]  # (owner plugin, key)
+ErrorSink = Callable[[str, BaseException], None]  # (owner plugin, exception)
 
 
 class DeferredReads:
@@ -28,8 +29,9 @@ class DeferredReads:
         self.reads = 0  # host transfers made (for the sync benchmark and tests)
 
     def defer(self, owner: str, key: str, tensor: Any) -> None:
-        if not torch.is_tensor(tensor):
-            self._pending.append(((owner, key), torch.as_tensor(tensor)))
+        if not torch.is_tensor(tensor):  # a host number: kept exact (float64), never copied to a device
+            dtype = torch.float64 if isinstance(tensor, float) else None
+            self._pending.append(((owner, key), torch.as_tensor(tensor, dtype=dtype)))
             return
         self._pending.append(((owner, key), tensor.detach()))
 
@@ -37,24 +39,42 @@ class DeferredReads:
     def pending(self) -> int:
         return len(self._pending)
 
-    def read(self) -> None:
-        """Copy every queued tensor to the host in one transfer; the values replace the last read's."""
+    def drop_pending(self) -> None:
+        """Forget tensors queued for a step that never reached its read (a step that died half-way)."""
+        self._pending = []
+
+    def read(self, on_error: ErrorSink | None = None) -> None:
+        """Copy every queued tensor to the host in one transfer; the values replace the last read's.
+
+        Device tensors are joined on their device and copied once; host-born
+        ones are joined on the host (no host-to-device copy). A tensor that
+        cannot be packed (a meta or complex tensor, a DTensor) is dropped and
+        charged to its plugin through ``on_error``; the others are read.
+        """
         pending, self._pending = self._pending, []
         values: dict[Key, list[Any]] = defaultdict(list)
-        if pending:
-            parts, layout = [], []
-            for key, tensor in pending:
+        packed: list[tuple[Key, str, tuple[int, ...], torch.Tensor]] = []
+        for key, tensor in pending:
+            try:
                 flat, kind = _as_int64(tensor)
-                parts.append(flat)
-                layout.append((key, kind, tuple(tensor.shape), flat.numel()))
-            device = next((p.device for p in parts if p.device.type != "cpu"), parts[0].device)  # host-born values join the device's buffer
-            buffer = torch.cat([p.to(device) for p in parts]) if len(parts) > 1 else parts[0]
-            host = buffer.cpu().numpy()
+            except Exception as exc:  # noqa: BLE001 - one plugin's odd tensor must not cost the others their values
+                if on_error is not None:
+                    on_error(key[0], exc)
+                continue
+            packed.append((key, kind, tuple(tensor.shape), flat))
+        if packed:
+            host_parts = [p for *_, p in packed if p.device.type == "cpu"]
+            device_parts = [p for *_, p in packed if p.device.type != "cpu"]
+            on_device = torch.cat(device_parts).cpu().numpy() if device_parts else None  # the one device-to-host copy
+            on_host = torch.cat(host_parts).numpy() if host_parts else None  # born on the host: no device involved
             self.reads += 1
-            offset = 0
-            for key, kind, shape, count in layout:
-                chunk = host[offset : offset + count]
-                offset += count
+            offsets = {"device": 0, "host": 0}
+            for key, kind, shape, flat in packed:
+                where = "host" if flat.device.type == "cpu" else "device"
+                source = on_host if where == "host" else on_device
+                count = flat.numel()
+                chunk = source[offsets[where] : offsets[where] + count]  # type: ignore[index]
+                offsets[where] += count
                 values[key].append(_unpack(chunk, kind, shape))
         self._values = dict(values)
 
@@ -67,6 +87,10 @@ class DeferredReads:
 
 
 def _as_int64(tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
+    if tensor.is_complex() or tensor.device.type == "meta":
+        raise TypeError(f"ctx.defer cannot read a {tensor.dtype} tensor on {tensor.device}: defer real tensors with data")
+    if tensor.device.type == "mps" and tensor.is_floating_point():
+        tensor = tensor.cpu()  # MPS has no float64
     flat = tensor.reshape(-1)
     if flat.dtype == torch.bool:
         return flat.to(torch.int64), "bool"

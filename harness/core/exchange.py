@@ -38,6 +38,13 @@ class StepExchange:
             raise KeyError(f"plugin '{owner}' shares '{key}' without reserving it (call ctx.reserve('{key}', capacity) in on_run_start)")
         self._outgoing[(owner, key)] = [int(v) for v in values]
 
+    def drop_outgoing(self) -> None:
+        """Forget contributions made for a step that never reached its exchange."""
+        self._outgoing = {}
+
+    def keys(self) -> list[Key]:
+        return list(self._capacity)
+
     @property
     def width(self) -> int:
         return sum(1 + c for c in self._capacity.values())

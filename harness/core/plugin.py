@@ -75,18 +75,20 @@ class Plugin:
 
     # -- reporting --------------------------------------------------------------------------
 
-    def report(self, code: str, message: str, *, limit: int | None = None, **kwargs: Any) -> Finding | None:
+    def report(self, code: str, message: str, *, limit: int | None = None, say_limit: bool = True, **kwargs: Any) -> Finding | None:
         """``ctx.report`` with this plugin's name and an optional per-code limit for the run.
 
         Returns the finding, or None once ``limit`` findings of ``code`` were
-        made (the last one allowed says that the rest are held back).
+        made (the last one allowed says that the rest are held back, unless
+        ``say_limit=False``: for a plugin whose limit varies, like nan_guard's
+        "ten, then every hundredth").
         """
         counts = self.__dict__.setdefault("_report_counts", {})
         count = counts.get(code, 0) + 1
         counts[code] = count
         if limit is not None and count > limit:
             return None
-        if limit is not None and limit > 1 and count == limit:
+        if say_limit and limit is not None and limit > 1 and count == limit:
             message = f"{message} (the {limit} {code} findings allowed per run are reached: further ones are not reported)"
         kwargs.setdefault("plugin", self.name or None)
         return self.ctx.report(code, message, **kwargs)

@@ -101,6 +101,7 @@ class Bridge:
 
     def step_begin(self) -> None:
         forget_late_skip(self.ctx)
+        self.ctx.start_step()  # nothing queued for a step that died half-way reaches this one
         self.ctx.micro_step = 0
         self.record = StepRecord(data_time=self.tap.take_data_time())
 

@@ -66,23 +66,25 @@ class StepGuard:
         """
         ctx = self.ctx
         if record.values_read:
+            if record.logged_loss is None and record.step_loss is None and _is_tensor(record.loss_sum):
+                record.logged_loss = float(record.loss_sum)  # rare: no compute_loss seen and the guard ran mid-step
             return
         record.values_read = True
-        loss = record.step_loss if record.step_loss is not None else record.loss_sum
-        for key, value in (("loss", loss), ("grad_norm", record.grad_norm)):
-            if value is not None and hasattr(value, "detach"):
+        # under DeepSpeed the guard runs inside the last micro-batch's backward: loss_sum lacks that micro-batch yet
+        sum_complete = not self._in_training_step()
+        for key, value in (("step_loss", record.step_loss), ("grad_norm", record.grad_norm),
+                           ("loss_sum", record.loss_sum if sum_complete else None)):
+            if _is_tensor(value):
                 ctx.defer(key, value, owner=HARNESS)
         ctx.read_deferred()
-        got_loss = ctx.deferred("loss", owner=HARNESS)
-        got_norm = ctx.deferred("grad_norm", owner=HARNESS)
-        if got_loss:
-            record.step_loss = float(got_loss[-1])
-        elif loss is not None:
-            record.step_loss = float(loss)
-        if got_norm:
-            record.grad_norm = float(got_norm[-1])
-        elif record.grad_norm is not None:
-            record.grad_norm = float(record.grad_norm)
+        record.step_loss = _host(ctx.deferred("step_loss", owner=HARNESS), record.step_loss)
+        record.grad_norm = _host(ctx.deferred("grad_norm", owner=HARNESS), record.grad_norm)
+        if sum_complete:
+            record.logged_loss = _host(ctx.deferred("loss_sum", owner=HARNESS), record.loss_sum)
+            if record.step_loss is None:
+                record.step_loss = record.logged_loss  # a training_step that never called compute_loss
+        elif record.step_loss is not None:
+            record.logged_loss = record.step_loss  # the Trainer's own rule makes them equal (see harness.hf.tap)
 
     # -- what the optimizer adapters tell the guard ----------------------------------------------------
 
@@ -98,6 +100,17 @@ class StepGuard:
             evidence={"optimizer": detail},
             plugin=HARNESS,
         )
+
+
+def _is_tensor(value: Any) -> bool:
+    return value is not None and hasattr(value, "detach")
+
+
+def _host(read: list[Any], value: Any) -> float | None:
+    """The value from the step's read, or the value itself made a float (None stays None)."""
+    if read:
+        return float(read[-1])
+    return None if value is None else float(value)
 
 
 def forget_late_skip(ctx: RunContext) -> None:

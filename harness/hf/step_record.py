@@ -24,6 +24,7 @@ class StepRecord:
     step_loss: Any = None  # the step loss as the Trainer logs it (device tensor until read, then a host float)
     micro_batches: int = 0
     tokens: int = 0  # token positions fed to the model in this step
+    logged_loss: float | None = None  # loss_sum as a host float: the step loss the Trainer logs (on_step_end's "loss")
     grad_norm: Any = None  # the Trainer's clipped-gradient norm (device tensor until read, then a host float)
     lr: float | None = None  # the LR this update used, read before the scheduler moved
     agreed: Action = Action.CONTINUE  # the action every rank agreed at this step's guard
@@ -45,7 +46,7 @@ class StepRecord:
         """The ``on_step_end`` metrics; loss and grad norm are host floats once ``values_read``."""
         agreed = self.agreed
         return {
-            "loss": self.step_loss,
+            "loss": self.logged_loss if self.logged_loss is not None else self.step_loss,
             "grad_norm": self.grad_norm,
             "lr": self.lr,
             "skipped": agreed is not Action.CONTINUE,

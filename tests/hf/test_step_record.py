@@ -18,7 +18,7 @@ def _used(record: StepRecord) -> StepRecord:
     """A record as a step leaves it: every field set."""
     record.add_micro_batch_loss(torch.tensor(1.0))
     record.add_step_loss_part(torch.tensor(0.5))
-    record.tokens, record.grad_norm, record.lr = 64, 2.0, 0.1
+    record.tokens, record.grad_norm, record.lr, record.logged_loss = 64, 2.0, 0.1, 1.0
     record.agreed, record.values_read, record.optimizer_skipped = Action.SKIP_STEP, True, True
     record.model_time, record.guard_time = 0.3, 0.01
     return record

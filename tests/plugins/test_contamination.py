@@ -6,6 +6,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import harness
 from conftest import findings_of, wrapped_example, write_yaml
 from harness.lib.hashing import hash_token_rows, hex64
@@ -76,6 +78,7 @@ def test_a_bad_eval_set_is_reported_and_training_goes_on(make_trainer: Any, toke
     assert "e.jsonl has no field 'prompt' (it has: id, question)" in messages[1] and "Fix:" in messages[1]
 
 
+@pytest.mark.slow  # the quick subset stays under 5 minutes; CI runs it
 def test_planted_eval_examples_through_wrap(tmp_path: Path) -> None:
     """Twenty training rows of the example script become eval examples: each one trained is found by its step.
 

@@ -42,6 +42,7 @@ def _logged_steps(output_dir: Path) -> list[int]:
     return [r["step"] for r in read_jsonl(Path(output_dir) / "harness" / "metrics.jsonl") if "loss" in r]
 
 
+@pytest.mark.slow  # the quick subset stays under 5 minutes; CI runs it
 def test_wrap_logs_a_complete_run_to_the_default_store(tmp_path: Path) -> None:
     out = tmp_path / "run"
     (tmp_path / "quiz.txt").write_text("zqx vlorp mendaq tive kraspo ulm\nfrobnitz quell azimuth dorrow plen\n")

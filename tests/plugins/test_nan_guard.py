@@ -87,6 +87,7 @@ def test_three_in_a_row_save_and_stop_through_wrap(tmp_path: Path) -> None:
     assert (out / "checkpoint-4").is_dir() and not (out / "checkpoint-8").exists()
 
 
+@pytest.mark.slow  # the quick subset stays under 5 minutes; CI runs it
 def test_a_long_clean_run_is_silent(make_trainer: Any) -> None:
     trainer = make_trainer(max_steps=320, logging_steps=50, per_device_train_batch_size=2)
     harness.attach(trainer)  # the default plugins, nan_guard among them
