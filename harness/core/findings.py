@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from harness.core.appendfile import open_append
+from harness.core.jsonl import read_jsonl
 
 
 class Severity(str, enum.Enum):
@@ -180,21 +181,14 @@ def iter_findings(path: Path, skipped: dict[str, int] | None = None) -> Iterator
     (the report says how many lines could not be read).
     """
     path = Path(path)
-    try:
-        handle = open(path, "rb")  # bytes: one non-UTF-8 byte costs its line, not the file
-    except OSError:
-        return
-    with handle:
-        for raw in handle:
-            if not raw.strip():
-                continue
-            try:
-                finding = Finding.from_dict(json.loads(raw.decode("utf-8")))
-            except (UnicodeDecodeError, RecursionError, KeyError, TypeError, ValueError):  # JSONDecodeError is a ValueError
-                if skipped is not None:
-                    skipped[path.name] = skipped.get(path.name, 0) + 1
-                continue
-            yield finding
+    for record in read_jsonl(path, skipped):
+        try:
+            finding = Finding.from_dict(record)
+        except (RecursionError, KeyError, TypeError, ValueError):
+            if skipped is not None:
+                skipped[path.name] = skipped.get(path.name, 0) + 1
+            continue
+        yield finding
 
 
 def read_run_findings(run_dir: Path, skipped: dict[str, int] | None = None) -> list[Finding]:

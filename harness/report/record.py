@@ -5,7 +5,6 @@ file that was never written, an attempt still marked ``running``.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any, Iterator
 import yaml
 
 from harness.core.findings import Finding, read_run_findings
+from harness.core.jsonl import read_jsonl  # noqa: F401 - re-exported: plugins read their own JSONL files with it
 from harness.lib.runinfo import read_run_info
 
 
@@ -115,31 +115,6 @@ class RunRecord:
             except OSError:
                 continue
         return None
-
-
-def read_jsonl(path: Path, skipped: dict[str, int] | None = None, require_step: bool = False) -> Iterator[dict[str, Any]]:
-    """Records of a JSONL file; torn, foreign or damaged lines (not UTF-8, not JSON, not an object) are skipped.
-
-    ``skipped`` counts them under the file's name; ``require_step``: a record
-    without an integer ``step`` is damaged too (every step record has one).
-    """
-    path = Path(path)
-    try:
-        handle = open(path, "rb")  # bytes: one non-UTF-8 byte costs its line, not the file
-    except OSError:
-        return
-    with handle:
-        for raw in handle:
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, RecursionError, ValueError):
-                record = None
-            if isinstance(record, dict) and (not require_step or _is_int(record.get("step"))):
-                yield record
-            elif skipped is not None:
-                skipped[path.name] = skipped.get(path.name, 0) + 1
 
 
 def read_run_config(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
