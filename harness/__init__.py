@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 from harness.core.actions import Action, HarnessStop
+from harness.core.errors import HarnessStopped
 from harness.core.findings import Finding, FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 
 __version__ = "0.1.0"
-__all__ = ["Action", "Finding", "FindingCode", "HarnessStop", "Plugin", "Severity", "attach", "hookimpl", "__version__"]
+__all__ = ["Action", "Finding", "FindingCode", "HarnessStop", "HarnessStopped", "Plugin", "Severity", "attach", "hookimpl", "__version__"]
 
 
 def attach(trainer, config=None, plugins=None, rollback=None):  # type: ignore[no-untyped-def]

@@ -6,7 +6,8 @@ import os
 import sys
 from typing import Sequence
 
-from harness.core.errors import HarnessError
+from harness.core.errors import HarnessError, HarnessStopped
+from harness.lib.stops import EXIT_STOPPED
 
 
 def _cmd_wrap(args: argparse.Namespace) -> int:
@@ -111,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
         "wrap",
         help="run an unmodified training command with the harness attached to every Trainer",
         description="Run COMMAND (python, torchrun, deepspeed, accelerate launch ...) with the harness attached "
-        "to every transformers.Trainer it trains. The exit status of COMMAND is returned.",
+        "to every transformers.Trainer it trains. The exit status of COMMAND is returned, except that it is 75 when the "
+        "harness stopped training and COMMAND exited 0 anyway (or 1 from an uncaught harness.HarnessStopped); any other "
+        "status of COMMAND is kept. A bad config exits 2 before COMMAND starts.",
     )
     wrap.add_argument("--config", help="harness YAML config (default: built-in defaults)")
     wrap.add_argument("--plugins", help="comma-separated plugins to enable in addition to the config's")
@@ -237,6 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     network_opt_outs(args.cmd)  # before any command imports mlflow, datasets or transformers
     try:
         return int(args.func(args))
+    except HarnessStopped as exc:  # a stage runner under `on_stop: raise`: the harness stopped training
+        sys.stderr.write(f"harness: {exc}\n")
+        return EXIT_STOPPED
     except HarnessError as exc:
         sys.stderr.write(f"harness: {exc}\n")
         return 2

@@ -29,6 +29,7 @@ from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.lib.hashing import combine_row_hashes, dataset_hashes, dataset_rows, device_row_hashes, from_hex64, hash_token_rows, hex64
 from harness.lib.ledger import LedgerWriter, around_resume, iter_records, ledger_path
+from harness.lib.sampler_padding import EpochPadding, epoch_padding, is_padding
 from harness.lib.seentable import SeenTable, key64
 
 DATA_REPEATED = FindingCode(
@@ -116,6 +117,9 @@ class DataHash(Plugin):
         self._content_ids = SeenTable(self.options.seen_capacity)  # content hash -> key64 of the first sample id it came with
         self._twins = 0
         self._repeats_total = 0
+        self._padding_repeats = 0  # repeats that were the sampler's end-of-epoch padding (not reported)
+        self._position = 0  # samples this rank has trained in the current epoch
+        self._padding: EpochPadding | None = None
         self._resume_step: int | None = None
         self._interrupted: dict[tuple[int, int], int] = {}  # (epoch, hash) -> step the interrupted attempt trained it at
         self._since_resume: set[tuple[int, int]] = set()  # the keys of _interrupted trained again (bounded by it)
@@ -142,6 +146,7 @@ class DataHash(Plugin):
         self._writer.start(trainer.state.global_step, ctx.world_size, resumed)
         self._epoch = self._current_epoch(trainer)
         self._pending, self._read, self._shared_step = [], None, None
+        self._position, self._padding = 0, self._epoch_padding(ctx, trainer)
 
     @hookimpl
     def inspect_dataset(self, ctx: Any, dataset: Any, split: str) -> None:
@@ -224,7 +229,7 @@ class DataHash(Plugin):
             return
         epoch = self._step_epoch
         if epoch != self._epoch:
-            self._epoch, self._seen = epoch, self._seen.clear()
+            self._epoch, self._seen, self._position = epoch, self._seen.clear(), 0
         records = []
         for (micro, _, ids), hashes in zip(pending, read):
             records.append(
@@ -234,6 +239,16 @@ class DataHash(Plugin):
             self._check_samples(ctx, step, hashes, ids)
         if self._writer is not None:
             self._writer.write_step(records)
+
+    def _epoch_padding(self, ctx: Any, trainer: Any) -> EpochPadding | None:
+        """How the distributed sampler pads this run's epochs (None: one process, or a dataset without a length)."""
+        dataset, args = getattr(trainer, "train_dataset", None), getattr(trainer, "args", None)
+        if ctx.world_size <= 1 or dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            return None
+        accelerator = getattr(trainer, "accelerator", None)
+        return epoch_padding(len(dataset), int(getattr(args, "per_device_train_batch_size", 1) or 1), ctx.world_size,
+                             drop_last=bool(getattr(args, "dataloader_drop_last", False)),
+                             even_batches=bool(getattr(accelerator, "even_batches", True)))
 
     def _current_epoch(self, trainer: Any) -> int:
         epoch = getattr(getattr(trainer, "state", None), "epoch", None) or 0.0
@@ -263,6 +278,15 @@ class DataHash(Plugin):
                             step=step, evidence={"sample_id": key, "same_as": first, "hash": hex64(h), "source": "training"},
                             limit=self.options.max_reports,
                         )
+        position, self._position = self._position, self._position + len(hashes)
+        if repeated and is_padding(self._padding, position, len(repeated)):
+            self._padding_repeats += len(repeated)
+            log.info(
+                "data_hash: %d sample(s) of the last batch of epoch %d on rank %d were trained earlier in the epoch: the distributed "
+                "sampler completes the last round of batches from the epoch's start (accelerate's even_batches), not a lost data "
+                "position; not reported.", len(repeated), self._epoch, ctx.rank,
+            )
+            repeated = []
         if repeated:
             self._repeats_total += len(repeated)
             self.report(
@@ -352,6 +376,7 @@ class DataHash(Plugin):
                 ids = record.get("sample_ids")
                 for i, h in enumerate(record["sample_hashes"]):
                     self._seen.add(key64(ids[i] if ids else from_hex64(h)))
+                self._position += len(record["sample_hashes"])
         for record in after:
             for h in record["sample_hashes"]:
                 self._interrupted.setdefault((record["epoch"], from_hex64(h)), record["step"])

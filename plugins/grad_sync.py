@@ -16,8 +16,12 @@ ranks and the ranks compare:
 * time: how long each rank waited for its data loader (``STRAGGLER_RANK``).
 
 Findings are reported on rank 0 before the update, so ``on_desync: stop``
-keeps the step's update from happening. ZeRO-3 and FSDP shard everything,
-so there is nothing to compare; the plugin says so once and stays idle.
+keeps the step's update from happening. Under FSDP2 HSDP (and FSDP1
+``NO_SHARD``) the ranks of one replica group hold the same shards, compared
+bit for bit within the group. Fully sharded FSDP holds nothing twice: the
+plugin says so once (``GRAD_SYNC_UNSUPPORTED``) and compares only the inputs
+and data-loader waits. ZeRO-3 shards everything and the plugin stays idle.
+What each engine replicates: :mod:`harness.lib.replicas`.
 """
 from __future__ import annotations
 
@@ -33,9 +37,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from harness.core.appendfile import open_append
 from harness.core.codes import INTERNAL_PLUGIN_ERROR
-from harness.core.distributed import all_gather_guarded, broadcast_guarded, failures, model_parallel_sizes
+from harness.core.distributed import all_gather_guarded, broadcast_guarded, failures
 from harness.core.findings import FindingCode, Severity
 from harness.lib.fingerprints import exact_fingerprints, same_fingerprint_key, unwrap_optimizer
+from harness.lib.fsdp_grads import fsdp2_slices
+from harness.lib.grad_slices import ZeroSlices
+from harness.lib.replicas import Parallelism, parallelism
 from harness.lib.hashing import device_row_hashes
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
@@ -65,7 +72,6 @@ GRAD_SYNC_UNSUPPORTED = FindingCode(
     "distributed#grad_sync_unsupported",
 )
 DESYNC_CODES = (GRAD_DESYNC.code, PARAM_DESYNC.code)
-_UNIT_ROUNDOFF: dict[Any, float] = {torch.float64: 1.2e-16, torch.float32: 6.0e-8, torch.bfloat16: 3.9e-3, torch.float16: 4.9e-4}
 
 
 class GradSyncOptions(BaseModel):
@@ -80,10 +86,10 @@ class GradSyncOptions(BaseModel):
     on_desync: Literal["warn", "stop", "rebroadcast"] = Field(
         "warn", description="What GRAD_DESYNC/PARAM_DESYNC do: warn; stop (before the step's update); or rebroadcast rank 0's "
         "weights and optimizer state to every rank after the update (DDP only; under ZeRO-1/2 a parameter desync is "
-        "repaired by the step's own all-gather and a gradient desync stops).",
+        "repaired by the step's own all-gather and a gradient desync stops; under FSDP a desync stops).",
     )
     check_params: bool = Field(True, description="Compare the weights of every rank.")
-    check_grads: bool = Field(True, description="Compare the reduced gradients (DDP: bit for bit; ZeRO-1/2: each slice against the ranks' mean).")
+    check_grads: bool = Field(True, description="Compare the reduced gradients (DDP, HSDP: bit for bit; ZeRO-1/2, FSDP2: each slice or shard against the ranks' mean).")
     check_inputs: bool = Field(True, description="RANK_INPUTS_IDENTICAL when every rank got the same micro-batches.")
     zero_rtol: float = Field(
         1e-3, gt=0, description="ZeRO-1/2 slice check: tolerance relative to the slice's L2 norm, on top of six times the "
@@ -103,102 +109,6 @@ def _module(model: Any) -> Any:
     return getattr(model, "module", model)
 
 
-def _mode(trainer: Any, world_size: int) -> tuple[str, str]:
-    """("ddp" | "zero" | "unsupported" | "single", description of the parallelism)."""
-    if world_size <= 1:
-        return "single", "one process"
-    sharded = model_parallel_sizes(trainer)
-    if sharded:
-        return "unsupported", "model parallelism (" + ", ".join(f"{k}={v}" for k, v in sharded.items()) + ") shards weights or feeds ranks the same data"
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return "unsupported", "FSDP shards weights and gradients"
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        engine = trainer.model_wrapped
-        stage = int(engine.zero_optimization_stage()) if hasattr(engine, "zero_optimization_stage") else 0
-        if stage >= 3:
-            return "unsupported", "DeepSpeed ZeRO-3 shards weights and gradients"
-        return ("zero", f"DeepSpeed ZeRO-{stage}") if stage in (1, 2) else ("ddp", "DeepSpeed ZeRO-0")
-    return "ddp", "DistributedDataParallel"
-
-
-class _ZeroSlices:
-    """Who owns which slice of each parameter's gradient under ZeRO-1/2, and the linear checks on those slices.
-
-    Two linear fingerprints per slice (plain sum, alternating-sign sum) are
-    computed on every rank's local gradient by tensor hooks during the check
-    step's backward passes; the mean over ranks must equal the same
-    fingerprints of the owner's reduced slice.
-    """
-
-    def __init__(self, params: list[tuple[str, torch.nn.Parameter]], rank: int) -> None:
-        def mine() -> list[tuple[int, int, int]]:
-            pieces = []
-            for index, (_, param) in enumerate(params):
-                mapping = getattr(param, "_hp_mapping", None)
-                if mapping is not None:
-                    address = mapping.lp_fragment_address
-                    pieces.append((index, int(address.start), int(address.numel)))
-            return pieces
-
-        layout = all_gather_guarded(mine)  # every rank joins; the one whose layout raised re-raises after
-        failed = failures(layout)
-        if failed:  # every rank sees it and fails alike (retried at the next check step, on every rank)
-            raise RuntimeError(f"ZeRO slice layout failed on rank {failed[0].rank}: {failed[0].error}")
-        self.pieces = sorted((index, start, numel, owner) for owner, rank_pieces in enumerate(layout) for index, start, numel in rank_pieces)
-        self.by_param: dict[int, list[tuple[int, int, int]]] = {}
-        for k, (index, start, numel, _) in enumerate(self.pieces):
-            self.by_param.setdefault(index, []).append((k, start, numel))
-        self.params = params
-        self.rank = rank
-        self.local: torch.Tensor | None = None
-        self._handles: list[Any] = []
-
-    @staticmethod
-    def linear(values: torch.Tensor) -> torch.Tensor:
-        return torch.stack([torch.sum(values, dtype=torch.float64), torch.sum(values[0::2], dtype=torch.float64) - torch.sum(values[1::2], dtype=torch.float64)])
-
-    def arm(self) -> None:
-        """Start summing local gradients (for the micro-batches of one check step)."""
-        self.disarm()
-        for index, (_, param) in enumerate(self.params):
-            if index in self.by_param and param.requires_grad:
-                self._handles.append(param.register_hook(self._hook(index)))
-
-    def _hook(self, index: int) -> Any:
-        def accumulate(grad: torch.Tensor) -> None:
-            if self.local is None:
-                self.local = torch.zeros(len(self.pieces), 2, dtype=torch.float64, device=grad.device)
-            flat = grad.detach().reshape(-1)
-            for k, start, numel in self.by_param[index]:
-                self.local[k] += self.linear(flat.narrow(0, start, numel))
-        return accumulate
-
-    def disarm(self) -> list[list[float]] | None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        local, self.local = self.local, None
-        return local.cpu().tolist() if local is not None else None
-
-    def owned(self, reduce_dtype: torch.dtype | None) -> dict[int, list[float]]:
-        """This rank's reduced slices: k -> [sum, alternating sum, L2 norm, unit roundoff of the reduction]."""
-        rows, keys, units = [], [], []
-        for k, (index, start, numel, owner) in enumerate(self.pieces):
-            if owner != self.rank:
-                continue
-            param = self.params[index][1]
-            fragment = param._hp_mapping.get_lp_grad_fragment(param._index_in_param_group).reshape(-1)
-            if fragment.numel() == param.numel() and fragment.numel() != numel:
-                fragment = fragment.narrow(0, start, numel)  # bf16 keeps a whole accumulation buffer per rank
-            rows.append(torch.cat([self.linear(fragment), fragment.double().square().sum().sqrt().reshape(1)]))
-            keys.append(k)
-            units.append(max(_UNIT_ROUNDOFF.get(fragment.dtype, 6.0e-8), _UNIT_ROUNDOFF.get(reduce_dtype, 0.0)))
-        if not rows:
-            return {}
-        values = torch.stack(rows).cpu().tolist()
-        return {k: [*v, u] for k, v, u in zip(keys, values, units)}
-
-
 class GradSync(Plugin):
     """Compares weights, reduced gradients, inputs and data-loader waits across data-parallel ranks.
 
@@ -214,8 +124,10 @@ class GradSync(Plugin):
     def __init__(self) -> None:
         self.options = GradSyncOptions()
         self.mode = "single"
+        self._parallelism = Parallelism("single", "one process")
+        self._group: tuple[int, ...] = ()
         self._params: list[tuple[str, torch.nn.Parameter]] = []
-        self._zero: _ZeroSlices | None = None
+        self._zero: ZeroSlices | None = None
         self._armed_step: int | None = None
         self._inputs: list[torch.Tensor] = []
         self._window = [0.0, 0.0, 0]  # data_time, step_time, steps since the last check
@@ -226,19 +138,40 @@ class GradSync(Plugin):
         self._deepspeed = False
         self._micro_batches = 0
         self._reference = 0
+        self._clip = 1.0  # the clip coefficient the reduced gradients already carry at this guard (FSDP)
+        self._max_norm = 0.0
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
-        self.mode, described = _mode(trainer, ctx.world_size)
-        self._described = described
-        self._deepspeed = bool(getattr(trainer, "is_deepspeed_enabled", False))
+        found = self._parallelism = parallelism(trainer, ctx.world_size, ctx.rank)
+        self.mode, self._described, self._group = found.mode, found.described, found.group
+        described = found.described
+        self._deepspeed = found.engine == "deepspeed"
+        self._max_norm = float(getattr(getattr(trainer, "args", None), "max_grad_norm", 0.0) or 0.0)
         self._params = list(_module(trainer.model_wrapped).named_parameters())
         if self._zero is not None:
             self._zero.disarm()  # a second train() call: no stale hooks
         self._zero = None
+        if self.mode == "sharded" and found.engine == "fsdp2" and self.options.check_grads:
+            self._zero = fsdp2_slices(_module(trainer.model_wrapped), self._params, ctx.rank)  # no collective: layout from shapes
         if self.mode == "unsupported" and ctx.is_main:
             self._report(ctx, GRAD_SYNC_UNSUPPORTED.code, f"grad_sync compares replicas, and under {described} there are none; "
                          "the check is off for this run (findings of other plugins are unaffected).", evidence={"parallelism": described})
+        if self.mode == "sharded" and ctx.is_main:
+            self._report(
+                ctx, GRAD_SYNC_UNSUPPORTED.code,
+                f"grad_sync compares replicas, and under {described} there are none: each rank holds its own slice of every "
+                "weight, gradient and optimizer state, the all-gather gives every rank the same full weights (they cannot drift "
+                "apart) and each reduced gradient slice exists on one rank only. Weights are not compared in this run; "
+                + ("each rank's reduced gradient shard is checked against the mean of every rank's local gradient over that "
+                   "shard (linear sums, as under ZeRO-1/2), " if self._zero is not None else
+                   "gradients are not compared either (the reduce-scatter check needs FSDP2's unsharded parameters, not found "
+                   "here), ")
+                + "and the inputs (RANK_INPUTS_IDENTICAL) and data-loader waits (STRAGGLER_RANK) are. Under HSDP (a replicate "
+                "x shard mesh) the replicas of each shard are compared bit for bit.",
+                evidence={"parallelism": described, "compared": ["gradient shards"] if self._zero is not None else [],
+                          "still_checked": ["inputs", "data_wait"]},
+            )
 
     def _is_check_step(self, step: int) -> bool:
         return step == 1 or step % self.options.every == 0
@@ -247,16 +180,18 @@ class GradSync(Plugin):
 
     @hookimpl
     def inspect_batch(self, ctx: Any, batch: Any, step: int, micro_step: int) -> None:
-        if self.mode not in ("ddp", "zero") or not self._is_check_step(step):
+        if not self._parallelism.active or self.mode == "failed" or not self._is_check_step(step):
             return
         if micro_step == 0:
             self._inputs = []
             self._micro_batches = 0
             if self.mode == "zero" and self.options.check_grads:
                 if self._zero is None:
-                    self._zero = _ZeroSlices(self._params, ctx.rank)  # collective: every rank reaches its first check step
+                    self._zero = ZeroSlices(self._params, ctx.rank)  # collective: every rank reaches its first check step
                 self._zero.arm()
                 self._armed_step = step
+            elif self.mode == "sharded" and self._zero is not None:
+                self._armed_step = step if self._zero.arm() else None  # FSDP2: not before its first all-gather
         self._micro_batches += 1
         if self.options.check_inputs and isinstance(batch, Mapping) and torch.is_tensor(batch.get("input_ids")):
             mask = batch.get("attention_mask")
@@ -265,10 +200,11 @@ class GradSync(Plugin):
     # -- the comparison, inside the step guard ------------------------------------------------------------
 
     @hookimpl
-    def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, optimizer: Any) -> None:
-        if self.mode not in ("ddp", "zero") or not self._is_check_step(step):
+    def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, optimizer: Any, grad_norm: float | None = None) -> None:
+        if not self._parallelism.active or self.mode == "failed" or not self._is_check_step(step):
             return
         self._optimizer = optimizer
+        self._clip = self._clip_coefficient(grad_norm)
         self._rebroadcast = None
         # decided from config and step alone (the same on every rank), before anything that may raise on one rank
         self._rebroadcast_step = step if self.options.on_desync == "rebroadcast" and self._can_rebroadcast() else None
@@ -294,12 +230,23 @@ class GradSync(Plugin):
             return
         self._compare(ctx, step, gathered)
 
+    def _clip_coefficient(self, grad_norm: float | None) -> float:
+        """FSDP: the Trainer clipped the reduced shards before this guard (torch's rule), the local sums saw them unclipped.
+
+        Under ZeRO-1/2 DeepSpeed clips inside its step, after the guard: 1.
+        """
+        if self.mode != "sharded" or self._max_norm <= 0 or grad_norm is None or not math.isfinite(grad_norm):
+            return 1.0
+        return min(1.0, self._max_norm / (grad_norm + 1e-6))
+
     def _local_fingerprints(self, step: int, optimizer: Any) -> dict[str, Any]:
         o = self.options
         tensors = [p for _, p in self._params]
+        exact = self._parallelism.compares_tensors  # DDP, HSDP: whole tensors or shards held by every rank of a group
         mine: dict[str, Any] = {
-            "params": exact_fingerprints(tensors) if o.check_params else None,
-            "grads": exact_fingerprints([p.grad for p in tensors]) if o.check_grads and self.mode == "ddp" else None,
+            "params": exact_fingerprints(tensors) if o.check_params and (exact or self.mode == "zero") else None,
+            "grads": exact_fingerprints([p.grad for p in tensors]) if o.check_grads and exact else None,
+            "group": list(self._group),
             "inputs": [h.tolist() for h in self._inputs] if o.check_inputs else None,
             "timing": list(self._window),
             "micro_batches": self._micro_batches,
@@ -312,10 +259,11 @@ class GradSync(Plugin):
     def _compare(self, ctx: Any, step: int, gathered: list[dict[str, Any]]) -> None:
         o = self.options
         desync = False
+        groups = sorted({tuple(g.get("group") or range(len(gathered))) for g in gathered})
         if o.check_params:
-            desync |= self._compare_exact(ctx, step, [g["params"] for g in gathered], PARAM_DESYNC.code, "weights")
-        if o.check_grads and self.mode == "ddp":
-            desync |= self._compare_exact(ctx, step, [g["grads"] for g in gathered], GRAD_DESYNC.code, "reduced gradients")
+            desync |= self._compare_exact(ctx, step, [g["params"] for g in gathered], PARAM_DESYNC.code, "weights", groups)
+        if o.check_grads:
+            desync |= self._compare_exact(ctx, step, [g["grads"] for g in gathered], GRAD_DESYNC.code, "reduced gradients", groups)
         if self._zero is not None and all(g.get("zero_local") is not None for g in gathered):
             desync |= self._compare_zero(ctx, step, gathered)
         if o.check_inputs:
@@ -329,6 +277,7 @@ class GradSync(Plugin):
         """One line per check in ``grad_sync.jsonl``: what was compared and whether the replicas agreed."""
         record = {
             "step": step, "parallelism": self._described, "ranks": len(gathered), "in_sync": not desync,
+            "replica_groups": sorted({tuple(g.get("group") or ()) for g in gathered}) if self.mode == "replicas" else None,
             "params_compared": len(self._params) if gathered[0]["params"] is not None else 0,
             "grads_compared": sum(v is not None for v in gathered[0]["grads"]) if gathered[0]["grads"] is not None else 0,
             "slices_compared": len(self._zero.pieces) if self._zero is not None and gathered[0].get("zero_local") is not None else 0,
@@ -337,39 +286,44 @@ class GradSync(Plugin):
         with open_append(ctx.path("grad_sync.jsonl")) as handle:
             handle.write(json.dumps(record) + "\n")
 
-    def _compare_exact(self, ctx: Any, step: int, per_rank: list[list[Any] | None], code: str, what: str) -> bool:
+    def _compare_exact(self, ctx: Any, step: int, per_rank: list[list[Any] | None], code: str, what: str,
+                       replica_groups: list[tuple[int, ...]]) -> bool:
+        """Bit-for-bit comparison of each tensor within each replica group (DDP: one group of every rank)."""
         if any(r is None for r in per_rank):
             return False
         diverging: list[dict[str, Any]] = []
         ranks: set[int] = set()
         for index, (name, _) in enumerate(self._params):
-            values = [r[index] for r in per_rank]
-            groups: dict[Any, list[int]] = {}
-            for rank, value in enumerate(values):
-                groups.setdefault(same_fingerprint_key(value), []).append(rank)
-            if len(groups) == 1:
-                continue
-            majority = max(groups.values(), key=lambda ranks_: (len(ranks_), 0 in ranks_))
-            odd = sorted(r for r in range(len(values)) if r not in majority)
-            ranks.update(odd)
-            self._reference = majority[0]
-            diverging.append({
-                "tensor": name, "ranks": odd, "reference_rank": majority[0],
-                "relative_difference": _relative(values[majority[0]], [values[r] for r in odd]),
-            })
+            for members in replica_groups:
+                values = {rank: per_rank[rank][index] for rank in members if rank < len(per_rank)}  # type: ignore[index]
+                agreeing: dict[Any, list[int]] = {}
+                for rank, value in values.items():
+                    agreeing.setdefault(same_fingerprint_key(value), []).append(rank)
+                if len(agreeing) <= 1:
+                    continue
+                majority = max(agreeing.values(), key=lambda ranks_: (len(ranks_), -min(ranks_)))
+                odd = sorted(r for r in values if r not in majority)
+                ranks.update(odd)
+                self._reference = majority[0]
+                diverging.append({
+                    "tensor": name, "ranks": odd, "reference_rank": majority[0],
+                    "relative_difference": _relative(values[majority[0]], [values[r] for r in odd]),
+                })
         if not diverging:
             return False
         shown = diverging[: self.options.max_tensors]
         names = ", ".join(d["tensor"] for d in shown) + (f" and {len(diverging) - len(shown)} more" if len(diverging) > len(shown) else "")
         self._report(
             ctx, code,
-            f"{what} differ across data-parallel ranks at step {step} ({self._described}): rank(s) {sorted(ranks)} disagree with "
+            f"{what} differ across {'the replicas of a shard' if self.mode == 'replicas' else 'data-parallel ranks'} at step {step} "
+            f"({self._described}): rank(s) {sorted(ranks)} disagree with "
             f"rank {shown[0]['reference_rank']} on {len(diverging)} of {len(self._params)} tensors, first {names}"
             + (" (these are the weights the step's forward used, after the previous update)." if code == PARAM_DESYNC.code else ".")
             + self._policy_note(code),
             step=step,
             evidence={"ranks": sorted(ranks), "tensors": shown, "diverging_tensors": len(diverging), "checked_tensors": len(self._params),
-                      "parallelism": self._described, "on_desync": self.options.on_desync},
+                      "parallelism": self._described, "on_desync": self.options.on_desync,
+                      "replica_groups": [list(g) for g in replica_groups] if self.mode == "replicas" else None},
         )
         return True
 
@@ -385,7 +339,7 @@ class GradSync(Plugin):
         for k, (index, start, numel, owner) in enumerate(zero.pieces):
             if k not in owned:
                 continue
-            expected = [sum(g["zero_local"][k][j] for g in gathered) / world for j in (0, 1)]
+            expected = [self._clip * sum(g["zero_local"][k][j] for g in gathered) / world for j in (0, 1)]
             total, alternating, l2, unit = owned[k]
             # independent roundings of the elements add up like a random walk: about unit * L2 per pass
             tolerance = (self.options.zero_rtol + 6 * unit * math.sqrt(hops)) * l2 + 1e-30
@@ -409,7 +363,7 @@ class GradSync(Plugin):
         return True
 
     def _can_rebroadcast(self) -> bool:
-        """DDP only: DeepSpeed keeps fp32 master weights (ZeRO-0) or partitions (ZeRO-1/2) that a broadcast of the weights misses."""
+        """DDP only: DeepSpeed keeps fp32 master weights (ZeRO-0) or partitions (ZeRO-1/2), FSDP shards, that a broadcast of the weights misses."""
         return self.mode == "ddp" and not self._deepspeed
 
     def _action_for(self, code: str) -> str:
@@ -481,7 +435,7 @@ class GradSync(Plugin):
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
-        if self.mode not in ("ddp", "zero"):
+        if not self._parallelism.active or self.mode == "failed":
             return
         if self._rebroadcast_step == step:
             # every rank enters (the step was chosen before the check): a rank whose comparison or collection raised

@@ -136,7 +136,7 @@ class LrSchedule(Plugin):
         self.report(
             LR_SCHEDULE_MISMATCH.code,
             f"the update of step {step} used LR {applied:.6g}, but the run's schedule ({described}) gives {expected:.6g} at scheduler "
-            f"position {self._position_before} ({applied / expected if expected else float('inf'):.3g}x){why}.",
+            f"position {self._position_before}{f' ({applied / expected:.3g}x)' if expected else ''}{why}.",
             step=step,
             evidence={"applied_lr": applied, "expected_lr": expected, "position": self._position_before, "schedule": schedule,
                       "changed_at_resume": {k: list(v) for k, v in self._changed_at_resume.items()}, "resumed_from": self._resumed_from},

@@ -12,6 +12,11 @@ It also watches what slips past that: an update the optimizer skipped on
 its own (DeepSpeed's overflow check, an fp16 GradScaler), parameters that
 already hold NaN/Inf (every ``check_params_every`` steps), and, at run end,
 how many steps were skipped and whether the LR scheduler held still then.
+
+Under FSDP (FSDP2 DTensor shards, FSDP1 flat slices) every check reads the
+rank's own shard only (no hidden collective); a hit on any rank's shard
+becomes the step's agreed skip, so every rank leaves its shard and its
+optimizer state untouched.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.lib.capture import sample_ids, write_capture
 from harness.core.findings import Finding, FindingCode, Severity
 from harness.lib.fingerprints import scheduler_state
+from harness.lib.sharding import local_tensor
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 
@@ -140,7 +146,8 @@ class NanGuard(Plugin):
     def _grads_finite(self, model: Any, grad_norm: float | None) -> bool | None:
         if grad_norm is not None:
             return math.isfinite(grad_norm)
-        grads = [p.grad for p in getattr(model, "parameters", lambda: [])() if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in getattr(model, "parameters", lambda: [])() if p.grad is not None]
+        grads = [g for g in grads if g.numel()]  # an FSDP2 shard can be empty on some ranks
         if not grads:
             return None  # e.g. DeepSpeed ZeRO keeps reduced gradients in its own partitions
         # no grad norm (DeepSpeed computes it inside its step, or clipping is off): one sync of its own, only then
@@ -234,7 +241,7 @@ class NanGuard(Plugin):
     def _check_params(self, ctx: Any, step: int) -> None:
         """One finiteness flag per floating-point parameter tensor, read with one transfer."""
         model = getattr(ctx.trainer, "model", None)
-        named = [(n, getattr(p, "ds_tensor", p)) for n, p in model.named_parameters()] if model is not None else []
+        named = [(n, local_tensor(getattr(p, "ds_tensor", p))) for n, p in model.named_parameters()] if model is not None else []
         named = [(n, t) for n, t in named if t.numel() and t.is_floating_point()]  # quantized weights are integers
         if not named:
             return

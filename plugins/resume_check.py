@@ -31,7 +31,9 @@ from harness.lib.fingerprints import differing, optimizer_tensors, param_tensors
 from harness.lib.hashing import combine_row_hashes, device_row_hashes, hex64
 from harness.core.hookspecs import hookimpl
 from harness.lib.robust import judge
+from harness.lib.sharding import model_is_sharded, optimizer_is_sharded
 from harness.lib.ledger import around_resume
+from harness.lib.lr_resume import base_lr, describe, judge_lr_at_resume, schedule_factor
 
 
 def _code(code: str, severity: Severity, summary: str) -> FindingCode:
@@ -52,12 +54,16 @@ RESUME_CONFIG_CHANGED = _code("RESUME_CONFIG_CHANGED", Severity.WARNING, "Traini
 RESUME_LOSS_JUMP = _code(
     "RESUME_LOSS_JUMP", Severity.WARNING, "The loss after the resume does not continue the saved run's (reference batch or first steps)."
 )
+LR_CHANGE_IGNORED_ON_RESUME = _code(
+    "LR_CHANGE_IGNORED_ON_RESUME", Severity.WARNING,
+    "--learning_rate changed at the resume, but the restored scheduler keeps the saved LR: the new value has no effect.",
+)
 RESUME_UNCHECKED = _code(
     "RESUME_UNCHECKED", Severity.WARNING, "The checkpoint has no resume_check state: the resume was not verified (no check ran)."
 )
 CODES = [
     RESUME_UNCHECKED, RESUME_MODEL_MISMATCH, RESUME_OPTIMIZER_NOT_RESTORED, RESUME_SCHEDULER_MISMATCH, RESUME_RNG_NOT_RESTORED,
-    RESUME_DATA_POSITION, RESUME_WORLD_SIZE_CHANGED, RESUME_CONFIG_CHANGED, RESUME_LOSS_JUMP,
+    RESUME_DATA_POSITION, RESUME_WORLD_SIZE_CHANGED, RESUME_CONFIG_CHANGED, RESUME_LOSS_JUMP, LR_CHANGE_IGNORED_ON_RESUME,
 ]
 SCHEDULE_KEYS = (
     "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "max_steps", "num_train_epochs",
@@ -110,6 +116,8 @@ class ResumeCheck(Plugin):
         self._position_reported = False
         self._band_checked = 0
         self._earlier_losses: dict[int, float] | None = None
+        self._config_changed: dict[str, dict[str, Any]] | None = None  # held until the first update shows which LR won
+        self._reshard = self._reshard_optimizer = False
 
     def setup(self, ctx: Any) -> None:
         self._losses = deque(maxlen=self.options.loss_window)
@@ -120,6 +128,8 @@ class ResumeCheck(Plugin):
         self._resume_step, self._saved, self._expected = None, None, None
         self._earlier_losses: dict[int, float] | None = None
         self._pending_rng, self._position_reported, self._band_checked = False, False, 0
+        self._config_changed = None
+        self._reshard = self._reshard_optimizer = False  # resumed with another world size and sharded state: not comparable
 
     @hookimpl
     def decide_action(self, ctx: Any, finding: Finding) -> str | None:
@@ -142,6 +152,13 @@ class ResumeCheck(Plugin):
     @hookimpl
     def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, optimizer: Any, grad_norm: Any, loss: Any) -> None:
         self._take_reference()
+        if self._config_changed is not None:
+            self._report_config_changed(ctx, optimizer, step)
+
+    @hookimpl
+    def on_run_end(self, ctx: Any) -> None:
+        if self._config_changed is not None:  # resumed, but no update ran: judge with the LR the next update would get
+            self._report_config_changed(ctx, getattr(ctx.trainer, "optimizer", None), None)
 
     def _take_reference(self) -> None:
         """The reference rows as host tensors, from the guard's read (or copied here if no guard read them: a save before any step)."""
@@ -220,29 +237,66 @@ class ResumeCheck(Plugin):
             self._report_unchecked(ctx, checkpoint_dir)  # nothing to compare with: say so rather than pass silently
             return
         trainer = ctx.trainer
-        if state.get("world_size") != ctx.world_size:
+        resized = state.get("world_size") != ctx.world_size
+        self._reshard = resized and model_is_sharded(trainer)
+        self._reshard_optimizer = resized and optimizer_is_sharded(trainer)
+        if resized:
+            what = "the weights and optimizer state are" if self._reshard else "the optimizer state is"
             self.report(
                 RESUME_WORLD_SIZE_CHANGED.code,
                 f"the run was saved with {state.get('world_size')} processes and resumes with {ctx.world_size}: the data position "
-                "(batches per step) and any per-rank state no longer line up.",
-                evidence={"saved": state.get("world_size"), "now": ctx.world_size},
+                "(batches per step) and any per-rank state no longer line up"
+                + (f"; {what} partitioned across the ranks, so each rank now holds other parts and they were not compared."
+                   if self._reshard_optimizer else "."),
+                evidence={"saved": state.get("world_size"), "now": ctx.world_size, "sharded": self._reshard,
+                          "optimizer_sharded": self._reshard_optimizer},
             )
         config_now = {k: _plain(getattr(trainer.args, k, None)) for k in self.options.config_keys}
         changed = {k: {"saved": state["config"].get(k), "now": v} for k, v in config_now.items() if k in state.get("config", {}) and state["config"][k] != v}
         if changed:
-            self.report(
-                RESUME_CONFIG_CHANGED.code,
-                "training arguments changed across the resume: "
-                + ", ".join(f"{k} {c['saved']} -> {c['now']}" for k, c in changed.items())
-                + ".",
-                evidence={"changed": changed},
-            )
+            self._config_changed = changed
+            if "learning_rate" not in changed:  # else wait for the first update: it shows which LR won
+                self._report_config_changed(ctx, None, None)
         self._check_model(ctx, trainer, state)
         self._check_optimizer(ctx, trainer, state)
         self._check_scheduler(ctx, trainer, state)
         self._check_reference(ctx, trainer, state)
         epoch = float(state.get("epoch", 0.0))
         self._pending_rng = "rng" in state and epoch != int(epoch)  # at an epoch start the loader draws from the RNG first
+
+    def _report_config_changed(self, ctx: Any, optimizer: Any, step: int | None) -> None:
+        """RESUME_CONFIG_CHANGED, saying whether a changed learning rate is in effect (LR_CHANGE_IGNORED_ON_RESUME if not)."""
+        changed, self._config_changed = self._config_changed or {}, None
+        if not ctx.is_main:
+            return  # the training arguments are the job's, alike on every rank: one finding, not one per rank
+        parts = {k: f"{k} {c['saved']} -> {c['now']}" for k, c in changed.items()}
+        evidence: dict[str, Any] = {"changed": changed}
+        lr_change = changed.get("learning_rate")
+        groups = getattr(optimizer, "param_groups", None)
+        if lr_change is not None and groups and isinstance(lr_change["saved"], (int, float)) and isinstance(lr_change["now"], (int, float)):
+            scheduler = getattr(ctx.trainer, "lr_scheduler", None)
+            lr = judge_lr_at_resume(float(lr_change["saved"]), float(lr_change["now"]), base_lr(scheduler),
+                                    float(groups[0]["lr"]), schedule_factor(scheduler))  # host floats: no device read
+            evidence["learning_rate"] = lr.evidence()
+            parts["learning_rate"] = describe(lr)
+            if lr.winner == "restored":
+                del parts["learning_rate"]
+                self._report_lr_ignored(lr, step)
+        if parts:
+            self.report(RESUME_CONFIG_CHANGED.code, "training arguments changed across the resume: " + ", ".join(parts.values()) + ".",
+                        step=self._resume_step, evidence=evidence)
+
+    def _report_lr_ignored(self, lr: Any, step: int | None) -> None:
+        where = f"the first update after the resume (step {step})" if step is not None else "the next update"
+        would = f"; --learning_rate {lr.configured:g} would give {lr.configured_would_give:.3g} there" if lr.configured_would_give is not None else ""
+        self.report(
+            LR_CHANGE_IGNORED_ON_RESUME.code,
+            f"--learning_rate is {lr.configured:g} now ({lr.saved:g} at the save), but the Trainer restored scheduler.pt, whose base "
+            f"LR is {lr.restored_base if lr.restored_base is not None else lr.saved:g}: {where} used {lr.applied:.3g}{would}. "
+            "The new value has no effect on this run; the schedule continues with the saved one.",
+            step=step if step is not None else self._resume_step,
+            evidence=lr.evidence(),
+        )
 
     def _report_unchecked(self, ctx: Any, checkpoint_dir: Any) -> None:
         state_dir = Path(checkpoint_dir) / STATE_DIR
@@ -262,6 +316,8 @@ class ResumeCheck(Plugin):
         )
 
     def _check_model(self, ctx: Any, trainer: Any, state: dict[str, Any]) -> None:
+        if self._reshard:
+            return  # another world size cuts the shards elsewhere: per-rank fingerprints cannot match
         saved = state.get("params") or {}
         diff = differing(saved, tensor_sums(param_tensors(trainer.model_wrapped, clone=False)))
         if saved and diff:
@@ -273,6 +329,8 @@ class ResumeCheck(Plugin):
             )
 
     def _check_optimizer(self, ctx: Any, trainer: Any, state: dict[str, Any]) -> None:
+        if self._reshard_optimizer:
+            return  # ZeRO and FSDP partition the optimizer state by world size: per-rank fingerprints cannot match
         saved = state.get("optimizer") or {}
         now = tensor_sums(optimizer_tensors(trainer.optimizer, clone=False))
         diff = differing(saved, now)

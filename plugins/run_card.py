@@ -6,6 +6,11 @@ the chosen precision and ZeRO stage, how long it will take, and what result
 counts as success. The card is ``run_card.json`` in the run directory
 (rank 0), uploaded to MLflow and shown in the report; the estimates use the
 same formulas as ``harness estimate``.
+
+Under FSDP the parameter count is the whole model's (FSDP2's DTensors and
+FSDP1's flat parameters hold a rank's shard only), and the memory estimate
+is ZeRO-3's: weights, gradients and optimizer state all split over the
+shard group.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from harness.lib.cost import duration, memory_per_device, peak_for
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.lib.runinfo import run_facts
-from harness.lib.tokens import count_parameters
+from harness.lib.sharding import full_parameter_counts, trainer_sharding
 
 CARD_FILE = "run_card.json"
 
@@ -57,9 +62,13 @@ class RunCard(Plugin):
             return
         facts = run_facts(trainer, ctx.world_size, ctx.stage)
         training = facts["training"]
-        params, trainable = count_parameters(trainer.model)
+        params, trainable = full_parameter_counts(trainer.model)
         precision, zero = training["precision"], training["deepspeed_zero_stage"] or 0
-        memory = memory_per_device(params, precision, zero, ctx.world_size)
+        sharding = trainer_sharding(trainer)
+        shards = ctx.world_size
+        if sharding.sharded:  # FSDP FULL_SHARD splits all three like ZeRO-3, over the shard group (HSDP: one replica)
+            zero, shards = (3 if sharding.shard_size > 1 else 0), max(sharding.shard_size, 1)
+        memory = memory_per_device(params, precision, zero, shards)
         device = trainer.args.device
         peak = None
         if getattr(device, "type", "") == "cuda":
@@ -74,6 +83,7 @@ class RunCard(Plugin):
             "world_size": ctx.world_size,
             "precision": precision,
             "zero_stage": zero,
+            "sharding": sharding.describe() if sharding.sharded else None,
             "planned_steps": int(trainer.state.max_steps or 0) or training["max_steps"],
             "global_batch_size": training["global_batch_size"],
             "sequence_length": None,
@@ -145,7 +155,7 @@ class RunCard(Plugin):
         rows = [["parameters", f"{card.get('parameters'):,}"],
                 ["planned tokens", f"{card['planned_tokens']:,}" if card.get("planned_tokens") else "-"],
                 ["compute C = 6ND", f"{card['compute_flops']:.3g} FLOPs" if card.get("compute_flops") else "-"],
-                [f"memory per device ({card.get('precision')}, ZeRO-{card.get('zero_stage')}, {card.get('world_size')} ranks)",
+                [f"memory per device ({card.get('precision')}, {card.get('sharding') or 'ZeRO-' + str(card.get('zero_stage'))}, {card.get('world_size')} ranks)",
                  f"{memory.get('total', 0) / 1e9:.3g} GB (weights {memory.get('weights', 0) / 1e9:.3g}, gradients "
                  f"{memory.get('gradients', 0) / 1e9:.3g}, optimizer {memory.get('optimizer', 0) / 1e9:.3g}; activations extra)"]]
         measured = card.get("measured")

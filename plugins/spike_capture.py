@@ -1,11 +1,15 @@
 """spike_capture: loss and grad-norm spikes against a robust running baseline, with the offending batch captured.
 
-The baseline is the median and MAD of the last ``window`` normal steps: a
-spike never enters it (so one bad batch cannot raise the bar for the next),
-and nothing is judged during a warmup grace period, when the loss falls
-steeply by design. A spike is judged before the optimizer applies the step,
-so the capture's per-sample losses are recomputed on the very weights that
-produced it, and a policy may still skip that update. A loss that stays
+The baseline is the median and MAD of the last ``window`` normal steps,
+robust from the first step: every step is tested against what the window
+already holds, and an outlier never enters it (so one bad batch, in the
+warm-up or later, cannot raise the bar for the next); findings start once
+the window holds ``min_history`` steps. The loss level follows the steep fall
+of a warm-up along the window's robust slope, so that a spike there is not
+swallowed by a median lagging above the curve. A spike is judged before the
+optimizer applies the step, so the capture's per-sample losses are
+recomputed on the very weights that produced it, and a policy may still skip
+that update. A loss that stays
 elevated for ``divergence_patience`` steps is a divergence, not a spike.
 
 Per micro-batch it keeps the batch by reference and queues its loss with
@@ -16,19 +20,18 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 from collections import deque
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.lib.capture import CaptureResult, sample_ids, write_capture
 from harness.core.findings import FindingCode, Severity
-from harness.lib.hashing import content_hashes
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
-from harness.lib.robust import Judgement, judge
+from harness.lib.capture import CaptureResult, write_capture
+from harness.lib.robust import Baseline, Judgement
+from harness.lib.spike_notes import earlier_micro_batches, grad_rise, loss_context, loss_spike_notes, step_dataset_indices
 
 LOSS_SPIKE = FindingCode(
     "LOSS_SPIKE", Severity.WARNING, "The step loss jumped far above its running baseline; the batch was captured.", "numeric-health#loss_spike"
@@ -51,8 +54,15 @@ class SpikeCaptureOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     window: int = Field(50, ge=5, description="Normal steps in the running baseline (spread: MAD of their step-to-step differences).")
-    min_history: int = Field(10, ge=3, description="Steps the baseline needs before any step is judged.")
-    warmup_steps: int = Field(20, ge=0, description="Grace period: the first warmup_steps steps of a run feed the baseline but are never reported.")
+    min_history: int = Field(
+        10, ge=3, description="Normal steps the baseline must hold before a finding is made (earlier outliers are still kept out of it)."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Optional grace: no finding in the first warmup_steps steps (their outliers are still kept out of the baseline)."
+    )
+    grad_warmup_steps: int = Field(
+        20, ge=0, description="No GRAD_NORM_SPIKE in the first grad_warmup_steps steps: early grad norms swing widely (outliers still stay out)."
+    )
     loss_z: float = Field(6.0, gt=0, description="A loss spike is this many robust standard deviations above the baseline level ...")
     loss_min_rise: float = Field(0.1, ge=0, description="... and at least this fraction above the median (guards a flat baseline with a tiny spread).")
     grad_z: float = Field(6.0, gt=0, description="A grad-norm spike is this many robust standard deviations above the median ...")
@@ -95,18 +105,20 @@ class SpikeCapture(Plugin):
 
     def _reset(self) -> None:
         o = self.options
-        self.loss_window: deque[float] = deque(maxlen=o.window)
-        self.grad_window: deque[float] = deque(maxlen=o.window)
+        self.loss_base = Baseline(o.window, o.min_history, o.level_steps, trend=True)
+        self.grad_base = Baseline(o.window, o.min_history, o.level_steps)
         self.history: deque[tuple[int, float | None, float | None]] = deque(maxlen=o.history)
         self.steps_seen = 0
         self.elevated_run = 0
         self.divergence_reported = False
         self.grad_in_spike = False
+        self.grad_outlier_run = 0  # grad norms in a row outside their baseline (a new level after divergence_patience)
         self.captures = 0
         self.resumed_at: int | None = None
         self._current: list[tuple[int, dict[str, Any]]] = []
         self._ring: deque[tuple[int, int, dict[str, Any]]] = deque(maxlen=o.ring_size)
         self._grad_pending: tuple[int, list[Micro], CaptureResult | None] | None = None
+        self._loss_seen: tuple[int, Judgement | None, bool, bool] | None = None  # (step, judgement, spike, elevated) of the last loss
 
     def setup(self, ctx: Any) -> None:
         self._reset()
@@ -120,8 +132,8 @@ class SpikeCapture(Plugin):
     @hookimpl
     def checkpoint_state(self, ctx: Any, step: int) -> dict[str, Any]:
         return {
-            "loss_window": list(self.loss_window),
-            "grad_window": list(self.grad_window),
+            "loss_window": list(self.loss_base.values),
+            "grad_window": list(self.grad_base.values),
             "history": [list(h) for h in self.history],
             "steps_seen": self.steps_seen,
             "elevated_run": self.elevated_run,
@@ -134,8 +146,8 @@ class SpikeCapture(Plugin):
         self.resumed_at = ctx.step
         if not state:
             return
-        self.loss_window.extend(float(v) for v in state.get("loss_window", []))
-        self.grad_window.extend(float(v) for v in state.get("grad_window", []))
+        self.loss_base.values.extend(float(v) for v in state.get("loss_window", []))
+        self.grad_base.values.extend(float(v) for v in state.get("grad_window", []))
         self.history.extend((int(s), l, g) for s, l, g in state.get("history", []))
         self.steps_seen = int(state.get("steps_seen", 0))
         self.elevated_run = int(state.get("elevated_run", 0))
@@ -172,8 +184,7 @@ class SpikeCapture(Plugin):
         # DeepSpeed computes the grad norm inside its own step: judge it now (the weights have moved on)
         grad = self._grad_judgement(float(metrics["grad_norm"]))
         if grad is not None:
-            with_loss_spike = bool(self.history) and self.history[-1][0] == step and self.elevated_run > 0
-            self._report_grad_spike(ctx, step, grad, current, capture, with_loss_spike=with_loss_spike, weights_moved=True)
+            self._report_grad_spike(ctx, step, grad, current, capture, weights_moved=True)
 
     def _judge(self, ctx: Any, step: int, loss: float, norm: float | None, current: list[Micro]) -> None:
         o = self.options
@@ -181,31 +192,33 @@ class SpikeCapture(Plugin):
             self.history.append((step, loss, norm))
             return  # nan_guard's finding; a non-finite value must not poison the baseline
         self.steps_seen += 1
-        in_grace = self.steps_seen <= o.warmup_steps
-        j = judge(loss, self.loss_window, o.min_history, o.level_steps)
-        spike = elevated = False
-        if j is not None and not in_grace:
-            rise = loss - j.median > o.loss_min_rise * abs(j.median)
-            spike = rise and j.z > o.loss_z
-            elevated = rise and j.z > o.divergence_z
+        ready = self.loss_base.ready and self.steps_seen > o.warmup_steps
+        j = self.loss_base.judge(loss)  # against what is there, from the first steps: outliers never enter
+        rise = j is not None and j.value - j.median > o.loss_min_rise * abs(j.median)
+        outlier = rise and j is not None and j.z > min(o.divergence_z, o.loss_z)
+        spike = ready and rise and j is not None and j.z > o.loss_z
+        self._loss_seen = (step, j, spike, outlier)
         episode_started = self.elevated_run == 0
-        self.elevated_run = self.elevated_run + 1 if (spike or elevated) else 0
-        if not (spike or elevated):
-            self.loss_window.append(loss)
+        self.elevated_run = self.elevated_run + 1 if outlier else 0
+        if not outlier:
+            self.loss_base.admit(loss)
             self.divergence_reported = False
         grad = self._grad_judgement(norm) if norm is not None else None
         capture: CaptureResult | None = None
         if spike and episode_started and j is not None:
             capture = self._capture(ctx, step, LOSS_SPIKE.code, f"loss {loss:.4f} vs running median {j.median:.4f}", current)
-            self._report_loss_spike(ctx, step, j, grad, capture)
+            self._report_loss_spike(ctx, step, j, grad, capture, current)
         if self.elevated_run >= o.divergence_patience and not self.divergence_reported and j is not None:
             self.divergence_reported = True
-            self._report_divergence(ctx, step, j)
-            self.loss_window.clear()  # reported once; from here the new level is the baseline (min_history steps to rebuild)
+            if ready:
+                self._report_divergence(ctx, step, j)
+            else:  # the level moved before the baseline was complete: start again from the new level, without a finding
+                log.info("spike_capture: the loss moved to a new level before its baseline filled; rebuilding it from step %s", step)
+            self.loss_base.clear()  # reported once; from here the new level is the baseline (min_history steps to rebuild)
         if norm is None:
             self._grad_pending = (step, current, capture)
         elif grad is not None:
-            self._report_grad_spike(ctx, step, grad, current, capture, with_loss_spike=spike, weights_moved=False)
+            self._report_grad_spike(ctx, step, grad, current, capture, weights_moved=False)
         self.history.append((step, loss, norm))
 
     def _grad_judgement(self, norm: float) -> Judgement | None:
@@ -213,28 +226,42 @@ class SpikeCapture(Plugin):
         o = self.options
         if not math.isfinite(norm):
             return None
-        j = judge(norm, self.grad_window, o.min_history, o.level_steps)
-        spike = j is not None and self.steps_seen > o.warmup_steps and norm > j.median * o.grad_min_ratio and j.z > o.grad_z
-        if not spike:
-            self.grad_window.append(norm)
-            self.grad_in_spike = False
+        j = self.grad_base.judge(norm)
+        outlier = j is not None and norm > j.median * o.grad_min_ratio and j.z > o.grad_z
+        if not outlier:
+            self.grad_base.admit(norm)
+            self.grad_in_spike, self.grad_outlier_run = False, 0
             return None
-        return j
+        self.grad_outlier_run += 1
+        if self.grad_outlier_run >= o.divergence_patience:  # a new level, not a spike: it becomes the baseline
+            log.info("spike_capture: the grad norm stayed at a new level for %d steps; rebuilding its baseline from there", self.grad_outlier_run)
+            self.grad_base.clear()
+            self.grad_base.admit(norm)
+            self.grad_in_spike, self.grad_outlier_run = False, 0
+            return None
+        return j if self.grad_base.ready and self.steps_seen > max(o.warmup_steps, o.grad_warmup_steps) else None
+
+    def _loss_context(self, step: int) -> tuple[str, bool, bool, dict[str, Any]]:
+        """What the loss of ``step`` did against its own baseline: (words, spiked, moved, evidence); never "unmoved" when it moved."""
+        seen = self._loss_seen if self._loss_seen is not None and self._loss_seen[0] == step else None
+        _, j, spiked, elevated = seen if seen is not None else (step, None, False, False)
+        words, moved, evidence = loss_context(j, spiked, elevated, self.options.loss_min_rise, self.options.divergence_z)
+        return words, spiked, moved, evidence
 
     def _report_grad_spike(
-        self, ctx: Any, step: int, j: Judgement, current: list[Any], capture: CaptureResult | None, with_loss_spike: bool, weights_moved: bool
+        self, ctx: Any, step: int, j: Judgement, current: list[Any], capture: CaptureResult | None, weights_moved: bool
     ) -> None:
         o = self.options
         if self.grad_in_spike:
             return  # the same episode: reported at its first step
         self.grad_in_spike = True
         ratio = j.value / j.median if j.median > 0 else math.inf
-        serious = with_loss_spike or ratio >= o.grad_warn_ratio
+        context, with_loss_spike, loss_moved, loss_evidence = self._loss_context(step)
+        serious = with_loss_spike or ratio >= o.grad_warn_ratio or bool(loss_evidence.get("loss_elevated"))
         if capture is None and serious:
             why = f"grad norm {j.value:.4f} vs running median {j.median:.4f}"
             capture = self._capture(ctx, step, GRAD_NORM_SPIKE.code, why, current, weights_moved=weights_moved)
         losses = [h[1] for h in self.history if h[1] is not None and math.isfinite(h[1])]
-        context = "together with a loss spike" if with_loss_spike else ("with the loss unmoved" if not serious else "far beyond the usual jitter")
         self.report(
             GRAD_NORM_SPIKE.code,
             f"grad norm {j.value:.4f} at step {step} on rank {ctx.rank} is {j.z:.1f} robust SDs above its running median "
@@ -245,6 +272,9 @@ class SpikeCapture(Plugin):
                 **j.evidence("grad_norm"),
                 "ratio": ratio,
                 "with_loss_spike": with_loss_spike,
+                "loss_moved": loss_moved,
+                **loss_evidence,
+                "dataset_indices": step_dataset_indices([b for _, b, _ in current]),
                 "loss_history": losses[-o.history:],
                 **self._resume_evidence(step),
                 "capture": str(capture.json_path) if capture else None,
@@ -256,27 +286,17 @@ class SpikeCapture(Plugin):
     # -- reports ------------------------------------------------------------------------------------
 
     def _grad_rise(self) -> dict[str, Any]:
-        """Did the grad norm climb in the steps before? (An optimizer instability shows there first; a bad batch does not.)"""
-        norms = [h[2] for h in self.history if h[2] is not None and math.isfinite(h[2])]
-        last = norms[-3:]
-        median = statistics.median(self.grad_window) if self.grad_window else None
-        rose = bool(last and median and statistics.fmean(last) > 1.5 * median)
-        return {"grad_norm_history": norms, "grad_norm_rose_before": rose, "grad_norm_median": median}
+        return grad_rise((h[2] for h in self.history), self.grad_base.median())
 
     def _resume_evidence(self, step: int) -> dict[str, Any]:
         since = step - self.resumed_at if self.resumed_at is not None else None
         return {"after_resume": since is not None and since <= self.options.resume_window, "steps_since_resume": since}
 
-    def _report_loss_spike(self, ctx: Any, step: int, j: Judgement, grad: Judgement | None, capture: CaptureResult | None) -> None:
-        rise = self._grad_rise()
-        resume = self._resume_evidence(step)
-        notes = []
-        if rise["grad_norm_rose_before"]:
-            notes.append("the grad norm was already rising before it (suspect the optimizer or LR, not only the batch)")
-        if grad is not None:
-            notes.append(f"the grad norm jumped with it ({grad.value / grad.median if grad.median > 0 else math.inf:.1f}x its median)")
-        if resume["after_resume"]:
-            notes.append(f"it came {resume['steps_since_resume']} steps after a resume (suspect the checkpoint restore first)")
+    def _report_loss_spike(
+        self, ctx: Any, step: int, j: Judgement, grad: Judgement | None, capture: CaptureResult | None, current: list[Micro]
+    ) -> None:
+        rise, resume = self._grad_rise(), self._resume_evidence(step)
+        notes = loss_spike_notes(rise, grad, resume)
         self.report(
             LOSS_SPIKE.code,
             f"loss {j.value:.4f} at step {step} on rank {ctx.rank} is {j.z:.1f} robust SDs above its running median {j.median:.4f} "
@@ -289,6 +309,7 @@ class SpikeCapture(Plugin):
                 **rise,
                 "grad_norm_jumped_with_it": grad is not None,
                 **resume,
+                "dataset_indices": step_dataset_indices([b for _, b, _ in current]),
                 "capture": str(capture.json_path) if capture else None,
                 "suspects": capture.suspects if capture else [],
             },
@@ -326,21 +347,14 @@ class SpikeCapture(Plugin):
             return None
 
     def _write(self, ctx: Any, step: int, code: str, why: str, current: list[Micro], weights_moved: bool) -> CaptureResult:
-        micro = list(current)
-        earlier = [
-            {"step": s, "micro_batch": m, "sample_ids": sample_ids(b), "hashes": content_hashes(b["input_ids"], b.get("attention_mask")) if torch.is_tensor(b.get("input_ids")) else None}
-            for s, m, b in self._ring
-            if s != step
-        ]
         context = {
             "loss_history": [{"step": s, "loss": l, "grad_norm": g} for s, l, g in self.history],
             **self._grad_rise(),
             **self._resume_evidence(step),
-            "earlier_micro_batches": earlier,
+            "earlier_micro_batches": earlier_micro_batches(self._ring, step),
         }
         no_recompute = "the weights had already moved on (DeepSpeed reports the grad norm after its update)" if weights_moved else None
         if not self.options.recompute_loss:
             no_recompute = "recompute_loss is off in the config"
-        return write_capture(
-            ctx, step=step, code=code, reason=f"{code} at step {step}: {why}.", micro_batches=micro, context=context, no_recompute=no_recompute
-        )
+        reason = f"{code} at step {step}: {why}."
+        return write_capture(ctx, step=step, code=code, reason=reason, micro_batches=list(current), context=context, no_recompute=no_recompute)

@@ -89,6 +89,8 @@ class DeferredReads:
 def _as_int64(tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
     if tensor.is_complex() or tensor.device.type == "meta":
         raise TypeError(f"ctx.defer cannot read a {tensor.dtype} tensor on {tensor.device}: defer real tensors with data")
+    if hasattr(tensor, "to_local"):  # a DTensor (FSDP2, tensor parallel): its local part is what this rank holds
+        raise TypeError(f"ctx.defer cannot read a {type(tensor).__name__}: defer its local tensor (`.to_local()`) instead")
     if tensor.device.type == "mps" and tensor.is_floating_point():
         tensor = tensor.cpu()  # MPS has no float64
     flat = tensor.reshape(-1)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from typing import Any, Iterable
 
 
 class HarnessError(Exception):
@@ -35,6 +35,32 @@ class RunDirLockedError(RunDirError):
 
 class NoCompleteCheckpointError(HarnessError):
     """``resume_from_checkpoint=True`` found checkpoints, but none complete enough to resume from."""
+
+
+class HarnessStopped(HarnessError):
+    """Raised from ``trainer.train()`` after the harness stopped training and the Trainer returned (core option ``on_stop: raise``).
+
+    Without it a stopped ``train()`` returns like a finished one and the script
+    goes on as if training had completed. Not to be confused with
+    :class:`harness.HarnessStop`, which a plugin raises to ask for a stop.
+    ``code`` is the finding that decided the stop (``codes``: every cause),
+    ``attempt`` the ``train()`` call's number in the report (1-based).
+    """
+
+    def __init__(self, step: int, output_dir: str, codes: tuple[str, ...] = (), attempt: int | None = None, action: str = "stop") -> None:
+        self.step, self.output_dir, self.codes, self.attempt, self.action = step, str(output_dir), tuple(codes), attempt, action
+        self.code = self.codes[-1] if self.codes else None
+        where = f"step {step}" + (f" (attempt {attempt})" if attempt is not None else "")
+        because = f" after {', '.join(self.codes)}" if self.codes else ""
+        super().__init__(
+            f"the harness stopped training at {where}{because} ({action}); trainer.train() returned early and raised "
+            f"HarnessStopped because the config says `on_stop: raise`. Fix: run `harness explain {self.output_dir}` for "
+            "what happened and what to do; `on_stop: return` makes train() return normally after a stop."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Rebuilt from its fields, so it crosses process pools and launchers that pickle a worker's exception."""
+        return (type(self), (self.step, self.output_dir, self.codes, self.attempt, self.action))
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

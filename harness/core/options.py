@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -65,6 +65,13 @@ class CoreOptions(BaseModel):
     )
     recent_batches: int = Field(
         4, ge=0, description="Micro-batches kept by reference in the run context's ring buffer (no copies)."
+    )
+    on_stop: Literal["return", "raise"] = Field(
+        "return",
+        description="What trainer.train() does after the harness stopped training (stop, save_and_stop, a rollback without a "
+        "stage runner): 'return' returns as the Trainer does (the stop banner on stderr and `harness wrap`'s exit status 75 "
+        "still say it); 'raise' raises harness.HarnessStopped (code, step, attempt, output_dir) once the Trainer returned "
+        "and the report is written, so that the script cannot go on as if training had completed.",
     )
 
 

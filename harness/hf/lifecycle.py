@@ -2,7 +2,8 @@
 
 ``on_run_end`` fires however the call ends (completed, stopped by an action,
 crashed), and then rank 0 writes the report and hands it to ``on_report``
-(where trackers close). Rank 0 holds the run directory's lock while a
+(where trackers close). After a harness stop the call returns, or raises
+``HarnessStopped`` under the core option ``on_stop: raise``. Rank 0 holds the run directory's lock while a
 ``train()`` call runs; a second process on the same directory is refused
 at attach already, before ``config.yaml`` is written.
 """
@@ -10,15 +11,18 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from harness.core.actions import Action
 from harness.core.context import RunContext
+from harness.core.errors import HarnessStopped
 from harness.hf.actions import ActionExecutor
 from harness.hf.checkpoint_state import CheckpointState
 from harness.lib import rundir
+from harness.lib.stops import StopNotice
 from harness.lib.runinfo import end_attempt, run_facts, start_attempt
 
 RANK_END_WAIT_S = 90.0  # rank 0 waits this long at most for the other ranks' run-end files
@@ -52,7 +56,7 @@ class RunLifecycle:
             return train(*args, **kwargs)
         if self._lock_dir is not None:
             rundir.acquire(self._lock_dir, id(self))  # held until this call ends
-        self._actions.stopped = False
+        self._actions.begin_call()
         self.ctx.pending_action = Action.CONTINUE
         try:
             args, kwargs, resumed = self._checkpoint_state.resume_dir(args, kwargs)  # True/"last": the last COMPLETE checkpoint
@@ -65,7 +69,7 @@ class RunLifecycle:
         self._mark_attempt("running")
         status, error = "completed", None
         try:
-            return train(*args, **kwargs)
+            result = train(*args, **kwargs)
         except BaseException as exc:
             status, error = "crashed", exc
             raise
@@ -81,6 +85,22 @@ class RunLifecycle:
                 self._release_lock()
             if status == "crashed":
                 log.error("harness: training crashed; findings are in %s", self.ctx.run_dir / "findings.jsonl")
+        notice = self._actions.notice
+        if status == "stopped" and notice is not None and notice.ends_training:
+            self._after_stop(notice)
+        return result
+
+    def _after_stop(self, notice: StopNotice) -> None:
+        """The Trainer returned from a harness stop: say so once more (rank 0), and raise if ``on_stop: raise``."""
+        raising = self.ctx.options.on_stop == "raise"
+        if self.ctx.is_main:
+            then = "raising harness.HarnessStopped (on_stop: raise)" if raising else "train() returns as if it had finished (on_stop: return)"
+            sys.stderr.write(f"harness: training was STOPPED by the harness at {notice.where}{notice.because}; {then}. "
+                             f"See `harness explain {notice.output_dir}`.\n")
+            sys.stderr.flush()
+        if raising:
+            self._actions.mark_raised()
+            raise HarnessStopped(notice.step, notice.output_dir, notice.codes, notice.attempt, notice.action)
 
     def begin(self) -> None:
         """At train begin: record the attempt in run.json (rank 0), then ``on_run_start`` and ``inspect_dataset``."""
@@ -91,6 +111,7 @@ class RunLifecycle:
                 facts = run_facts(trainer, ctx.world_size, ctx.stage)
                 facts["plugin_classes"] = {name: class_path(ctx.manager.plugin(name)) for name in ctx.manager.names}
                 self._attempt = start_attempt(ctx.run_dir, facts, resumed, int(trainer.state.global_step))
+                self._actions.attempt = self._attempt + 1  # the report numbers attempts from 1
             except Exception:  # noqa: BLE001
                 log.exception("harness: could not record the run in %s", ctx.run_dir / "run.json")
         hooks.on_run_start(ctx, trainer)

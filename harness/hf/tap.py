@@ -8,7 +8,11 @@ Wrapped on the trainer instance only:
   (under DeepSpeed the engine steps inside backward, so after is too late);
 - ``_get_grad_norm``: keeps the Trainer's clipped-gradient norm for the guard;
 - ``get_batch_samples``: times the data loader (the Trainer fetches a step's
-  micro-batches there, before the step begins).
+  micro-batches there, before the step begins);
+- ``get_train_dataloader``: records the dataset index of every row from the
+  loader's batch sampler (:mod:`harness.hf.dataset_index`); ``on_loss`` gets
+  them in the batch it sees under ``DATASET_INDEX_KEY``, the Trainer's own
+  inputs are left as they are.
 
 Nothing here reads a device value: losses and norms stay tensors in the
 :class:`~harness.hf.step_record.StepRecord` until the guard's one read.
@@ -21,7 +25,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
 from harness.core.context import RunContext
+from harness.hf.dataset_index import DatasetIndexFeed, batch_rows
 from harness.hf.step_record import StepRecord
+from harness.lib.sample_rows import DATASET_INDEX_KEY, DATASET_INDEX_NOTE_KEY
+from harness.lib.sharding import replicated_local
 from harness.lib.tokens import token_positions
 
 
@@ -34,6 +41,8 @@ class MicroBatchTap:
         self._record = record  # the record of the step in flight (replaced at every step begin)
         self.in_training_step = False
         self._next_data_time = 0.0  # fetched before step_begin, so it belongs to the step about to begin
+        self.indices = DatasetIndexFeed(trainer)
+        self._batch_indices: list[int] | None = None  # of the micro-batch in training_step now
 
     def install(self, trainer: Any) -> None:
         trainer.training_step = self._wrap_training_step(trainer.training_step)
@@ -42,6 +51,8 @@ class MicroBatchTap:
             trainer._get_grad_norm = self._wrap_grad_norm(trainer._get_grad_norm)
         if hasattr(trainer, "get_batch_samples"):
             trainer.get_batch_samples = self._wrap_get_batch_samples(trainer.get_batch_samples)
+        if hasattr(trainer, "get_train_dataloader"):
+            trainer.get_train_dataloader = self._wrap_get_train_dataloader(trainer.get_train_dataloader)
 
     # -- data-loader time, carried into the next step's record -----------------------------------
 
@@ -63,6 +74,7 @@ class MicroBatchTap:
             ctx.step = self.trainer.state.global_step + 1
             if ctx.recent_batches.maxlen:
                 ctx.recent_batches.append((ctx.step, ctx.micro_step, inputs))
+            self._batch_indices = self.indices.take(batch_rows(inputs))  # one list per micro-batch, in the loader's order
             hooks.inspect_batch(ctx, inputs, ctx.step, ctx.micro_step)
             record = self._record()
             record.tokens += token_positions(inputs)
@@ -85,6 +97,11 @@ class MicroBatchTap:
         @functools.wraps(compute_loss)
         def harness_compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             seen = dict(inputs) if isinstance(inputs, Mapping) else inputs  # compute_loss may pop "labels"
+            if isinstance(seen, dict) and self.in_training_step:
+                if self._batch_indices is not None:
+                    seen[DATASET_INDEX_KEY] = self._batch_indices
+                elif self.indices.note:
+                    seen[DATASET_INDEX_NOTE_KEY] = self.indices.note
             result = compute_loss(model, inputs, *args, **kwargs)
             if self.in_training_step:
                 loss = (result[0] if isinstance(result, tuple) else result).detach()
@@ -119,11 +136,20 @@ class MicroBatchTap:
 
         return harness_get_batch_samples
 
+    def _wrap_get_train_dataloader(self, get_train_dataloader: Callable[..., Any]) -> Callable[..., Any]:
+        """Instrument the loader the Trainer trains from, so that each micro-batch's dataset indices are known."""
+
+        @functools.wraps(get_train_dataloader)
+        def harness_get_train_dataloader(*args: Any, **kwargs: Any) -> Any:
+            return self.indices.instrument(get_train_dataloader(*args, **kwargs))
+
+        return harness_get_train_dataloader
+
     def _wrap_grad_norm(self, get_grad_norm: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(get_grad_norm)
         def harness_get_grad_norm(*args: Any, **kwargs: Any) -> Any:
             norm = get_grad_norm(*args, **kwargs)
-            self._record().grad_norm = norm
+            self._record().grad_norm = replicated_local(norm)  # FSDP2: a replicated DTensor, read as its local tensor
             return norm
 
         return harness_get_grad_norm

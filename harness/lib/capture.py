@@ -4,7 +4,9 @@ A capture lives in ``<run_dir>/captures/step-<N>/`` and holds, per rank:
 
 - ``capture.rank-<r>.json``: why it was taken, the model and weights it was
   taken with, the loss and grad-norm history, and one record per sample
-  (ranked most suspect first): sample id, content hash, token ids, decoded
+  (ranked most suspect first): sample id (the batch's own id column, else
+  the row's dataset index), dataset index (from the batch sampler, when the
+  loader has one), content hash, token ids, decoded
   text, per-sample loss recomputed by a forward pass on the same weights,
   and text heuristics (repetition, non-printable and replacement characters,
   length);
@@ -27,15 +29,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from harness.core.distributed import model_parallel_sizes
 from harness.lib.hashing import content_hashes
+from harness.lib.sample_rows import (  # re-exported: plugins import them from here
+    DATASET_INDEX_KEY,
+    DATASET_INDEX_NOTE_KEY,
+    SAMPLE_ID_KEYS,
+    dataset_index_note,
+    dataset_indices,
+    sample_ids,
+    text_heuristics,
+)
 
 log = logging.getLogger("harness.lib.capture")
 
-SAMPLE_ID_KEYS = ("sample_id", "sample_ids", "idx", "id", "index")
-NOT_MODEL_INPUTS = ("labels", *SAMPLE_ID_KEYS)
+NOT_MODEL_INPUTS = ("labels", *SAMPLE_ID_KEYS, DATASET_INDEX_KEY, DATASET_INDEX_NOTE_KEY)
 IGNORE_INDEX = -100
 MAX_TEXT_CHARS = 20_000
 
@@ -53,21 +62,11 @@ class CaptureResult:
         """A one-line summary of the top suspects, for finding messages."""
         parts = []
         for s in self.suspects[:top]:
-            sid = f"sample id {s['sample_id']}, " if s.get("sample_id") is not None else ""
+            sid = f"sample id {s['sample_id']}, " if s.get("sample_id") is not None and s.get("sample_id_source") == "column" else ""
+            sid += f"dataset index {s['dataset_index']}, " if s.get("dataset_index") is not None else ""
             loss = f"loss {s['loss']}" if isinstance(s.get("loss"), str) else (f"loss {s['loss']:.3f}" if s.get("loss") is not None else "loss n/a")
             parts.append(f"micro-batch {s['micro_batch']} row {s['row']} ({sid}{loss}, repetition {s['repetition']:.2f})")
         return "; ".join(parts) if parts else "no samples"
-
-
-def sample_ids(batch: Any) -> list[Any] | None:
-    """The batch's own sample ids, when the collator kept a column for them."""
-    if not isinstance(batch, Mapping):
-        return None
-    for key in SAMPLE_ID_KEYS:
-        value = batch.get(key)
-        if value is not None:
-            return value.tolist() if hasattr(value, "tolist") else list(value)
-    return None
 
 
 def per_sample_loss(model: Any, batch: Mapping[str, Any]) -> torch.Tensor | None:
@@ -92,25 +91,10 @@ def per_sample_loss(model: Any, batch: Mapping[str, Any]) -> torch.Tensor | None
             logits = model(**row_inputs).logits[0, :-1].float()
             shift = labels[r, 1:].to(logits.device)
             mask = shift != IGNORE_INDEX
-            token_loss = F.cross_entropy(logits, shift.clamp_min(0), reduction="none")
+            token_loss = torch.nn.functional.cross_entropy(logits, shift.clamp_min(0), reduction="none")
             losses.append((token_loss * mask).sum() / mask.sum())
             del logits, token_loss
     return torch.stack(losses)
-
-
-def text_heuristics(ids: list[int], text: str | None) -> dict[str, float]:
-    """Cheap signs of a broken sample: repeated trigrams, few distinct tokens, unprintable or replaced characters."""
-    trigrams = list(zip(ids, ids[1:], ids[2:]))
-    chars = len(text) if text else 0
-    printable_ws = "\n\t\r"
-    return {
-        "length_tokens": len(ids),
-        "length_chars": chars,
-        "repetition": 1.0 - len(set(trigrams)) / len(trigrams) if trigrams else 0.0,
-        "distinct_tokens": len(set(ids)) / len(ids) if ids else 0.0,
-        "nonprintable_ratio": sum(1 for c in text if not c.isprintable() and c not in printable_ws) / chars if chars else 0.0,
-        "replacement_ratio": text.count("\ufffd") / chars if chars else 0.0,
-    }
 
 
 def can_recompute(trainer: Any) -> str | None:
@@ -207,6 +191,9 @@ def _samples(batch: dict[str, Any], micro: int, losses: torch.Tensor | None, tok
     labels = batch.get("labels")
     hashes = content_hashes(ids, mask if torch.is_tensor(mask) and mask.shape == ids.shape else None)  # as in the ledger
     given = sample_ids(batch)
+    indices = dataset_indices(batch)
+    if indices is not None and len(indices) != ids.shape[0]:
+        indices = None
     loss_list = losses.tolist() if losses is not None else None
     rows = ids.tolist()
     keep = mask.bool().tolist() if torch.is_tensor(mask) and mask.shape == ids.shape else None
@@ -218,7 +205,9 @@ def _samples(batch: dict[str, Any], micro: int, losses: torch.Tensor | None, tok
         record: dict[str, Any] = {
             "micro_batch": micro,
             "row": r,
-            "sample_id": given[r] if given is not None and r < len(given) else None,
+            "sample_id": given[r] if given is not None and r < len(given) else (indices[r] if indices is not None else None),
+            "sample_id_source": "column" if given is not None and r < len(given) else ("dataset index" if indices is not None else None),
+            "dataset_index": indices[r] if indices is not None else None,
             "hash": hashes[r],
             "loss": json_float(loss_list[r]) if loss_list is not None and labelled != 0 else None,
             **text_heuristics(tokens, text),
@@ -320,6 +309,7 @@ def write_capture(
             {"micro_batch": micro, "trainer_loss": json_float(seen), "keys": sorted(k for k, v in b.items() if torch.is_tensor(v))}
             for micro, b, seen in micro_batches
         ],
+        "dataset_index": dataset_index_note(batches),
         **(context or {}),
         "samples": samples,
     }
@@ -332,5 +322,6 @@ def write_capture(
     json_path = directory / f"capture.rank-{ctx.rank}.json"
     _write_atomic(json_path, json.dumps(strict_json(meta), indent=1, default=str))
     _write_atomic(directory / f"summary.rank-{ctx.rank}.md", _markdown(meta, samples))
-    suspects = [{k: s[k] for k in ("micro_batch", "row", "sample_id", "hash", "loss", "repetition", "length_tokens")} for s in samples[:5]]
+    keys = ("micro_batch", "row", "sample_id", "sample_id_source", "dataset_index", "hash", "loss", "repetition", "length_tokens")
+    suspects = [{k: s[k] for k in keys} for s in samples[:5]]
     return CaptureResult(directory, json_path, suspects, recomputed)

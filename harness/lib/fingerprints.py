@@ -4,6 +4,12 @@ A resume is only correct if what the Trainer restored equals what it saved.
 These fingerprints are small enough to store beside every checkpoint and
 exact enough to notice one changed weight: per tensor, the float64 sum and
 sum of squares (any single-element change moves at least one of them).
+
+Sharded state is fingerprinted where it lives, with no collective: under
+FSDP2 the rank's own DTensor shard (``to_local()``), under FSDP1 the rank's
+slice of each ``FlatParameter``, under ZeRO-3 its partition. Each rank stores
+and later compares its own fingerprints, so a resume with the same world
+size compares shard with shard.
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
+
+from harness.lib.sharding import local_tensor
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -32,6 +40,7 @@ def optimizer_tensors(optimizer: Any, clone: bool = True) -> dict[str, torch.Ten
     while node is not None and depth < 5:
         for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # ZeRO-1/2, ZeRO-3
             for i, part in enumerate(getattr(node, attr, None) or []):
+                part = local_tensor(part)
                 out[f"d{depth}.{attr}.{i}"] = part.detach().clone() if clone else part.detach()
         state = getattr(node, "state", None)
         if isinstance(state, dict) and id(state) not in seen:
@@ -40,15 +49,20 @@ def optimizer_tensors(optimizer: Any, clone: bool = True) -> dict[str, torch.Ten
                 if isinstance(per_param, dict):
                     for key, value in per_param.items():
                         if torch.is_tensor(value):
+                            value = local_tensor(value)  # FSDP2: Adam's moments are DTensor shards like their parameters
                             out[f"d{depth}.state.{j}.{key}"] = value.detach().clone() if clone else value.detach()
         node, depth = getattr(node, "optimizer", None), depth + 1
     return out
 
 
 def param_tensors(model: Any, clone: bool = True) -> dict[str, torch.Tensor]:
-    """Every parameter; under ZeRO-3 the rank's own partition (``ds_tensor``)."""
+    """Every parameter; the rank's own part when sharded (ZeRO-3 ``ds_tensor``, FSDP2 DTensor shard, FSDP1 flat slice)."""
     module = getattr(model, "module", model)
-    return {name: (getattr(p, "ds_tensor", p).detach().clone() if clone else getattr(p, "ds_tensor", p).detach()) for name, p in module.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        local = local_tensor(getattr(p, "ds_tensor", p)).detach()
+        out[name] = local.clone() if clone else local
+    return out
 
 
 def tensor_sums(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
@@ -58,6 +72,7 @@ def tensor_sums(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
         return {}
 
     def pair(t: torch.Tensor) -> torch.Tensor:
+        t = local_tensor(t)  # never reduce a DTensor as a whole: that would be a collective
         t = t if t.is_floating_point() else t.double()  # step counters; floats reduce in float64 without a copy
         return torch.stack([torch.sum(t, dtype=torch.float64), torch.linalg.vector_norm(t, 2, dtype=torch.float64) ** 2])
 
@@ -65,7 +80,7 @@ def tensor_sums(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
     return {n: [float(a), float(b)] for n, (a, b) in zip(names, sums.tolist())}
 
 
-_BIT_VIEWS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+_BIT_VIEWS = {8: "int64", 4: "int32", 2: "int16", 1: "int8"}  # dtype names: importing this module reads nothing of torch
 
 
 _CHUNK = 1 << 24  # elements per pass: float64 temporaries stay at 128 MB whatever the tensor's size
@@ -73,9 +88,9 @@ _CHUNK = 1 << 24  # elements per pass: float64 temporaries stay at 128 MB whatev
 
 def _exact_one(tensor: torch.Tensor) -> torch.Tensor:
     """[bit-pattern sum, float64 sum, float64 sum of squares] of one tensor, on its device, in chunks."""
-    flat = tensor.detach().reshape(-1)
+    flat = local_tensor(tensor).detach().reshape(-1)
     floating = flat.is_floating_point()
-    bits = flat.view(_BIT_VIEWS[flat.element_size()]) if floating else flat
+    bits = flat.view(getattr(torch, _BIT_VIEWS[flat.element_size()])) if floating else flat
     out = torch.zeros(3, dtype=torch.float64, device=flat.device)
     bit_sum = torch.zeros((), dtype=torch.int64, device=flat.device)
     for start in range(0, flat.numel(), _CHUNK):
@@ -95,9 +110,11 @@ def exact_fingerprints(tensors: list[torch.Tensor | None]) -> list[tuple[int, fl
     a single ulp, so replicas that should be bit-identical (data-parallel
     weights and reduced gradients) compare exactly; the float sums say how
     large a difference is (the sum of squares is 0 for integer tensors).
-    ``None`` entries (a missing gradient) stay None. Work is chunked, so the
+    ``None`` entries (a missing gradient) stay None; a DTensor counts by its
+    local shard (no collective). Work is chunked, so the
     memory it needs does not grow with the largest tensor.
     """
+    tensors = [local_tensor(t) for t in tensors]
     present = [t for t in tensors if t is not None and t.numel()]
     if not present:
         return [None] * len(tensors)

@@ -13,10 +13,7 @@ def token_positions(batch: Any) -> int:
 
 
 def count_parameters(model: Any) -> tuple[int, int]:
-    """(all, trainable) parameters, also when ZeRO-3 has partitioned them away (``ds_numel``)."""
-    total = trainable = 0
-    for param in model.parameters():
-        n = int(getattr(param, "ds_numel", 0) or param.numel())
-        total += n
-        trainable += n if param.requires_grad else 0
-    return total, trainable
+    """(all, trainable) parameters of the whole model: also under ZeRO-3 (``ds_numel``) and FSDP (not this rank's shard)."""
+    from harness.lib.sharding import full_parameter_counts
+
+    return full_parameter_counts(model)

@@ -42,10 +42,23 @@ def build_report(run: RunRecord, plugin_sections: SectionsProvider | None = None
         symptoms=[(symptom, find_section(symptom.topic)) for symptom in symptoms_of(run)],
         plots=drawn,
         card=run_card(run),
-        attempts=run.attempts,
+        attempts=attempts_with_outcome(run),
         sections=sections,
         notes=notes,
     )
+
+
+def attempts_with_outcome(run: RunRecord) -> list[dict[str, Any]]:
+    """run.json's attempts, each with ``outcome``: how it ended, in words (a stop names its step and cause)."""
+    rows = []
+    for index, attempt in enumerate(run.attempts):
+        status = attempt.get("status", "?")
+        outcome = "never recorded its end (killed?)" if status == "running" else str(status)
+        if status == "stopped":
+            step, causes = run.attempt_stop(index)
+            outcome += (f" by the harness at step {step}" if step is not None else " by the harness") + (f" after {causes[-1]}" if causes else "")
+        rows.append({**attempt, "outcome": outcome})
+    return rows
 
 
 def group_findings(run: RunRecord) -> list[FindingGroup]:

@@ -74,7 +74,7 @@ img.plot{max-width:100%;border:1px solid #eee;margin:.4em 0}.playbook{border-lef
 {% if report.attempts %}<h2 id="attempts">Attempts</h2>
 <table><thead><tr><th>#</th><th>started</th><th>resumed from</th><th>steps</th><th>ended</th><th>error</th></tr></thead><tbody>
 {% for a in report.attempts %}<tr><td>{{ loop.index }}</td><td>{{ when(a.get('started')) }}</td><td>{{ a.get('resumed_from') or '-' }}</td>
-<td>{{ a.get('start_step', '?') }}-{{ a.get('end_step', '?') }}</td><td>{{ 'never recorded its end (killed?)' if a.get('status') == 'running' else a.get('status') }}</td><td>{{ a.get('error', '-') | string | truncate(300) }}</td></tr>
+<td>{{ a.get('start_step', '?') }}-{{ a.get('end_step', '?') }}</td><td>{{ a.get('outcome') or a.get('status') }}</td><td>{{ a.get('error', '-') | string | truncate(300) }}</td></tr>
 {% endfor %}</tbody></table>{% endif %}
 {% for section in report.sections %}<h2>{{ section.title }}</h2>
 <div class="plugin-section" data-plugin="{{ section.plugin }}">{{ md(section.markdown) }}</div>

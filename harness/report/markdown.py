@@ -93,8 +93,7 @@ def _attempts(report: Report) -> list[str]:
         return []
     out = ["## Attempts", "", "| # | started | resumed from | steps | ended | error |", "|---|---|---|---|---|---|"]
     for i, attempt in enumerate(report.attempts, 1):
-        status = attempt.get("status", "?")
-        status = "never recorded its end (killed?)" if status == "running" else cell(status, 80)
+        status = cell(attempt.get("outcome") or attempt.get("status", "?"), 160)
         span = cell(f"{attempt.get('start_step', '?')}-{attempt.get('end_step', '?')}", 80)
         resumed = attempt.get("resumed_from") or "-"
         out.append(f"| {i} | {when(attempt.get('started'))} | {cell(resumed, 120)} | {span} | {status} | {cell(attempt.get('error', '-'), 200)} |")

@@ -73,8 +73,57 @@ class RunRecord:
         status = str(self.attempts[-1].get("status", "unknown"))
         return "killed" if status == "running" else status
 
+    def attempt_findings(self, index: int) -> list[Finding]:
+        """The findings made during attempt ``index`` (by time: from its start to the next attempt's start)."""
+        start, end = self._window(index)
+        return [f for f in self.findings if (start is None or f.time >= start) and (end is None or f.time < end)]
+
+    def attempt_end_step(self, index: int) -> int | None:
+        """The step attempt ``index`` ended at: its recorded ``end_step``, else (killed) the last step it recorded.
+
+        Not the highest step of the run: a resumed attempt that stopped at
+        step 11 ends at 11, even when the attempt it resumed reached 14.
+        """
+        attempts = self.attempts
+        if not -len(attempts) <= index < len(attempts):
+            return self.last_step
+        recorded = attempts[index].get("end_step")
+        if _is_int(recorded):
+            return recorded
+        start, end = self._window(index)
+        inside = [r["step"] for r in self.steps if _is_int(r.get("step")) and _within(as_float(r.get("time")), start, end)]
+        inside += [f.step for f in self.attempt_findings(index) if _is_int(f.step)]
+        return max(inside) if inside else None
+
+    def attempt_stop(self, index: int) -> tuple[int | None, list[str]]:
+        """Where and why the harness stopped attempt ``index``: (step, cause codes, the deciding one last).
+
+        From its ``ACTION_TAKEN`` finding of a stopping action (whose
+        ``evidence.cause`` names the finding that decided), else from the
+        findings whose action stopped training; (None, []) when neither exists.
+        """
+        found = self.attempt_findings(index)
+        by_id = {f.id: f for f in self.findings}
+        taken = [f for f in found if f.code == "ACTION_TAKEN" and f.evidence.get("action") in ("stop", "save_and_stop", "rollback")]
+        stoppers = [f for f in found if f.action in ("stop", "save_and_stop", "rollback") or f.code == "PLUGIN_STOP"]
+        codes = list(dict.fromkeys(f.code for f in stoppers))
+        if taken:
+            cause = by_id.get(str(taken[-1].evidence.get("cause")))
+            if cause is not None:
+                codes = [c for c in codes if c != cause.code] + [cause.code]
+            return taken[-1].step, codes
+        return (stoppers[-1].step, codes) if stoppers else (None, [])
+
+    def _window(self, index: int) -> tuple[float | None, float | None]:
+        attempts = self.attempts
+        index = index % len(attempts) if attempts else 0
+        start = as_float(attempts[index].get("started")) if attempts else None
+        end = as_float(attempts[index + 1].get("started")) if index + 1 < len(attempts) else None
+        return start, end
+
     @property
     def last_step(self) -> int | None:
+        """The highest step anything recorded (the extent of the run; for the last attempt's step see :meth:`attempt_end_step`)."""
         candidates = [r["step"] for r in self.steps if isinstance(r.get("step"), int)]
         candidates += [a["end_step"] for a in self.attempts if isinstance(a.get("end_step"), int)]
         candidates += [f.step for f in self.findings if isinstance(f.step, int)]
@@ -143,6 +192,13 @@ def read_run_config(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
                         + (f"only {', '.join(kept)} kept." if kept else "the run's plugins are left out."))
         data["plugins"] = kept
     return data, problems
+
+
+def _within(value: float | None, start: float | None, end: float | None) -> bool:
+    """``value`` (a time) inside ``[start, end)``; an unknown time is inside only an unbounded window."""
+    if value is None:
+        return start is None and end is None
+    return (start is None or value >= start) and (end is None or value < end)
 
 
 def _is_int(value: Any) -> bool:

@@ -35,22 +35,25 @@ class Symptom:
 
 def verdict_of(run: RunRecord) -> Verdict:
     status = run.last_status
-    step = run.last_step
+    step = run.attempt_end_step(-1)  # the last train() call's own step, not the highest step of any attempt
     at = f" at step {step}" if step is not None else ""
+    which = _attempt_text(run)
+    attempt = f" ({which})" if which else ""
     severe = [f for f in run.findings if f.severity >= Severity.WARNING]
     counts = Counter(f.code for f in severe)
     codes = ", ".join(f"{code} x{n}" if n > 1 else code for code, n in counts.most_common(4))
     codes += ", ..." if len(counts) > 4 else ""
     summary = f"{len(severe)} finding(s) at warning or above ({codes})" if severe else "no finding at warning or above"
     if status == "killed":
-        return Verdict(FAILED, f"the last train() call never reached its end{at} (killed, or still running); {summary}.")
+        return Verdict(FAILED, f"the last train() call never reached its end{at} (killed, or still running{'; ' + which if which else ''}); {summary}.")
     if status == "crashed":
         error = run.attempts[-1].get("error") or "an exception"
-        return Verdict(FAILED, f"training crashed{at} with {error}; {summary}.")
+        return Verdict(FAILED, f"training crashed{at} with {error}{attempt}; {summary}.")
     if status == "stopped":
-        stoppers = [f.code for f in run.findings if f.action in ("stop", "save_and_stop")]
-        because = f" after {stoppers[-1]}" if stoppers else ""
-        return Verdict(FAILED, f"the harness stopped training{at}{because}; {summary}.")
+        stop_step, causes = run.attempt_stop(-1)
+        at = f" at step {stop_step}" if stop_step is not None else at
+        because = f" after {causes[-1]}" if causes else ""
+        return Verdict(FAILED, f"the harness stopped training{at}{because}{attempt}; {summary}.")
     if worst(run.findings) is Severity.CRITICAL:
         critical = sorted({f.code for f in run.findings if f.severity is Severity.CRITICAL})
         return Verdict(FAILED, f"critical finding(s) {', '.join(critical)}; {summary}.")
@@ -59,6 +62,16 @@ def verdict_of(run: RunRecord) -> Verdict:
     if severe:
         return Verdict(ATTENTION, f"training completed{at}; {summary}.")
     return Verdict(HEALTHY, f"training completed{at}; {summary}.")
+
+
+def _attempt_text(run: RunRecord) -> str:
+    """``attempt 2, resumed from checkpoint-10`` for the last train() call; '' for a run without run.json."""
+    attempts = run.attempts
+    if not attempts:
+        return ""
+    resumed = attempts[-1].get("resumed_from")
+    name = str(resumed).replace("\\", "/").rstrip("/").rsplit("/", 1)[-1] if resumed else None
+    return f"attempt {len(attempts)}" + (f", resumed from {name}" if name else "")
 
 
 def symptoms_of(run: RunRecord) -> list[Symptom]:

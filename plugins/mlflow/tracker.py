@@ -1,28 +1,30 @@
 """mlflow: every number, finding and piece of evidence of a run in MLflow, without slowing or losing the run.
 
 Rank 0 only. The training thread enqueues records (microseconds); a
-background writer journals and delivers them (see ``harness.plugins.mlflow.writer``). The
-default store is a SQLite file in the run directory, so nothing needs a
-server; ``MLFLOW_TRACKING_URI``/``MLFLOW_EXPERIMENT_NAME``/``MLFLOW_RUN_ID``/
-``MLFLOW_TAGS`` and this plugin's options point it elsewhere, with the same
-meaning as in transformers' own MLflow integration.
+background writer journals and delivers them (see ``harness.plugins.mlflow.writer``).
+When the Trainer reports to MLflow itself (``report_to mlflow``) the plugin
+logs into HF's run (``harness.plugins.mlflow.target``): one job, one run.
+Otherwise the default store is a SQLite file in the run directory, so
+nothing needs a server; ``MLFLOW_TRACKING_URI``/``MLFLOW_EXPERIMENT_NAME``/
+``MLFLOW_RUN_ID``/``MLFLOW_TAGS`` and this plugin's options point it
+elsewhere, with the same meaning as in transformers' own MLflow integration.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from harness.core.findings import Finding, FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.lib.journal import Journal
 from harness.core.offline import disable_telemetry
+from harness.plugins.mlflow.evidence import SystemMetrics, artifact_records, last_checkpoint
+from harness.plugins.mlflow.options import MlflowOptions
+from harness.plugins.mlflow.target import JoinedRun, describe_target, end_stale_hold, env_tags, hf_mlflow_callback, join_run
 from harness.plugins.mlflow.writer import (
     MlflowWriter,
     RunTarget,
@@ -40,45 +42,6 @@ TRACKING_DEGRADED = FindingCode(
     "The tracker was unreachable or refused records; training went on and records were kept locally.",
     "tracking#tracking_degraded",
 )
-ARTIFACT_FILES = ("findings.jsonl", "config.yaml", "metrics.jsonl", "steps.jsonl", "run.json", "report.md", "report.html", "run_card.json")
-ARTIFACT_DIRS = ("captures", "contamination", "report")
-
-
-class MlflowOptions(BaseModel):
-    """Options of the ``mlflow`` plugin."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tracking_uri: str | None = Field(
-        None,
-        description="Tracking URI. Default: $MLFLOW_TRACKING_URI, else a SQLite store at <output_dir>/harness/mlflow/mlflow.db.",
-    )
-    experiment_name: str | None = Field(None, description="Experiment. Default: $MLFLOW_EXPERIMENT_NAME, else 'train-harness'.")
-    run_name: str | None = Field(None, description="Run name. Default: the Trainer's run_name.")
-    run_id: str | None = Field(None, description="Log into this existing run. Default: $MLFLOW_RUN_ID, else the resumed run or a new one.")
-    tags: dict[str, str] = Field(default_factory=dict, description="Run tags, added to those of $MLFLOW_TAGS (a JSON object).")
-    flush_interval_s: float = Field(1.0, gt=0, description="How often the background writer sends queued records.")
-    retry_interval_s: float = Field(2.0, gt=0, description="Wait between attempts while the tracker is unreachable.")
-    final_flush_timeout_s: float = Field(
-        30.0, ge=0, description="At run end, how long to wait for an unreachable tracker before replaying into the local store."
-    )
-    http_timeout_s: int = Field(10, ge=1, description="HTTP timeout per request (sets MLFLOW_HTTP_REQUEST_TIMEOUT unless already set).")
-    max_param_length: int = Field(6000, ge=50, description="Longer parameter values are cut, with a '...[truncated N chars]' marker.")
-    max_artifact_mb: float = Field(100.0, ge=0, description="Upload cap for evidence artifacts (captures, reports) per run, in MB.")
-    log_checkpoints: bool = Field(False, description="Also upload the last checkpoint directory at run end (never by default).")
-    system_metrics: bool = Field(False, description="Log MLflow system metrics (CPU, memory, GPU) for the run (needs psutil).")
-    batch_size: int = Field(900, ge=1, le=1000, description="Records per delivery round.")
-
-
-def _env_tags() -> dict[str, str]:
-    raw = os.environ.get("MLFLOW_TAGS")
-    if not raw:
-        return {}
-    try:
-        return {str(k): str(v) for k, v in json.loads(raw).items()}
-    except (ValueError, AttributeError):
-        log.warning("harness mlflow: MLFLOW_TAGS is not a JSON object; ignored")
-        return {}
 
 
 class MlflowTracker(Plugin):
@@ -97,6 +60,12 @@ class MlflowTracker(Plugin):
         self._trainer: Any = None
         self._tracking_uri = ""
         self._status = "crashed"
+        self._joined: JoinedRun | None = None
+        self._system_metrics: SystemMetrics | None = None
+
+    def setup(self, ctx: Any) -> None:
+        if ctx.is_main:
+            end_stale_hold(getattr(ctx, "trainer", None))
 
     # -- start -----------------------------------------------------------------------------
 
@@ -105,22 +74,27 @@ class MlflowTracker(Plugin):
         store.mkdir(parents=True, exist_ok=True)
         return f"sqlite:///{(store / 'mlflow.db').resolve()}", (store / "artifacts").resolve().as_uri()
 
-    def _start(self, ctx: Any, resumed_run: str | None) -> None:
+    def _start(self, ctx: Any, resumed_run: str | None, joined: JoinedRun | None = None) -> None:
         # no usage telemetry from the harness's tracking (also under wrap/attach); effective when this imports mlflow first
         disable_telemetry()
         o = self.options
         default_uri, default_artifacts = self._default_store(ctx)
-        uri = o.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri
+        self._joined = joined
+        if joined is not None:  # HF's (or the script's) run: its store, experiment and name
+            uri, run_id, experiment, run_name = joined.tracking_uri, joined.run_id, joined.experiment_name, None
+        else:
+            uri = o.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri
+            run_id = o.run_id or os.environ.get("MLFLOW_RUN_ID") or resumed_run
+            experiment = o.experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "train-harness"
+            run_name = truncate(str(o.run_name or getattr(getattr(self._trainer, "args", None), "run_name", None) or ""), 250) or None
         self._tracking_uri = uri
         if uri.startswith("http"):
             default_http_settings(o.http_timeout_s)
-        run_id = o.run_id or os.environ.get("MLFLOW_RUN_ID") or resumed_run
-        args = getattr(self._trainer, "args", None)
-        tags = {**_env_tags(), **o.tags, "harness.rank0_output_dir": str(ctx.run_dir.parent), "harness.world_size": str(ctx.world_size)}
+        tags = {**env_tags(), **o.tags, "harness.rank0_output_dir": str(ctx.run_dir.parent), "harness.world_size": str(ctx.world_size)}
         target = RunTarget(
             tracking_uri=uri,
-            experiment_name=o.experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "train-harness",
-            run_name=truncate(str(o.run_name or getattr(args, "run_name", None) or ""), 250) or None,
+            experiment_name=experiment,
+            run_name=run_name,
             tags=tags,
             artifact_location=default_artifacts if uri == default_uri else None,
             run_id=run_id,
@@ -136,18 +110,35 @@ class MlflowTracker(Plugin):
             # the first step, rather than in the writer thread competing with training for the cores.
             self.writer.prepare()
         self.writer.start()
+        log.info("harness mlflow: %s", describe_target(target, joined, o, resumed_run))
         self._queue_params(ctx)
         if o.system_metrics:
-            self._start_system_metrics()
+            self._system_metrics = SystemMetrics(self.writer)
+
+    def _join(self, trainer: Any) -> JoinedRun | None:
+        """HF's run (``report_to mlflow``) or the script's active run, unless the options point elsewhere."""
+        o = self.options
+        if not o.join_hf_run:
+            return None
+        if o.tracking_uri or o.run_id:
+            if hf_mlflow_callback(trainer) is not None:
+                log.info("harness mlflow: HF's MLflowCallback keeps its own run; the harness logs where mlflow.%s says "
+                         "(leave tracking_uri and run_id unset to log into HF's run)", "tracking_uri" if o.tracking_uri else "run_id")
+            return None
+        joined = join_run(trainer)
+        if joined is not None and o.keep_hf_run_open:
+            joined.hold()
+        return joined
 
     def _queue_params(self, ctx: Any) -> None:
         params: dict[str, str] = {}
         args = getattr(self._trainer, "args", None)
-        if args is not None:
+        hf_logs_them = self._joined is not None and self._joined.from_hf  # HF logged the arguments and model config itself
+        if args is not None and not hf_logs_them:
             params.update(flatten(args.to_dict(), "trainer."))
         model = getattr(self._trainer, "model", None)
         config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "to_dict"):
+        if config is not None and hasattr(config, "to_dict") and not hf_logs_them:
             params.update(flatten(config.to_dict(), "model."))
         params.update(flatten(ctx.config.model.model_dump(mode="json"), "harness."))
         params["harness.plugins"] = ",".join(ctx.config.enabled)
@@ -155,32 +146,14 @@ class MlflowTracker(Plugin):
         for key, value in params.items():
             self.writer.put({"k": "p", "key": key[:250], "value": truncate(value, limit)})  # type: ignore[union-attr]
 
-    def _start_system_metrics(self) -> None:
-        writer = self.writer
-        assert writer is not None
-
-        def start_when_run_exists() -> None:
-            if not writer.run_ready.wait(120):
-                return
-            try:
-                from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-                self._system_monitor = SystemMetricsMonitor(writer.target.run_id)
-                self._system_monitor.start()
-            except Exception as exc:  # noqa: BLE001 - optional extra (psutil), never fatal
-                log.warning("harness mlflow: system metrics unavailable: %s", exc)
-
-        import threading
-
-        threading.Thread(target=start_when_run_exists, daemon=True, name="harness-mlflow-sysmetrics").start()
-
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         if not ctx.is_main:
             return
         self._trainer = trainer
-        if ctx.resumed_from is None:
-            self._start(ctx, None)  # a resume waits for on_resume, which knows the run to continue
+        joined = self._join(trainer)
+        if joined is not None or ctx.resumed_from is None:
+            self._start(ctx, None, joined)  # a resume of its own run waits for on_resume, which knows the run to continue
 
     @hookimpl
     def on_resume(self, ctx: Any, checkpoint_dir: Path, state: dict[str, Any] | None) -> None:
@@ -205,7 +178,7 @@ class MlflowTracker(Plugin):
 
     @hookimpl
     def on_log(self, ctx: Any, step: int, logs: dict[str, Any]) -> None:
-        if self.writer is not None:
+        if self.writer is not None and not (self._joined is not None and self._joined.from_hf):  # HF logs the Trainer's logs itself
             self._put_metrics(logs, step)
 
     @hookimpl
@@ -273,38 +246,25 @@ class MlflowTracker(Plugin):
         if writer is None:
             return
         self._queue_artifacts(ctx)
-        writer.put({"k": "status", "status": {"completed": "FINISHED", "stopped": "FINISHED"}.get(self._status, "FAILED")})
+        if self._joined is None:
+            writer.put({"k": "status", "status": {"completed": "FINISHED", "stopped": "FINISHED"}.get(self._status, "FAILED")})
+        else:  # someone else's run: its owner ends it (see JoinedRun.release)
+            writer.put({"k": "t", "key": "harness.status", "value": self._status})
         unsent = writer.close(self.options.final_flush_timeout_s)
+        if self._joined is not None:
+            self._joined.release(self._status)
         self._report_events(ctx)
         if unsent:
             self._replay_locally(ctx, writer)
-        monitor = getattr(self, "_system_monitor", None)
-        if monitor is not None:
-            monitor.finish()
+        if self._system_metrics is not None:
+            self._system_metrics.finish()
+            self._system_metrics = None
         self.writer = None
 
     def _queue_artifacts(self, ctx: Any) -> None:
-        budget = int(self.options.max_artifact_mb * 1024 * 1024)
-        candidates = [ctx.run_dir / name for name in ARTIFACT_FILES] + [ctx.run_dir / name for name in ARTIFACT_DIRS]
-        if self.options.log_checkpoints and self._trainer is not None:
-            from transformers.trainer_utils import get_last_checkpoint
-
-            last = get_last_checkpoint(self._trainer.args.output_dir)
-            if last:
-                candidates.append(Path(last))
-        skipped: list[str] = []
-        for path in candidates:
-            if not path.exists():
-                continue
-            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
-            if size > budget:
-                skipped.append(f"{path.name} ({size / 1e6:.1f} MB)")
-                continue
-            budget -= size
-            artifact_dir = "harness" if path.parent == ctx.run_dir else "checkpoint"
-            self.writer.put({"k": "a", "path": str(path), "dir": f"{artifact_dir}/{path.name}" if path.is_dir() else artifact_dir})  # type: ignore[union-attr]
-        if skipped:
-            self.writer.put({"k": "t", "key": "harness.artifacts_skipped", "value": truncate(", ".join(skipped), 5000)})  # type: ignore[union-attr]
+        checkpoint = last_checkpoint(self._trainer) if self.options.log_checkpoints and self._trainer is not None else None
+        for record in artifact_records(ctx.run_dir, self.options.max_artifact_mb, checkpoint):
+            self.writer.put(record)  # type: ignore[union-attr]
 
     def _replay_locally(self, ctx: Any, writer: MlflowWriter) -> None:
         """The tracker never came back: replay the whole journal into the local store, so nothing is lost."""

@@ -202,7 +202,8 @@ def _summary(out: Path, seconds: float, broken: Path, desync: Path) -> int:
     print("  by code: " + ", ".join(f"{code} x{n}" for code, n in sorted(counts.items())))
     _print_findings("the resume done wrong", broken)
     _print_findings("the data-parallel replicas that drift apart", desync)
-    spikes = [f for f in findings if f.code == "LOSS_SPIKE" and f.evidence.get("capture")]
+    # the first spike whose replay checkpoint (the step before it) exists: a spike between saves has none
+    spikes = [f for f in findings if f.code == "LOSS_SPIKE" and f.evidence.get("capture") and (out / f"checkpoint-{f.step - 1}").is_dir()]
     if spikes:
         capture = Path(spikes[0].evidence["capture"]).parent
         print(f"\nthe batch behind the first loss spike, most suspect sample first: {capture / 'summary.rank-0.md'}")

@@ -72,3 +72,70 @@ def test_with_several_processes_a_late_stop_waits_for_the_next_agreement(tmp_pat
     ctx, _ = run_context(tmp_path / "harness", world_size=2)
     ctx.pending_action = Action.STOP
     assert ActionExecutor(ctx).late_stop(2) is None and ctx.pending_action is Action.STOP
+
+
+# -- a stop is loud: the banner on rank 0, the marker for harness wrap ----------------------------------------------
+
+
+def test_a_stop_prints_the_banner_once_and_leaves_a_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.lib.stops import STOP_DIR_ENV, read_markers
+
+    wrap_dir = tmp_path / "wrap"
+    wrap_dir.mkdir()
+    monkeypatch.setenv(STOP_DIR_ENV, str(wrap_dir))
+    ctx, _ = run_context(tmp_path / "out" / "harness", {"PROBE_FAULT": "stop"})
+    executor = ActionExecutor(ctx)
+    executor.begin_call()
+    executor.attempt = 2
+    ctx.step = 7
+    ctx.report("PROBE_FAULT", "the probe saw a bad batch", plugin="probe")
+    executor.apply(Action.STOP, TrainerControl())
+    executor.apply(Action.STOP, TrainerControl())  # a second stop in the same call says nothing more
+    err = capsys.readouterr().err
+    assert err.count("HARNESS STOPPED TRAINING") == 1
+    assert "at step 7 (attempt 2) after PROBE_FAULT" in err and f"harness explain {tmp_path / 'out'}" in err
+    (notice,) = read_markers(wrap_dir)
+    assert (notice.step, notice.codes, notice.attempt, notice.action, notice.raised) == (7, ("PROBE_FAULT",), 2, "stop", False)
+    assert executor.mark_raised() is not None and read_markers(wrap_dir)[0].raised
+
+
+def test_stop_causes_are_this_calls_with_the_decider_last(tmp_path: Path) -> None:
+    ctx, _ = run_context(tmp_path / "harness", {"PROBE_FAULT": "stop"})
+    executor = ActionExecutor(ctx)
+    ctx.step = 2
+    ctx.report("PROBE_FAULT", "from an earlier train() call", plugin="probe")
+    executor.begin_call()
+    assert executor.causes(3) == []  # the earlier call's finding is not this call's cause
+    ctx.step = 5
+    first = ctx.report("PROBE_FAULT", "again", plugin="probe")
+    ctx.report("PLUGIN_STOP", "plugin 'probe' asked to stop", plugin="probe")
+    assert [f.code for f in executor.causes(5)] == ["PROBE_FAULT", "PLUGIN_STOP"]
+    assert executor.causes(5)[0] is first
+
+
+def test_a_rollback_handed_to_a_runner_is_announced_but_leaves_no_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.lib.stops import STOP_DIR_ENV, read_markers
+
+    monkeypatch.setenv(STOP_DIR_ENV, str(tmp_path))
+    ctx, _ = run_context(tmp_path / "out" / "harness", {"PROBE_FAULT": "rollback"})
+    executor = ActionExecutor(ctx, Handler())
+    executor.begin_call()
+    ctx.report("PROBE_FAULT", "bad batch", plugin="probe")
+    executor.apply(Action.ROLLBACK, TrainerControl())
+    assert "HARNESS ROLLING BACK" in capsys.readouterr().err
+    assert read_markers(tmp_path) == [] and executor.notice is not None and not executor.notice.ends_training
+
+
+def test_other_ranks_write_a_marker_but_print_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.core.distributed import DistInfo
+    from harness.lib.stops import STOP_DIR_ENV, read_markers
+
+    monkeypatch.setenv(STOP_DIR_ENV, str(tmp_path))
+    ctx, _ = run_context(tmp_path / "out" / "harness")
+    ctx.dist, ctx.rank, ctx.is_main = DistInfo(rank=1, world_size=2, local_rank=1), 1, False
+    executor = ActionExecutor(ctx)
+    executor.begin_call()
+    executor.apply(Action.SAVE_AND_STOP, TrainerControl())
+    assert capsys.readouterr().err == ""
+    (notice,) = read_markers(tmp_path)
+    assert notice.rank == 1 and notice.action == "save_and_stop"

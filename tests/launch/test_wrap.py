@@ -1,4 +1,4 @@
-"""`harness wrap`: unmodified scripts, exit codes, config errors before launch, kill -9 durability, TRL's own script."""
+"""`harness wrap`: unmodified scripts, exit codes (75 after a harness stop), config errors before launch, kill -9 durability, TRL's own script."""
 from __future__ import annotations
 
 import os
@@ -23,6 +23,25 @@ def test_wrap_runs_unmodified_script_and_keeps_its_exit_code(tmp_path: Path) -> 
     assert findings_of(out) == []
     assert len(read_jsonl(out / "harness" / "metrics.jsonl")) >= 3
     assert "metrics_log" in (out / "harness" / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize(("script_status", "wrap_status"), [(0, 75), pytest.param(3, 3, marks=pytest.mark.slow)])
+def test_a_harness_stop_exits_75_unless_the_script_failed_otherwise(tmp_path: Path, script_status: int, wrap_status: int) -> None:
+    """The stop marker tells wrap; a script that ignored the stop (0) gives 75, a script's own failure (3) wins."""
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {"fault_injector": {"stop_at_step": 2}})
+    private = tmp_path / "tmp"
+    private.mkdir()
+    result = harness_cli("wrap", "--config", str(config), "--plugins", FAULTS, "--", PY, str(EXAMPLE), "--output_dir", str(out),
+                         "--max_steps", "4", "--exit_code", str(script_status), env={"TMPDIR": str(private)})
+    assert result.returncode == wrap_status, result.stderr[-3000:]
+    (stop,) = findings_of(out, "PLUGIN_STOP")
+    assert stop["step"] == 2
+    assert "HARNESS STOPPED TRAINING" in result.stderr and "at step 2 (attempt 1) after PLUGIN_STOP" in result.stderr
+    summary = result.stderr[result.stderr.index("harness wrap: the harness stopped"):]
+    assert ("exit status 75 (the command itself exited 0)" in summary) is (wrap_status == 75)
+    assert ("the command's own exit status 3 is kept" in summary) is (wrap_status == 3)
+    assert not list(private.glob("harness-wrap-*"))  # wrap removed its private marker folder
 
 
 def test_wrap_passes_config_and_plugins_to_the_script(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from collections import deque
 
 import pytest
 
-from harness.lib.robust import MAD_TO_SIGMA, judge
+from harness.lib.robust import MAD_TO_SIGMA, Baseline, judge, theil_sen_slope
 
 ALTERNATING = [0.0, 1.0] * 5 + [0.0]  # 11 values: diffs are five +1 and five -1, so the MAD is exactly 1
 ALTERNATING_SD = MAD_TO_SIGMA / math.sqrt(2)
@@ -60,3 +60,42 @@ def test_accepts_a_deque_and_names_its_evidence() -> None:
     j = judge(3.0, deque(ALTERNATING, maxlen=50), min_history=5, level_steps=11)
     assert j is not None
     assert j.evidence("loss") == {"loss": 3.0, "median": 0.0, "robust_sd": j.sd, "z": j.z, "window": 11}
+
+
+def test_with_trend_a_falling_window_s_level_is_its_line_at_the_next_step() -> None:
+    falling = [6.0 - 0.2 * i + (0.01 if i % 2 else -0.01) for i in range(10)]  # 6.0 .. 4.2, a steep warm-up
+    plain = judge(4.0, falling, min_history=3, level_steps=10)
+    followed = judge(4.0, falling, min_history=3, level_steps=10, trend=True)
+    assert plain is not None and followed is not None
+    assert plain.median == pytest.approx(5.1, abs=0.02)  # the median lags the curve by half the window
+    assert followed.median == pytest.approx(min(falling), abs=0.02)  # the line's 4.0 is floored at the lowest value reached
+    assert followed.z == pytest.approx((4.0 - followed.median) / followed.sd)
+    assert followed.sd == plain.sd  # the spread is the same step-to-step noise either way
+
+
+def test_with_trend_a_noisy_flat_or_rising_window_keeps_its_median() -> None:
+    flat = [3.0, 3.2, 2.9, 3.1, 2.8, 3.0, 2.9, 2.8, 3.1, 2.7]  # a chance downward drift inside the noise
+    assert judge(3.0, flat, 3, 10, trend=True).median == judge(3.0, flat, 3, 10).median  # type: ignore[union-attr]
+    rising = [3.0 + 0.1 * i for i in range(10)]
+    assert judge(5.0, rising, 3, 10, trend=True).median == pytest.approx(3.45)  # type: ignore[union-attr]
+
+
+def test_theil_sen_slope_ignores_an_outlier() -> None:
+    values = [10.0 - i for i in range(9)]
+    values[4] = 100.0
+    assert theil_sen_slope(values) == pytest.approx(-1.0)
+    assert theil_sen_slope([1.0]) == 0.0
+
+
+def test_a_baseline_tests_from_three_values_and_is_ready_at_min_history() -> None:
+    base = Baseline(size=5, min_history=4, level_steps=3)
+    base.admit(1.0), base.admit(1.1)
+    assert base.judge(9.0) is None and not base.ready
+    base.admit(0.9)
+    j = base.judge(9.0)
+    assert j is not None and j.z > 6 and j.rise == pytest.approx(8.0) and not base.ready
+    base.admit(1.0)
+    assert base.ready and len(base) == 4 and base.median() == 1.0
+    for _ in range(5):
+        base.admit(2.0)
+    assert list(base.values) == [2.0] * 5  # the window keeps the last ``size`` values

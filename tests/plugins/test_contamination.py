@@ -12,7 +12,7 @@ import harness
 from conftest import findings_of, wrapped_example, write_yaml
 from harness.lib.hashing import hash_token_rows, hex64
 from harness.lib.ledger import read_ledger
-from harness.lib.tiny import corpus_lines, lm_dataset, train_tokenizer
+from harness.lib.tiny import build_tiny_llama, corpus_lines, lm_dataset, train_tokenizer
 
 CODES = ("CONTAMINATION", "EVAL_SPLIT_OVERLAP", "CONTAMINATION_UNCHECKED")
 
@@ -78,6 +78,76 @@ def test_a_bad_eval_set_is_reported_and_training_goes_on(make_trainer: Any, toke
     assert "e.jsonl has no field 'prompt' (it has: id, question)" in messages[1] and "Fix:" in messages[1]
 
 
+def _questions() -> list[str]:
+    """The templated questions of ``examples/clm_data.py`` (train and eval share every template n-gram)."""
+    pairs = [(a, b) for a in range(20) for b in range(20)]
+    random.Random(0).shuffle(pairs)
+    return [f"Question: What is {a} times {b}? Answer: {a * b}." for a, b in pairs]
+
+
+def _blocks(tokenizer: Any, lines: list[str]) -> Any:
+    """``run_clm.py``'s rows: each line tokenised with its line break, all concatenated, cut into blocks of 64."""
+    from datasets import Dataset
+
+    ids = [t for row in tokenizer([line + "\n" for line in lines])["input_ids"] for t in row]
+    blocks = [ids[i : i + 64] for i in range(0, len(ids) // 64 * 64, 64)]
+    return Dataset.from_dict({"input_ids": blocks, "attention_mask": [[1] * 64 for _ in blocks], "labels": [list(b) for b in blocks]})
+
+
+def _templated(plant: int = 0) -> tuple[Any, Any, Any, int]:
+    """Tokenizer, train and eval rows of ``examples/clm_data.py``'s questions as ``examples/run_clm.py`` builds them.
+
+    ``plant`` eval lines are copied into the middle of train; also returned: how many tokens of the eval stream they
+    cover. The tokenizer is trained on the training text, as run_clm's (a question is about 13 tokens).
+    """
+    qs = _questions()
+    evals, train = qs[:80], qs[80:]
+    train[len(train) // 2 : len(train) // 2] = evals[:plant]
+    tokenizer = train_tokenizer(train)
+    planted = sum(len(ids) for ids in tokenizer([line + "\n" for line in evals[:plant]])["input_ids"]) if plant else 0
+    return tokenizer, _blocks(tokenizer, train), _blocks(tokenizer, evals), planted
+
+
+def test_templated_eval_set_is_silent_but_partial_in_the_summary(make_trainer: Any) -> None:
+    """Template n-grams shared by train and eval (what used to be reported) are a small fraction: partial, no finding."""
+    tokenizer, train, evals, _ = _templated()
+    trainer = make_trainer(max_steps=30, train_dataset=train, eval_dataset=evals, processing_class=tokenizer,
+                           model=build_tiny_llama(tokenizer, seed=0))
+    harness.attach(trainer)
+    trainer.train()
+    out = Path(trainer.args.output_dir)
+    assert [f for f in findings_of(out) if f["code"] in CODES] == []
+    summary = json.loads((out / "harness" / "contamination" / "summary.rank-0.json").read_text())
+    partial = [e for e in summary["examples"] if e["status"] == "partial"]
+    assert partial and all(0 < e["matched_fraction"] < 0.5 for e in partial)  # met in training, judged like harness scan
+    assert summary["eval_sets"]["eval_dataset"].get("dirty", 0) == 0
+
+
+def test_a_planted_eval_row_cut_across_two_training_rows_is_reported_once(make_trainer: Any) -> None:
+    """Planted eval lines straddle training rows: no single row holds half of an eval row's n-grams, the run does."""
+    tokenizer, train, evals, planted_tokens = _templated(plant=12)
+    covered = {str(b) for b in range(len(evals)) if 64 * b + 64 <= planted_tokens}
+    assert covered
+    steps = 2 * len(train) // 4 + 1  # two epochs: every planted row is trained twice
+    trainer = make_trainer(max_steps=steps, train_dataset=train, eval_dataset=evals, processing_class=tokenizer,
+                           model=build_tiny_llama(tokenizer, seed=0))
+    harness.attach(trainer)
+    trainer.train()
+    out = Path(trainer.args.output_dir)
+    found = findings_of(out, "CONTAMINATION")
+    ids = [f["evidence"]["example_id"] for f in found]
+    assert len(ids) == len(set(ids)) and covered <= set(ids)  # each once, although every epoch trains it again
+    dirty = {line.split("\t")[1] for line in (out / "harness" / "contamination" / "dirty_ids.rank-0.txt").read_text().splitlines()}
+    assert set(ids) == dirty
+    for f in found:
+        ev = f["evidence"]
+        new = [s["new_ngrams"] for s in ev["sightings"]]
+        assert sum(new) == ev["matched_ngrams"] and ev["matched_fraction"] >= 0.5
+        assert len(new) >= 2 and max(new) < 0.5 * ev["ngrams"]  # no training row alone made it dirty
+        assert f["step"] == ev["sightings"][-1]["step"] and f["step"] in ev["steps"]
+        assert ev["agreed"] is True  # judged at a step end, not left for run end
+
+
 @pytest.mark.slow  # the quick subset stays under 5 minutes; CI runs it
 def test_planted_eval_examples_through_wrap(tmp_path: Path) -> None:
     """Twenty training rows of the example script become eval examples: each one trained is found by its step.
@@ -126,3 +196,25 @@ def test_contamination_worker_failure_does_not_hang(make_trainer: Any, tokenizer
     assert "index lookup failed on purpose" in error["evidence"]["traceback"]
     summary = json.loads((out / "harness" / "contamination" / "summary.rank-0.json").read_text())
     assert summary["complete"] is False and summary["checked_tokens"] == 0
+
+
+def test_checkpoint_state_round_trips_the_agreed_windows_and_skips_what_changed() -> None:
+    """Milliseconds: what a checkpoint stores restores into a fresh ledger; an example of another length is left out."""
+    import numpy as np
+
+    from harness.lib.ngrams import EvalExample, NgramIndex
+    from harness.lib.overlap_ledger import MatchLedger, example_keys
+    from harness.plugins.contamination.state import restore, state_of
+
+    def build(lengths: list[int]) -> tuple[NgramIndex, MatchLedger]:
+        examples = [EvalExample("quiz", f"q{i}", None, [np.arange(n, dtype=np.int64) + 100 * i]) for i, n in enumerate(lengths)]
+        return NgramIndex.build(examples, 13, 10, 8), MatchLedger(example_keys((e.eval_set, e.example_id) for e in examples))
+
+    index, ledger = build([64, 64, 200])
+    ledger.add(0, 0, [1, 2, 3])
+    ledger.add(2, 0, [0, 70, 150])
+    ledger.agree([ledger.outgoing(None)], lambda e, bits: False)
+    state = json.loads(json.dumps(state_of(index, ledger)))
+    fresh_index, fresh = build([64, 64, 100])  # q2 changed: 88 windows, not 188
+    assert restore(fresh_index, fresh, state) == 1 and fresh.agreed == {0: {0: 0b1110}}
+    assert restore(fresh_index, fresh, {"agreed": [["quiz", "q0", 0, 52, "zz"], ["quiz"], None]}) == 0  # unreadable: skipped

@@ -15,6 +15,7 @@ import torch
 import harness
 from conftest import REPO, findings_of, read_jsonl, torchrun, wrapped_example, write_yaml
 from harness.lib.fingerprints import exact_fingerprints
+from harness.lib.stops import EXIT_STOPPED
 
 SYNC_CODES = ("GRAD_DESYNC", "PARAM_DESYNC", "RANK_INPUTS_IDENTICAL", "STRAGGLER_RANK", "GRAD_SYNC_UNSUPPORTED")
 ZERO2 = ["--deepspeed", str(REPO / "examples" / "ds_zero2.json")]
@@ -25,11 +26,11 @@ def _sync_findings(out: Path) -> list[dict[str, Any]]:
     return [f for f in findings_of(out) if f["code"] in SYNC_CODES]
 
 
-def _run(tmp_path: Path, harness_config: dict[str, Any], *extra: str, steps: int = 25) -> Path:
+def _run(tmp_path: Path, harness_config: dict[str, Any], *extra: str, steps: int = 25, exit_code: int = 0) -> Path:
     out = tmp_path / "run"
     config = write_yaml(tmp_path / "harness.yaml", harness_config)
     result = wrapped_example(out, config, *extra, launcher=torchrun(), steps=steps, save_steps=0)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == exit_code, result.stderr[-4000:]
     return out
 
 
@@ -84,7 +85,7 @@ def test_zero2_drift_partition_fault_identical_inputs_and_stop(tmp_path: Path) -
         {"plugins": ["defaults", "harness.testing:FaultInjector"],
          "grad_sync": {"every": 5}, "policy": {"GRAD_DESYNC": "stop"},
          "fault_injector": {"perturb_param_at_step": 9, "scale_grad_at_step": 15}},
-        *ZERO2, "--own_dataloader",
+        *ZERO2, "--own_dataloader", exit_code=EXIT_STOPPED,  # the harness stopped the run: wrap says so
     )
     found = _sync_findings(out)
     params = [f for f in found if f["code"] == "PARAM_DESYNC"]

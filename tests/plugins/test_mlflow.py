@@ -1,12 +1,8 @@
 """The mlflow plugin against real MLflow stores: the default SQLite store and a real `mlflow server` on 127.0.0.1."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -14,28 +10,17 @@ import pytest
 
 import harness
 from conftest import EXAMPLE, FAULTS, findings_of, free_port, harness_cli, read_jsonl, torchrun, write_yaml
+from mlflow_server import MlflowServer, all_runs, metric_steps, mlflow_client, mlflow_server  # noqa: F401 (a fixture)
 from harness import hookimpl
 
 PY = sys.executable
 
-
-def _client(uri: str) -> Any:
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
 
 
 def _store(output_dir: Path) -> str:
     return f"sqlite:///{(Path(output_dir) / 'harness' / 'mlflow' / 'mlflow.db').resolve()}"
 
 
-def _runs(uri: str) -> list[Any]:
-    client = _client(uri)
-    return client.search_runs([e.experiment_id for e in client.search_experiments()])
-
-
-def _history(uri: str, run_id: str, key: str) -> list[int]:
-    return sorted(m.step for m in _client(uri).get_metric_history(run_id, key))
 
 
 def _logged_steps(output_dir: Path) -> list[int]:
@@ -54,20 +39,20 @@ def test_wrap_logs_a_complete_run_to_the_default_store(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     uri = _store(out)
-    (run,) = _runs(uri)
+    (run,) = all_runs(uri)
     assert run.info.status == "FINISHED"
     steps = _logged_steps(out)
     assert steps == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "grad_norm", "learning_rate"):
-        assert _history(uri, run.info.run_id, key) == steps, key
+        assert metric_steps(uri, run.info.run_id, key) == steps, key
     assert run.data.params["trainer.max_steps"] == "6" and "harness.plugins" in run.data.params
     assert run.data.params["model.num_hidden_layers"] == "2"
-    paths = [a.path for a in _client(uri).list_artifacts(run.info.run_id, "harness")]
+    paths = [a.path for a in mlflow_client(uri).list_artifacts(run.info.run_id, "harness")]
     assert {"harness/findings.jsonl", "harness/config.yaml", "harness/metrics.jsonl", "harness/contamination", "harness/report.md",
             "harness/report.html", "harness/steps.jsonl", "harness/run.json", "harness/report"} <= set(paths)
-    plots = {a.path for a in _client(uri).list_artifacts(run.info.run_id, "harness/report/plots")}
+    plots = {a.path for a in mlflow_client(uri).list_artifacts(run.info.run_id, "harness/report/plots")}
     assert "harness/report/plots/loss.png" in plots  # what report.md links to travels with it
-    lists = {a.path for a in _client(uri).list_artifacts(run.info.run_id, "harness/contamination")}
+    lists = {a.path for a in mlflow_client(uri).list_artifacts(run.info.run_id, "harness/contamination")}
     assert {"harness/contamination/clean_ids.rank-0.txt", "harness/contamination/dirty_ids.rank-0.txt"} <= lists  # the clean/dirty lists
 
 
@@ -92,13 +77,13 @@ def test_long_params_non_numeric_metrics_and_findings(make_trainer: Any) -> None
     )
     trainer.train()
     uri = _store(trainer.args.output_dir)
-    (run,) = _runs(uri)
+    (run,) = all_runs(uri)
     value = run.data.params["trainer.run_name"]
     assert len(value) <= 6000 and value.endswith("chars]") and "truncated" in value
-    assert _history(uri, run.info.run_id, "custom/good") == [1, 2, 3]
-    assert _history(uri, run.info.run_id, "custom/tensor") == [1, 2, 3]
+    assert metric_steps(uri, run.info.run_id, "custom/good") == [1, 2, 3]
+    assert metric_steps(uri, run.info.run_id, "custom/tensor") == [1, 2, 3]
     assert "custom/text" not in run.data.metrics and "custom/none" not in run.data.metrics
-    assert _history(uri, run.info.run_id, "harness/findings/TEST_FAULT") == [2]
+    assert metric_steps(uri, run.info.run_id, "harness/findings/TEST_FAULT") == [2]
     assert run.data.tags["harness.finding.TEST_FAULT"].startswith("1 (warning)")
     assert findings_of(trainer.args.output_dir, "INTERNAL_PLUGIN_ERROR") == []
     assert findings_of(trainer.args.output_dir, "TRACKING_DEGRADED") == []
@@ -111,18 +96,18 @@ def test_resume_continues_the_same_run_and_a_fresh_start_makes_a_new_one(make_tr
     harness.attach(first, config=config)
     first.train()
     uri = _store(out)
-    (run,) = _runs(uri)
+    (run,) = all_runs(uri)
     second = make_trainer(output_dir=out, max_steps=6, save_strategy="steps", save_steps=2)
     harness.attach(second, config=config)
     second.train(resume_from_checkpoint=True)
-    (resumed,) = _runs(uri)
+    (resumed,) = all_runs(uri)
     assert resumed.info.run_id == run.info.run_id
-    assert _history(uri, run.info.run_id, "loss") == [1, 2, 3, 4, 5, 6]
+    assert metric_steps(uri, run.info.run_id, "loss") == [1, 2, 3, 4, 5, 6]
     assert resumed.data.tags.get("harness.param_changed_on_resume.trainer.max_steps") == "6"
     third = make_trainer(output_dir=out, max_steps=2)
     harness.attach(third, config=config)
     third.train()
-    assert len(_runs(uri)) == 2
+    assert len(all_runs(uri)) == 2
 
 
 def test_unreachable_server_falls_back_to_the_local_store_with_nothing_lost(make_trainer: Any) -> None:
@@ -136,58 +121,14 @@ def test_unreachable_server_falls_back_to_the_local_store_with_nothing_lost(make
     fallback = degraded[-1]
     assert fallback["severity"] == "error" and fallback["evidence"]["local_run_id"]
     uri = _store(trainer.args.output_dir)
-    (run,) = _runs(uri)
+    (run,) = all_runs(uri)
     assert run.info.run_id == fallback["evidence"]["local_run_id"]
-    assert _history(uri, run.info.run_id, "loss") == [1, 2, 3, 4]
+    assert metric_steps(uri, run.info.run_id, "loss") == [1, 2, 3, 4]
     assert run.data.tags["harness.fallback_for"].startswith(dead)
     # made while the tracker closed, after the report was first written: the local report was rewritten to show it
     report = (Path(trainer.args.output_dir) / "harness" / "report.md").read_text(encoding="utf-8")
     assert "| [TRACKING_DEGRADED](report/playbooks/tracking.md#tracking_degraded) |" in report and "### error" in report
 
-
-class MlflowServer:
-    """A real `mlflow server` on 127.0.0.1 with a SQLite backend; stoppable and restartable on the same port."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.port = free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 120) -> None:
-        log = open(self.root / "server.log", "ab")
-        self.proc = subprocess.Popen(
-            [str(Path(PY).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}", "--artifacts-destination", str(self.root / "artifacts")],
-            stdout=log, stderr=log, start_new_session=True, cwd=self.root,
-        )
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            assert self.proc.poll() is None, (self.root / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        raise TimeoutError("mlflow server did not come up")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-
-@pytest.fixture
-def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
-    root = tmp_path / "server"
-    root.mkdir()
-    server = MlflowServer(root)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 class _ServerFlipper:
@@ -219,10 +160,10 @@ def test_server_outage_mid_run_loses_and_duplicates_nothing(make_trainer: Any, m
     degraded = findings_of(trainer.args.output_dir, "TRACKING_DEGRADED")
     assert degraded and 3 <= degraded[0]["step"] <= 12 and mlflow_server.uri in degraded[0]["message"]
     assert all(f["severity"] != "error" for f in degraded)  # recovered: no fallback was needed
-    (run,) = _runs(mlflow_server.uri)
+    (run,) = all_runs(mlflow_server.uri)
     assert run.info.status == "FINISHED"
     for key in ("loss", "grad_norm", "learning_rate"):
-        history = [m.step for m in _client(mlflow_server.uri).get_metric_history(run.info.run_id, key)]
+        history = [m.step for m in mlflow_client(mlflow_server.uri).get_metric_history(run.info.run_id, key)]
         assert sorted(history) == list(range(1, 13)), (key, history)  # complete, no duplicates
 
 
@@ -236,8 +177,8 @@ def test_resume_against_a_server_reattaches(make_trainer: Any, mlflow_server: Ml
     second = make_trainer(output_dir=out, max_steps=4, save_strategy="steps", save_steps=2)
     harness.attach(second, config=config)
     second.train(resume_from_checkpoint=True)
-    (run,) = _runs(mlflow_server.uri)
-    assert sorted(m.step for m in _client(mlflow_server.uri).get_metric_history(run.info.run_id, "loss")) == [1, 2, 3, 4]
+    (run,) = all_runs(mlflow_server.uri)
+    assert sorted(m.step for m in mlflow_client(mlflow_server.uri).get_metric_history(run.info.run_id, "loss")) == [1, 2, 3, 4]
 
 
 @pytest.mark.slow
@@ -245,6 +186,6 @@ def test_two_processes_make_exactly_one_run(tmp_path: Path) -> None:
     out = tmp_path / "ddp"
     result = harness_cli("wrap", "--plugins", "mlflow", "--", *torchrun(), str(EXAMPLE), "--output_dir", str(out), "--max_steps", "4")
     assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = _runs(_store(out))
-    assert _history(_store(out), run.info.run_id, "loss") == [1, 2, 3, 4]
+    (run,) = all_runs(_store(out))
+    assert metric_steps(_store(out), run.info.run_id, "loss") == [1, 2, 3, 4]
     assert run.data.tags["harness.world_size"] == "2"

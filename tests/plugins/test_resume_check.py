@@ -18,6 +18,7 @@ import harness
 from conftest import FAULTS, REPO, findings_of, read_jsonl, torchrun, wrapped_example, write_yaml
 from harness.lib.fingerprints import differing, param_tensors, tensor_sums
 from harness.lib.ledger import read_ledger
+from harness.lib.stops import EXIT_STOPPED
 
 
 def _resume_codes(output_dir: Any) -> list[tuple[str, int]]:
@@ -116,6 +117,55 @@ def test_without_data_hash_the_data_position_is_reported_unchecked_once(make_tra
     assert findings_of(out, "RESUME_DATA_POSITION") == [] and trainer.state.global_step == 14  # nothing to compare with: trains on
 
 
+def test_a_new_learning_rate_is_ignored_when_the_scheduler_is_restored(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _interrupted(make_trainer, out)  # learning_rate 1e-3, linear decay over 14 steps
+    _resume(make_trainer, out, learning_rate=4e-3)
+    (finding,) = findings_of(out, "LR_CHANGE_IGNORED_ON_RESUME")
+    ev = finding["evidence"]
+    assert finding["step"] == 11 and ev["winner"] == "restored" and ev["restored_base_lr"] == pytest.approx(1e-3)
+    assert ev["applied_lr"] == pytest.approx(1e-3 * 4 / 14) and ev["configured_would_give"] == pytest.approx(4e-3 * 4 / 14)
+    assert findings_of(out, "RESUME_CONFIG_CHANGED") == []  # the one change is named once, by the finding that says it is not in effect
+
+
+class _NewPeak:
+    """The playbook's fix: after the Trainer restored scheduler.pt, put the configured LR into the restored schedule."""
+
+    def __new__(cls) -> Any:
+        from transformers import TrainerCallback
+
+        class NewPeak(TrainerCallback):
+            def on_train_begin(self, args: Any, state: Any, control: Any, lr_scheduler: Any = None, optimizer: Any = None, **kw: Any) -> None:
+                lr_scheduler.base_lrs = [args.learning_rate] * len(lr_scheduler.base_lrs)
+                for group, factor in zip(optimizer.param_groups, lr_scheduler.lr_lambdas):
+                    group["initial_lr"], group["lr"] = args.learning_rate, args.learning_rate * factor(lr_scheduler.last_epoch)
+
+        return NewPeak()
+
+
+def test_a_new_learning_rate_put_into_the_restored_schedule_is_in_effect(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _interrupted(make_trainer, out)
+    _resume(make_trainer, out, learning_rate=4e-3, callbacks=[_NewPeak()])
+    assert findings_of(out, "LR_CHANGE_IGNORED_ON_RESUME") == []
+    (changed,) = findings_of(out, "RESUME_CONFIG_CHANGED")
+    assert "learning_rate 0.001 -> 0.004 (in effect" in changed["message"] and changed["step"] == 10
+    assert changed["evidence"]["learning_rate"]["applied_lr"] == pytest.approx(4e-3 * 4 / 14)
+    assert findings_of(out, "LR_SCHEDULE_MISMATCH") == []
+
+
+def test_without_scheduler_pt_a_new_learning_rate_takes_effect_but_adam_restarts(make_trainer: Any, tmp_path: Path) -> None:
+    """HF loads optimizer.pt only together with scheduler.pt: deleting scheduler.pt is no way to change the LR."""
+    out = tmp_path / "run"
+    _interrupted(make_trainer, out)
+    (out / "checkpoint-10" / "scheduler.pt").unlink()
+    _resume(make_trainer, out, learning_rate=4e-3)
+    assert findings_of(out, "LR_CHANGE_IGNORED_ON_RESUME") == []
+    (changed,) = findings_of(out, "RESUME_CONFIG_CHANGED")
+    assert "(in effect: the first update after the resume used 0.004)" in changed["message"]
+    assert findings_of(out, "RESUME_OPTIMIZER_NOT_RESTORED") and findings_of(out, "RESUME_SCHEDULER_MISMATCH")
+
+
 def test_one_changed_element_changes_the_fingerprint() -> None:
     weights = {"w": torch.randn(64, 64)}
     saved = tensor_sums(weights)
@@ -194,12 +244,12 @@ def test_a_killed_run_resumed_through_wrap(tmp_path: Path) -> None:
     for what, expected in EXPECTED.items():
         out = tmp_path / what
         resumed = results[what]
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        stops = expected and expected[0] in ("RESUME_OPTIMIZER_NOT_RESTORED", "RESUME_MODEL_MISMATCH", "DATA_REPEATED")
+        assert resumed.returncode == (EXIT_STOPPED if stops else 0), (what, resumed.stderr[-3000:])  # a harness stop is loud
         assert sorted({c for c, _ in _resume_codes(out)}) == expected, what
         if what == "nothing":  # the ledger keeps what the killed process trained past the checkpoint
             ledger = read_ledger(out)
             assert sorted(ledger[ledger["superseded"]]["step"].unique()) == [11, 12]
-        stops = expected and expected[0] in ("RESUME_OPTIMIZER_NOT_RESTORED", "RESUME_MODEL_MISMATCH", "DATA_REPEATED")
         assert (out / "checkpoint-14").exists() != bool(stops), what  # a stopping mismatch never reaches the next save
 
 
@@ -223,7 +273,7 @@ def test_deepspeed_zero2_two_processes(tmp_path: Path) -> None:
         results = list(pool.map(resume, (False, True)))
     for ignore_data_skip, resumed in zip((False, True), results):
         out = tmp_path / f"ignore_data_skip={ignore_data_skip}"
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert resumed.returncode == (EXIT_STOPPED if ignore_data_skip else 0), resumed.stderr[-3000:]  # the data position stops it
         if ignore_data_skip:
             positions = findings_of(out, "RESUME_DATA_POSITION")
             assert {f["rank"] for f in positions} == {0, 1} and {f["step"] for f in positions} == {11}
@@ -240,4 +290,4 @@ def test_resumed_with_fewer_processes(tmp_path: Path) -> None:
     resumed = _wrapped(out, config, "--resume_from_checkpoint", str(out / "checkpoint-10"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (changed,) = findings_of(out, "RESUME_WORLD_SIZE_CHANGED")
-    assert changed["evidence"] == {"saved": 2, "now": 1}
+    assert changed["evidence"] == {"saved": 2, "now": 1, "sharded": False, "optimizer_sharded": False}  # DDP: still compared

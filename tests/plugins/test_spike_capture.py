@@ -108,7 +108,7 @@ def test_state_is_saved_with_the_checkpoint_and_restored_on_resume(
     trainer = make_trainer(output_dir=out, train_dataset=repetitive_rows, processing_class=tokenizer, max_steps=45, learning_rate=5e-3)
     harness.attach(trainer, config={"plugins": ["defaults", FAULTS], "fault_injector": {"corrupt_at_steps": [35]}})
     trainer.train(resume_from_checkpoint=str(out / "checkpoint-30"))
-    # without the restored baseline the resumed run would sit in its warmup grace and miss step 35
+    # without the restored baseline the resumed run would have to rebuild it (min_history steps) and miss step 35
     (spike,) = findings_of(out, "LOSS_SPIKE")
     assert spike["step"] == 35 and spike["evidence"]["after_resume"] and spike["evidence"]["steps_since_resume"] == 5
     assert "after a resume" in spike["message"]

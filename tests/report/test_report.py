@@ -87,7 +87,7 @@ def test_report_is_written_at_run_end_with_verdict_findings_plots_and_card(resum
     parameters = sum(p.numel() for p in build_tiny_llama(tokenizer, seed=0).parameters())
     assert f"| parameters | {parameters / 1e3:.3g}k ({parameters:,}) |" in markdown
     attempts = markdown[markdown.index("## Attempts"):].splitlines()[4:6]
-    assert "| 0-8 | stopped |" in attempts[0] and f"checkpoint-{SAVE_AT} | 5-10 | completed |" in attempts[1]
+    assert "| 0-8 | stopped by the harness at step 8 after PLUGIN_STOP |" in attempts[0] and f"checkpoint-{SAVE_AT} | 5-10 | completed |" in attempts[1]
     # plugin sections: the core's captures, a plugin's own, and a note for the plugin that failed
     assert "## Captured batches" in markdown and "harness replay " in markdown
     assert f"## Section from a plugin\n\n{len(steps)} step records in [steps.jsonl](steps.jsonl)." in markdown

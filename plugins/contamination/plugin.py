@@ -1,0 +1,296 @@
+"""The contamination plugin's hooks: index at run start, look batches up in the background, agree, report, summarise."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from harness.core.findings import read_run_findings
+from harness.core.hookspecs import hookimpl
+from harness.core.plugin import Plugin
+from harness.lib.capture import sample_ids
+from harness.lib.documents import ScanError
+from harness.lib.hashing import dataset_hashes
+from harness.lib.ngrams import EvalExample, NgramIndex
+from harness.lib.overlap import FrontEnd, ScanOptions, Tally, judge
+from harness.lib.overlap_ledger import Bits, MatchLedger, example_keys, tally_from_bits
+
+from .checker import Checker, Found, Job
+from .options import CONTAMINATION, CONTAMINATION_UNCHECKED, EVAL_SPLIT_OVERLAP, ContaminationOptions
+from .sightings import Sighting, finding, remember
+from .sources import configured_examples, trainer_eval_examples
+from .state import restore, state_of
+from .summary import console_line, report_section, write_summary
+
+log = logging.getLogger("harness.contamination")
+
+RUN_END_WAIT_S = 60.0  # run end waits this long at most for the checker to finish the queue
+LAST_STEP_WAIT_S = 60.0  # the last step's guard waits this long at most for the checker, so its matches are agreed
+EXCHANGE_INTS = 3 * 64  # the slot in the step exchange: 64 (key, chunk, bits) triples; more wait for the next step
+SLOT = "matched"
+
+
+class Contamination(Plugin):
+    """Indexes the eval sets, checks training micro-batches in a background thread, agrees and reports dirty examples."""
+
+    name = "contamination"
+    Options = ContaminationOptions
+    CODES = (CONTAMINATION, EVAL_SPLIT_OVERLAP, CONTAMINATION_UNCHECKED)
+
+    def __init__(self) -> None:
+        self.options = ContaminationOptions()
+        self.index: NgramIndex | None = None
+        self.checker: Checker | None = None
+        self.ledger: MatchLedger | None = None
+        self._tallies: dict[int, Tally] = {}  # this rank's training rows per example (documents and locations)
+        self._sightings: dict[int, list[Sighting]] = {}
+        self._micro_batches = 0
+        self._train_hashes: set[int] | None = None
+        self._tokenizer: Any = None
+        self._worker_error_reported = False
+        self._shared = False  # this run agrees over ranks through the step exchange (else: alone, at step end)
+        self._exchanged: int | None = None  # the step whose guard carried this plugin's slot
+        self._max_steps = 0
+
+    @property
+    def checked_tokens(self) -> int:
+        return self.checker.checked_tokens if self.checker is not None else 0
+
+    # -- the index ------------------------------------------------------------------------------------------
+
+    @hookimpl
+    def on_run_start(self, ctx: Any, trainer: Any) -> None:
+        self.index, self.checker, self.ledger = None, None, None  # a second train() call starts from nothing
+        self._tallies, self._sightings, self._exchanged, self._worker_error_reported = {}, {}, None, False
+        self._max_steps = int(getattr(getattr(trainer, "state", None), "max_steps", 0) or 0)
+        watching = bool(self.options.eval_sets) or (self.options.trainer_eval and getattr(trainer, "eval_dataset", None) is not None)
+        self._shared = ctx.world_size > 1 and watching
+        if self._shared:  # first, before anything that may fail on one rank only: the same slot on every rank
+            ctx.reserve(SLOT, EXCHANGE_INTS, owner=self.name)
+        tokenizer = getattr(trainer, "processing_class", None)
+        self._tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+        front = FrontEnd(self._tokenizer) if self._tokenizer is not None else None
+        examples: list[EvalExample] = []
+        for spec in self.options.eval_sets:
+            try:
+                examples += configured_examples(spec, front)
+            except ScanError as exc:
+                if ctx.is_main:
+                    self.report(CONTAMINATION_UNCHECKED.code, f"contamination: {exc}".replace("harness scan: ", ""),
+                                evidence={"eval_set": spec.path, "field": spec.field})
+        if self.options.trainer_eval and getattr(trainer, "eval_dataset", None) is not None:
+            examples += trainer_eval_examples(trainer.eval_dataset)
+        if not examples:
+            return
+        self.index = NgramIndex.build(examples, self.options.n, self.options.template_min_examples, self.options.min_length)
+        self.ledger = MatchLedger(example_keys((e.eval_set, e.example_id) for e in examples))
+        self.ledger.reported |= self._reported_before(ctx)
+        self.checker = Checker(self.index)
+
+    def _reported_before(self, ctx: Any) -> set[int]:
+        """Examples an earlier attempt in this run directory already reported (its findings are on disk at once)."""
+        assert self.index is not None
+        names = {(str(f.evidence.get("eval_set")), str(f.evidence.get("example_id")))
+                 for f in read_run_findings(ctx.run_dir) if f.code == CONTAMINATION.code}
+        return {e for e, x in enumerate(self.index.examples) if (x.eval_set, x.example_id) in names} if names else set()
+
+    @property
+    def _scan_options(self) -> ScanOptions:
+        o = self.options
+        return ScanOptions(n=o.n, template_min_examples=o.template_min_examples, dirty_fraction=o.dirty_fraction,
+                           partial_fraction=o.partial_fraction, min_length=o.min_length)
+
+    def _judge(self, example: int, bits: Bits) -> dict[str, Any]:
+        assert self.index is not None
+        return judge(self.index, example, tally_from_bits(bits, self._tallies.get(example)), self._scan_options)
+
+    def _is_dirty(self, example: int, bits: Bits) -> bool:
+        assert self.index is not None
+        best = max((b.bit_count() / max(self.index.windows_of(example, v), 1) for v, b in bits.items()), default=0.0)
+        if best < self.options.dirty_fraction:
+            return False  # judge's own first test (no near duplicates online), without building its arrays
+        return self._judge(example, bits)["status"] == "dirty"
+
+    # -- per micro-batch: a host copy, the lookup in the background ------------------------------------------------
+
+    @hookimpl
+    def inspect_batch(self, ctx: Any, batch: Any, step: int, micro_step: int) -> None:
+        if self.checker is None or not isinstance(batch, Mapping):
+            return
+        ids = batch.get("input_ids")
+        if not torch.is_tensor(ids) or ids.dim() != 2:
+            return
+        self._micro_batches += 1
+        if (self._micro_batches - 1) % self.options.sample_every:
+            return
+        self._drain()
+        if not self.checker.alive:
+            self._raise_worker_error()  # once: an INTERNAL_PLUGIN_ERROR with the worker's traceback; then nothing is queued
+            return
+        host = ids.detach().to("cpu", non_blocking=True) if ids.is_cuda else ids.detach().clone()
+        ready = torch.cuda.Event() if ids.is_cuda else None
+        if ready is not None:
+            ready.record()
+        if not self.checker.put(Job(step, micro_step, ctx.rank, sample_ids(batch), host, ready)):
+            self._raise_worker_error()
+
+    def _raise_worker_error(self) -> None:
+        """Turn a dead worker into one exception on the training thread (the manager makes it an INTERNAL_PLUGIN_ERROR)."""
+        if self._worker_error_reported:
+            return
+        self._worker_error_reported = True
+        error = self.checker.error if self.checker is not None else None
+        detail = f"{type(error).__name__}: {error}" if error is not None else "it stopped"
+        raise RuntimeError(
+            f"contamination: the background checker died ({detail}); training batches are no longer checked against the "
+            f"eval sets after {self.checked_tokens} tokens. The run-end summary covers only those."
+        ) from error
+
+    def _drain(self) -> None:
+        """Take in what the checker found (on the training thread): this rank's matched windows and sightings."""
+        if self.checker is None:
+            return
+        for found in self.checker.found():
+            self._absorb(found)
+
+    def _absorb(self, found: Found) -> None:
+        assert self.ledger is not None
+        job = found.job
+        groups: dict[tuple[int, int, int], list[Any]] = {}
+        for hit in found.hits:
+            groups.setdefault((hit.example, hit.row, hit.variant), []).append(hit)
+            self._tallies.setdefault(hit.example, Tally()).add(hit, f"rank {job.rank} step {job.step} micro-batch {job.micro} row {hit.row}", "", 3)
+        for (example, row, variant), hits in groups.items():
+            new = self.ledger.add(example, variant, (h.offset for h in hits))
+            if not new:
+                continue  # nothing this rank had not seen of the example: not a sighting
+            start, end = min(h.position for h in hits), max(h.position + h.length for h in hits)
+            sample = job.ids[row] if job.ids is not None and row < len(job.ids) else None
+            remember(self._sightings.setdefault(example, []),
+                     Sighting(job.step, job.micro, job.rank, row, sample, start, new, found.rows[row, start:end].copy()))
+
+    # -- per step: agree over ranks which examples became dirty; the reporter reports -------------------------------
+
+    @hookimpl
+    def on_before_optimizer_step(self, ctx: Any, step: int) -> None:
+        if not self._shared or self.ledger is None:
+            return
+        if self._max_steps and step >= self._max_steps:
+            self._wait_for_checker()  # the last exchange: every batch trained is looked up and agreed before run end
+        self._drain()
+        values = self.ledger.outgoing(EXCHANGE_INTS)
+        if values:
+            ctx.share(SLOT, values, owner=self.name)
+        self._exchanged = step
+
+    @hookimpl
+    def on_step_end(self, ctx: Any, step: int) -> None:
+        if self.ledger is None:
+            return
+        if not self._shared:  # one process: agree with itself
+            if self._max_steps and step >= self._max_steps:
+                self._wait_for_checker()
+            self._drain()
+            self._settle(ctx, [self.ledger.outgoing(None)])
+            return
+        self._drain()
+        if self._exchanged == step:
+            self._exchanged = None
+            self._settle(ctx, ctx.shared(SLOT, owner=self.name) or [])
+
+    def _wait_for_checker(self) -> None:
+        if self.checker is not None and self.checker.alive and not self.checker.wait_idle(LAST_STEP_WAIT_S):
+            log.warning("contamination: the background checker did not finish the last step's batches within %.0f s; "
+                        "what it finds later is judged by this rank alone at run end.", LAST_STEP_WAIT_S)
+
+    def _settle(self, ctx: Any, per_rank: list[Any]) -> None:
+        assert self.ledger is not None
+        for dirty in self.ledger.agree(per_rank, self._is_dirty):
+            if dirty.reporter == ctx.rank:
+                self._report(dirty.example, dirty.ranks, agreed=True)
+
+    def _report(self, example: int, ranks: tuple[int, ...], agreed: bool) -> None:
+        assert self.index is not None and self.ledger is not None
+        kept = self._sightings.get(example)
+        if not kept:
+            return
+        bits = self.ledger.combined(example)
+        verdict = self._judge(example, bits)
+        matched, total = max(((b.bit_count(), self.index.windows_of(example, v)) for v, b in bits.items() if b),
+                             key=lambda mt: mt[0] / max(mt[1], 1), default=(0, self.index.windows_of(example, 0)))
+        message, step, evidence = finding(self.index.examples[example], verdict, self.index.n, matched, total, kept, ranks, self._snippet)
+        evidence["agreed"] = agreed  # False: judged at run end on this rank's late matches alone (no exchange is left)
+        self.report(CONTAMINATION.code, message, step=step, evidence=evidence, limit=self.options.max_reports)
+
+    def _snippet(self, tokens: Any) -> str | None:
+        if self._tokenizer is None:
+            return None
+        try:
+            return str(self._tokenizer.decode(tokens.tolist()))[:200]
+        except Exception:  # noqa: BLE001 - a snippet is a courtesy
+            return None
+
+    # -- checkpoints: the agreed windows go on with a resume --------------------------------------------------------
+
+    @hookimpl
+    def checkpoint_state(self, ctx: Any, step: int) -> dict[str, Any] | None:
+        return state_of(self.index, self.ledger) if self.ledger is not None and self.index is not None else None
+
+    @hookimpl
+    def on_resume(self, ctx: Any, state: dict[str, Any] | None) -> None:
+        if self.ledger is not None and self.index is not None and isinstance(state, dict):
+            restore(self.index, self.ledger, state)
+
+    # -- the Trainer's own split ------------------------------------------------------------------------------
+
+    @hookimpl
+    def inspect_dataset(self, ctx: Any, dataset: Any, split: str) -> None:
+        if not self.options.check_split_overlap or not hasattr(dataset, "__len__") or len(dataset) > 200_000:
+            return
+        hashes = dataset_hashes(dataset, "input_ids", len(dataset))
+        if hashes is None:
+            return
+        if split == "train":
+            self._train_hashes = set(hashes)
+            return
+        if split != "eval" or self._train_hashes is None or not ctx.is_main:
+            return
+        shared = [i for i, h in enumerate(hashes) if h in self._train_hashes]
+        if shared:
+            self.report(
+                EVAL_SPLIT_OVERLAP.code,
+                f"{len(shared)} of the {len(hashes)} rows of the Trainer's eval_dataset also appear in its train_dataset "
+                f"(eval rows {shared[:10]}{' ...' if len(shared) > 10 else ''}): eval loss on them measures memorisation.",
+                evidence={"shared_rows": len(shared), "eval_rows": len(hashes), "examples": shared[:50]},
+            )
+
+    # -- run end: the last matches, the summary and the lists ------------------------------------------------------
+
+    @hookimpl(tryfirst=True)  # before the mlflow plugin uploads the run directory
+    def on_run_end(self, ctx: Any) -> None:
+        if self.index is None or self.checker is None or self.ledger is None:
+            return
+        finished = self.checker.finish(RUN_END_WAIT_S)  # a dead worker is not waited for, a stuck one not for long
+        self._drain()
+        for example in self.ledger.dirty_here_only(self._is_dirty):  # matched after the last exchange: no collective now
+            self._report(example, tuple(sorted(self.ledger.contributors.get(example, set()) | {ctx.rank})), agreed=False)
+        rows = [self._judge(e, self.ledger.combined(e)) for e in range(len(self.index.examples))]
+        out = ctx.path("contamination", f"summary.rank-{ctx.rank}.json").parent
+        per_set = write_summary(out, ctx.rank, rows, self.checked_tokens, finished)
+        for name, counts in per_set.items():
+            ctx.log_metrics({f"contamination/{name}/{status}": counts.get(status, 0) for status in ("clean", "partial", "dirty")})
+        if ctx.is_main:
+            log.info(console_line(rows, self.options.dirty_fraction))
+        if not finished and self.checker.error is None and not self._worker_error_reported:
+            self._worker_error_reported = True
+            raise RuntimeError(f"contamination: the background checker did not finish within {RUN_END_WAIT_S:.0f} s at run end; "
+                               "the summary covers the batches checked so far.")
+        if self.checker.error is not None:
+            self._raise_worker_error()  # died after the last batch was queued: said now (once)
+
+    @hookimpl
+    def report_sections(self, run: Any) -> Any:
+        """Per eval set: examples clean/partial/dirty (worst over ranks), the dirtiest ones, the id lists."""
+        return report_section(run.run_dir)

@@ -1,0 +1,94 @@
+"""The contamination plugin's run-end files and its report section (built from the run directory alone).
+
+Each rank writes ``contamination/summary.rank-<r>.json`` (per eval set:
+clean/partial/dirty counts; the non-clean examples with their numbers) and
+``{clean,partial,dirty}_ids.rank-<r>.txt``. Statuses are judged on the
+windows agreed over all ranks plus this rank's own, so the ranks' summaries
+agree but for what a rank matched after the last exchange.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+STATUSES = ("clean", "partial", "dirty")
+ORDER = {"too_short": 0, "clean": 0, "partial": 1, "dirty": 2}
+
+
+def write_summary(out: Path, rank: int, rows: list[dict[str, Any]], checked_tokens: int, complete: bool) -> dict[str, Counter[str]]:
+    """The summary and the id lists of one rank (atomically: rank 0's report may read them at any moment)."""
+    per_set: dict[str, Counter[str]] = {}
+    for row in rows:
+        per_set.setdefault(row["eval_set"], Counter())[row["status"]] += 1
+    summary = {"rank": rank, "checked_tokens": checked_tokens, "eval_sets": {k: dict(v) for k, v in per_set.items()},
+               "complete": complete,
+               "examples": [{k: v for k, v in r.items() if k != "locations"} for r in rows if r["status"] != "clean"]}
+    tmp = out / f".summary.rank-{rank}.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    tmp.replace(out / f"summary.rank-{rank}.json")
+    for status in STATUSES:
+        (out / f"{status}_ids.rank-{rank}.txt").write_text(
+            "".join(f"{r['eval_set']}\t{r['id']}\n" for r in rows if r["status"] == status), encoding="utf-8")
+    return per_set
+
+
+def console_line(rows: list[dict[str, Any]], dirty_fraction: float) -> str:
+    """One line per run: what the eval sets met in training, partial ones with their largest fraction."""
+    parts = []
+    for name in dict.fromkeys(r["eval_set"] for r in rows):
+        mine = [r for r in rows if r["eval_set"] == name]
+        counts = Counter(r["status"] for r in mine)
+        partial = [r["matched_fraction"] for r in mine if r["status"] == "partial"]
+        text = f"{name}: {len(mine)} examples, {counts['dirty']} dirty, {counts['partial']} partial"
+        if partial:
+            text += (f" (at most {max(partial):.0%} of an example's n-grams seen, below dirty_fraction {dirty_fraction:g}: "
+                     "in partial_ids, not reported)")
+        parts.append(text)
+    return "contamination: " + "; ".join(parts)
+
+
+def report_section(run_dir: Path) -> Any:
+    """Per eval set: examples clean/partial/dirty (worst over ranks), the dirtiest ones, the id lists."""
+    from urllib.parse import quote
+
+    from harness.lib.textsafe import md_escape
+    from harness.report.model import Raw, ReportSection, md_table
+
+    summaries = []
+    for path in sorted(run_dir.glob("contamination/summary.rank-*.json")):
+        try:
+            summaries.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue  # one unreadable rank costs its numbers, not the section
+    if not summaries:
+        return None
+    worst: dict[tuple[str, str], dict[str, Any]] = {}
+    totals: dict[str, int] = {}
+    for summary in summaries:
+        for name, counts in summary.get("eval_sets", {}).items():
+            totals[name] = max(totals.get(name, 0), sum(counts.values()))
+        for example in summary.get("examples", []):
+            key = (example["eval_set"], str(example["id"]))
+            if key not in worst or ORDER.get(example["status"], 0) > ORDER.get(worst[key]["status"], 0):
+                worst[key] = example
+    rows = []
+    for name, total in totals.items():
+        hit = Counter(e["status"] for (s, _), e in worst.items() if s == name)
+        rows.append([name, total, total - hit["partial"] - hit["dirty"], hit["partial"], hit["dirty"]])
+    text = (f"Eval examples met in the training batches of this run ({sum(s.get('checked_tokens', 0) for s in summaries):,} "
+            "training tokens checked; an example counts at its worst over ranks; partial examples share some n-grams with "
+            "training, below the dirty fraction, and are not reported as findings).\n\n")
+    text += md_table(["eval set", "examples", "clean", "partial", "dirty"], rows) + "\n\n"
+    dirtiest = sorted(worst.values(), key=lambda e: (-ORDER.get(e["status"], 0), -float(e.get("matched_fraction") or 0)))[:10]
+    if dirtiest:
+        text += md_table(["eval set", "example", "status", "matched fraction", "longest span", "training documents hit"],
+                         [[e["eval_set"], e["id"], e["status"], e.get("matched_fraction"), e.get("longest_span"), e.get("documents_hit")]
+                          for e in dirtiest])
+        text += "\n\n"
+    lists = sorted(run_dir.glob("contamination/*_ids.rank-*.txt"))
+    if lists:
+        text += "Id lists (eval set, tab, id): " + ", ".join(  # file names from the run dir are data: escaped, quoted
+            Raw(f"[{md_escape(p.name)}](contamination/{quote(p.name)})").markdown for p in lists) + ".\n"
+    return ReportSection("Contamination", text)
