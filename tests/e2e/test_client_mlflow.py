@@ -73,7 +73,8 @@ def test_report_to_mlflow_makes_one_run_with_hf_and_harness_records(tmp_path: Pa
 def test_mlflow_run_id_consumed_by_hf_still_gets_the_harness_records(tmp_path: Path) -> None:
     """MLFLOW_RUN_ID: HF's start_run resumes that run and unsets the variable; the harness follows HF into it."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    made = mlflow_client(uri).create_run(mlflow_client(uri).create_experiment("made-before"), run_name="pre-made")
+    experiment = mlflow_client(uri).create_experiment("made-before", artifact_location=(tmp_path / "artifacts").as_uri())  # not ./mlruns
+    made = mlflow_client(uri).create_run(experiment, run_name="pre-made")
     out, result = _run_clm(tmp_path, {"MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": made.info.run_id}, steps=3)
     run = _assert_one_joined_run(uri, out, result, steps=3)
     assert run.info.run_id == made.info.run_id
