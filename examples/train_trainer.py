@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         data_collator=collator,
     )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # as PyTorch asks of every script that initialised one
     return args.exit_code
 
 

@@ -105,18 +105,3 @@ def test_the_same_script_on_clean_data_is_silent(tmp_path: Path) -> None:
     findings: list[dict[str, Any]] = findings_of(out)
     assert [f for f in findings if f["code"] in SPIKE_CODES] == []
     assert [(f["code"], f["step"]) for f in findings if f["severity"] != "info"] == []
-
-
-@pytest.mark.slow  # two wrapped runs of a client script
-def test_after_a_resume_the_capture_still_names_the_right_rows(tmp_path: Path) -> None:
-    """The resumed epoch trains from accelerate's SkipBatchSampler, which draws and drops the batches already trained."""
-    data = _data(tmp_path / "data", POISON_LINE)
-    hashes, poisoned = _blocks_like_run_clm(data / "train.txt", POISON_LINE)
-    first = _wrapped_run_clm(data, tmp_path / "run", 20, "--save_strategy", "steps", "--save_steps", "12")
-    out = _wrapped_run_clm(data, tmp_path / "resumed", 20, "--save_strategy", "no", "--resume_from_checkpoint", str(first / "checkpoint-12"))
-    spikes = [f for f in findings_of(out, "LOSS_SPIKE") if f["step"] > 12]
-    assert spikes, [(f["code"], f["step"]) for f in findings_of(out)]
-    capture = json.loads(Path(spikes[0]["evidence"]["capture"]).read_text())
-    assert capture["samples"][0]["dataset_index"] in poisoned
-    for sample in capture["samples"]:
-        assert sample["hash"] == hashes[sample["dataset_index"]], sample["dataset_index"]
