@@ -13,6 +13,7 @@ the others skipped.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import traceback
 from dataclasses import dataclass
@@ -43,6 +44,34 @@ def dist_info() -> DistInfo:
     else:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     return DistInfo(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+
+
+_CLOSE_AT_EXIT: dict[str, bool] = {}
+
+
+def close_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, if the script has not (once per process).
+
+    Most training scripts (transformers' examples among them) never call
+    ``destroy_process_group``; gloo's worker threads then meet interpreter
+    teardown and a rank can abort with "terminate called without an active
+    exception" after training finished, turning a good job into a failed
+    one. ``atexit`` runs before that teardown; destroying a gloo or NCCL
+    group is local to the rank (no collective), so a rank that exits first
+    waits for nobody.
+    """
+    if _CLOSE_AT_EXIT or not dist_ready():
+        return
+    _CLOSE_AT_EXIT["registered"] = True
+
+    def close() -> None:
+        try:
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway; never turn an exit into a traceback
+            pass
+
+    atexit.register(close)
 
 
 _CONTROL_GROUP: dict[str, Any] = {}

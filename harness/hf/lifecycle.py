@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from harness.core.actions import Action
 from harness.core.context import RunContext
+from harness.core.distributed import close_process_group_at_exit
 from harness.core.errors import HarnessStopped
 from harness.hf.actions import ActionExecutor
 from harness.hf.checkpoint_state import CheckpointState
@@ -54,6 +55,7 @@ class RunLifecycle:
         """Run one ``train()`` call: ``on_run_end`` always fires, with how the run ended."""
         if self._in_train:
             return train(*args, **kwargs)
+        close_process_group_at_exit()  # a multi-rank job must not abort in gloo's teardown after it trained well
         if self._lock_dir is not None:
             rundir.acquire(self._lock_dir, id(self))  # held until this call ends
         self._actions.begin_call()
