@@ -59,18 +59,9 @@ class Fsdp2Slices(ZeroSlices):
     """Each rank's reduced FSDP2 gradient shard against the mean of every rank's local gradient over that shard."""
 
     def __init__(self, params: list[tuple[str, torch.nn.Parameter]], rank: int, internals: dict[int, Any]) -> None:
-        self.pieces = []
-        for index, (_, param) in enumerate(params):
-            for owner, start, numel in _layout(param) or []:
-                if numel:
-                    self.pieces.append((index, start, numel, owner))
-        self.by_param: dict[int, list[tuple[int, int, int]]] = {}
-        for k, (index, start, numel, _) in enumerate(self.pieces):
-            self.by_param.setdefault(index, []).append((k, start, numel))
-        self.params = params
-        self.rank = rank
-        self.local: torch.Tensor | None = None
-        self._handles: list[Any] = []
+        pieces = [(index, start, numel, owner) for index, (_, param) in enumerate(params)
+                  for owner, start, numel in _layout(param) or [] if numel]
+        self._set_pieces(pieces, params, rank)
         self._internals = internals
 
     def arm(self) -> bool:

@@ -44,7 +44,11 @@ class ZeroSlices:
         failed = failures(layout)
         if failed:  # every rank sees it and fails alike (retried at the next check step, on every rank)
             raise RuntimeError(f"ZeRO slice layout failed on rank {failed[0].rank}: {failed[0].error}")
-        self.pieces = sorted((index, start, numel, owner) for owner, rank_pieces in enumerate(layout) for index, start, numel in rank_pieces)
+        self._set_pieces(sorted((index, start, numel, owner) for owner, rank_pieces in enumerate(layout) for index, start, numel in rank_pieces), params, rank)
+
+    def _set_pieces(self, pieces: list[tuple[int, int, int, int]], params: list[tuple[str, torch.nn.Parameter]], rank: int) -> None:
+        """The slices (parameter index, start, numel, owning rank), indexed per parameter; no hooks armed yet."""
+        self.pieces = pieces
         self.by_param: dict[int, list[tuple[int, int, int]]] = {}
         for k, (index, start, numel, _) in enumerate(self.pieces):
             self.by_param.setdefault(index, []).append((k, start, numel))
