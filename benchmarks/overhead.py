@@ -6,7 +6,7 @@ alternate plain, harness, plain, harness ... in one process with the same
 seed, model init, data and TrainingArguments, so drift (thermal, other load)
 hits both sides alike.
 
-    python benchmarks/overhead.py [--steps N] [--rounds R] [--warmup W] [--quick] [--plugins a,b]
+    python benchmarks/overhead.py [--steps N] [--rounds R] [--warmup W] [--quick] [--plugins a,b] [--option p.key=value]
 
 The last printed line is always
 ``overhead ratio (harness/plain median step time): X.XXXx``.
@@ -32,6 +32,7 @@ for _var in ("HARNESS_CONFIG", "HARNESS_PLUGINS"):
     os.environ.pop(_var, None)
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -55,6 +56,7 @@ BENCHMARK_MODEL = (
     f"an eval_dataset of {EVAL_EXAMPLES} rows that the contamination plugin watches for"
 )
 
+OPTIONS: dict[str, Any] = {}  # plugin options from --option (the harness config as a dict; empty: the defaults)
 RATIO_LINE = "overhead ratio (harness/plain median step time): {ratio:.3f}x"
 BASELINE_RATIO_LINE = "overhead ratio (harness+{plugins}/harness median step time): {ratio:.3f}x"
 
@@ -157,7 +159,7 @@ def run_once(tokenizer: Any, dataset: Any, steps: int, warmup: int, with_harness
         )
         trainer = Trainer(model=model, args=training_args(out, steps), train_dataset=dataset, callbacks=[timer], eval_dataset=eval_rows())
         trainer.remove_callback(PrinterCallback)  # its log dicts would bury the table; removed on both sides
-        ctx = harness.attach(trainer, config=None, plugins=plugins or None) if with_harness else None
+        ctx = harness.attach(trainer, config=OPTIONS or None, plugins=plugins or None) if with_harness else None
         if ctx is not None:
             _time_hooks(ctx.manager, timer)
         trainer.train()
@@ -254,6 +256,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads (default: cpu count)")
     parser.add_argument("--plugins", default="", help="comma-separated extra plugins passed to harness.attach(plugins=...)")
     parser.add_argument(
+        "--option", action="append", default=[], metavar="PLUGIN.KEY=VALUE",
+        help="a plugin option for the measured side (YAML value), e.g. layer_stats.interval=5 (repeatable)",
+    )
+    parser.add_argument(
         "--baseline",
         choices=("plain", "harness"),
         default="plain",
@@ -286,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     quiet()
     torch.set_num_threads(args.threads)
     plugins = [p.strip() for p in args.plugins.split(",") if p.strip()]
+    for item in args.option:
+        key, _, value = item.partition("=")
+        plugin, _, option = key.partition(".")
+        OPTIONS.setdefault(plugin, {})[option] = yaml.safe_load(value)
     tokenizer = train_tokenizer(corpus_lines(), vocab_size=VOCAB_SIZE)
     dataset = lm_dataset(tokenizer, seq_len=SEQ_LEN, n_rows=args.steps * BATCH_SIZE)
     print(f"benchmark model: {BENCHMARK_MODEL}")

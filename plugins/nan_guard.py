@@ -3,7 +3,10 @@
 Per micro-batch it only queues a device-side ``isfinite`` flag and the loss
 with ``defer`` (no host sync); the step guard reads them in its one transfer
 for every plugin, and the gradient norm arrives as a host float. On a hit it
-reports which micro-batch, rank and samples, writes the batch to
+reports which micro-batch, rank and samples, names the first bad tensor
+(:mod:`harness.lib.first_bad`: the non-finite gradients in module order, or the
+first module with a non-finite output in one traced rerun of the micro-batch;
+one extra device read, on that step only), writes the batch to
 ``captures/step-<N>/``, and decides the action ladder:
 skip the step, and after ``max_consecutive`` non-finite steps in a row,
 ``escalate_to`` (``save_and_stop`` by default).
@@ -28,6 +31,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from harness.lib.capture import sample_ids, write_capture
+from harness.lib.first_bad import nonfinite_names
+from harness.lib.first_bad_trainer import trainer_grad_scan, trainer_locate
 from harness.core.findings import Finding, FindingCode, Severity
 from harness.lib.fingerprints import scheduler_state
 from harness.lib.sharding import local_tensor
@@ -76,6 +81,9 @@ class NanGuardOptions(BaseModel):
         "save_and_stop", description="The action once max_consecutive is reached (save_and_stop, rollback, stop).")
     check_grads: bool = Field(True, description="Also check the gradient norm (or, without one, every gradient) before each update.")
     capture: bool = Field(True, description="Write the step's micro-batches to captures/step-<N>/ (token ids, text, per-sample loss).")
+    locate: bool = Field(
+        True, description="On a non-finite loss, rerun the first bad micro-batch once (no gradients, forward hooks on every module) "
+        "to name the first module whose output is non-finite; flagged steps only.")
     check_params_every: int = Field(
         100, ge=0, description="Every this many optimizer steps, check every parameter for NaN/Inf (one device sync); 0 turns it off."
     )
@@ -169,12 +177,13 @@ class NanGuard(Plugin):
         if grad_ok is False:
             self._consecutive += 1
             norm = _as_float(grad_norm)
+            scan = trainer_grad_scan(ctx.trainer, ctx.rank, norm, batches)  # this step only: one read, or a rerun of backward
             self.report(
                 NONFINITE_GRAD.code,
-                f"gradient norm is {norm} at step {step} on rank {ctx.rank} although every micro-batch loss was finite "
-                f"({self._consecutive} non-finite step(s) in a row); the update is not applied.",
+                f"gradient norm is {norm} at step {step} on rank {ctx.rank} although every micro-batch loss was finite; "
+                f"{scan.describe()} ({self._consecutive} non-finite step(s) in a row); the update is not applied.",
                 step=step,
-                evidence={"grad_norm": norm, "consecutive": self._consecutive, "micro_batches": len(finite)},
+                evidence={"grad_norm": norm, "consecutive": self._consecutive, "micro_batches": len(finite), **scan.evidence()},
             )
             return
         self._consecutive = 0
@@ -183,11 +192,12 @@ class NanGuard(Plugin):
         first = bad[0]
         values = [losses[i] for i in bad]
         samples = sample_ids(batches[first])
+        located, where = trainer_locate(ctx.trainer, batches[first]) if self.options.locate else ({"locate": "off"}, "")
         capture = self._capture(ctx, step, batches, losses, f"loss {values[0]} in micro-batch {first}") if self.options.capture else None
         hidden = " The Trainer's logging_nan_inf_filter=True hides this value from its own logs." if self._log_filter else ""
         self.report(
             NONFINITE_LOSS.code,
-            f"loss is {values[0]} at step {step}, micro-batch {first} on rank {ctx.rank} "
+            f"loss is {values[0]} at step {step}, micro-batch {first} on rank {ctx.rank}{'; ' + where if where else ''} "
             f"({len(bad)} of {len(losses)} micro-batches non-finite; {self._consecutive} non-finite step(s) in a row); "
             f"the update is not applied.{hidden}",
             step=step,
@@ -198,6 +208,7 @@ class NanGuard(Plugin):
                 "consecutive": self._consecutive,
                 "capture": capture,
                 "logging_nan_inf_filter": self._log_filter,
+                **located,
             },
         )
 
@@ -242,20 +253,16 @@ class NanGuard(Plugin):
         """One finiteness flag per floating-point parameter tensor, read with one transfer."""
         model = getattr(ctx.trainer, "model", None)
         named = [(n, local_tensor(getattr(p, "ds_tensor", p))) for n, p in model.named_parameters()] if model is not None else []
-        named = [(n, t) for n, t in named if t.numel() and t.is_floating_point()]  # quantized weights are integers
-        if not named:
-            return
-        finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in named]).tolist()
-        bad = [n for (n, _), ok in zip(named, finite) if not ok]
+        bad, checked = nonfinite_names(named)  # floating-point tensors only (quantized weights are integers); one read
         if not bad:
             return
         self._params_reported = True
         self.report(
             NONFINITE_PARAMS.code,
-            f"{len(bad)} of {len(named)} parameter tensors hold NaN or Inf after step {step} on rank {ctx.rank} "
+            f"{len(bad)} of {checked} parameter tensors hold NaN or Inf after step {step} on rank {ctx.rank} "
             f"(first: {', '.join(bad[:3])}); the model is broken from here on.",
             step=step,
-            evidence={"parameters": bad[:50], "count": len(bad), "checked_tensors": len(named)},
+            evidence={"parameters": bad[:50], "count": len(bad), "checked_tensors": checked},
         )
 
     def _report_optimizer_skip(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:

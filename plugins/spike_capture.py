@@ -30,6 +30,7 @@ from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.lib.capture import CaptureResult, write_capture
+from harness.lib.layer_history import describe, surged_before
 from harness.lib.robust import Baseline, Judgement
 from harness.lib.spike_notes import earlier_micro_batches, grad_rise, loss_context, loss_spike_notes, step_dataset_indices
 
@@ -86,6 +87,12 @@ def _detach(batch: dict[str, Any], copy: bool) -> dict[str, Any]:
     if not copy:
         return batch
     return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _surged(ctx: Any, step: int) -> list[Any]:
+    """layer_stats' rows, when it is on: the blocks that left their baseline before ``step``, earliest first."""
+    run_dir = getattr(ctx, "run_dir", None)
+    return surged_before(run_dir, step) if run_dir is not None else []
 
 
 Micro = tuple[int, dict[str, Any], float]  # (micro_step, batch, its loss as a host float)
@@ -297,6 +304,9 @@ class SpikeCapture(Plugin):
     ) -> None:
         rise, resume = self._grad_rise(), self._resume_evidence(step)
         notes = loss_spike_notes(rise, grad, resume)
+        surged = _surged(ctx, step)
+        if surged:
+            notes.append(f"layers surged first: {describe(surged)}")
         self.report(
             LOSS_SPIKE.code,
             f"loss {j.value:.4f} at step {step} on rank {ctx.rank} is {j.z:.1f} robust SDs above its running median {j.median:.4f} "
@@ -308,6 +318,7 @@ class SpikeCapture(Plugin):
                 **j.evidence("loss"),
                 **rise,
                 "grad_norm_jumped_with_it": grad is not None,
+                "layers_surged_first": [s.as_dict() for s in surged],
                 **resume,
                 "dataset_indices": step_dataset_indices([b for _, b, _ in current]),
                 "capture": str(capture.json_path) if capture else None,
@@ -352,6 +363,7 @@ class SpikeCapture(Plugin):
             **self._grad_rise(),
             **self._resume_evidence(step),
             "earlier_micro_batches": earlier_micro_batches(self._ring, step),
+            "layers_surged_first": [s.as_dict() for s in _surged(ctx, step)],
         }
         no_recompute = "the weights had already moved on (DeepSpeed reports the grad norm after its update)" if weights_moved else None
         if not self.options.recompute_loss:

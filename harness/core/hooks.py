@@ -60,6 +60,9 @@ class Hooks:
             "on_before_optimizer_step", ctx=ctx, step=step, model=model, optimizer=optimizer, grad_norm=grad_norm, loss=loss
         )
 
+    def on_step_agreed(self, ctx: "PluginContext", step: int, action: Any, model: Any, optimizer: Any) -> None:
+        self._manager.call("on_step_agreed", ctx=ctx, step=step, action=action, model=model, optimizer=optimizer)
+
     def on_step_end(self, ctx: "PluginContext", step: int, metrics: dict[str, Any]) -> None:
         self._manager.call("on_step_end", ctx=ctx, step=step, metrics=metrics)
 

@@ -16,6 +16,7 @@ One optimizer step, in the order the hooks fire (every rank; ``ctx`` is a
     │    │ on_before_optimizer_step(step, model, optimizer, grad_norm, loss)  host floats│
     │    │ agree  ONE all-gather: strongest action, findings queued, plugin switch-offs,│
     │    │        payloads of ctx.share(...)  ─> ctx.shared(...) on every rank          │
+    │    │ on_step_agreed(step, action, model, optimizer)   every rank, same shared view │
     │    │ step or skip   (skip_step / save_and_stop / stop / rollback, every rank alike)│
     │    └───────────────────────────────────────────────────────────────────────────────┘
     │    lr_scheduler.step ─> on_step_end(step=N, metrics)      metrics are host values
@@ -234,6 +235,23 @@ def on_before_optimizer_step(
     transfer, with every tensor plugins queued with ``ctx.defer``, whose
     values ``ctx.deferred`` returns from here on). The parameters are still those that
     produced it, so a forward pass here reproduces the step's losses.
+    """
+
+
+@hookspec
+def on_step_agreed(ctx: "PluginContext", step: int, action: "Action", model: Any, optimizer: Any) -> None:
+    """Every rank agreed on this step's ``action``; the update is not applied or skipped yet.
+
+    Fires: once per optimizer step on every rank, inside the step guard,
+    right after the agreement (``ctx.agree()``) and before the optimizer
+    updates (or the step is skipped). ``action`` is the agreed
+    :class:`harness.core.actions.Action`, the same on every rank (before a
+    rollback without a handler becomes ``save_and_stop``). ``ctx.shared(...)``
+    holds this step's exchange, identical on every rank, so a plugin may run
+    a collective here only when those shared values say that every rank
+    runs the same one (e.g. a recomputation on a flagged step); on an
+    ordinary step it must not. The parameters and the optimizer state are
+    still those of the step: a recomputation here sees what the step saw.
     """
 
 

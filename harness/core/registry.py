@@ -35,6 +35,7 @@ BUILTIN_PLUGINS: dict[str, BuiltinPlugin] = {
     "nan_guard": BuiltinPlugin("harness.plugins.nan_guard:NanGuard", True),
     "loss_baseline": BuiltinPlugin("harness.plugins.loss_baseline:LossBaseline", True),
     "spike_capture": BuiltinPlugin("harness.plugins.spike_capture:SpikeCapture", True),
+    "rerun": BuiltinPlugin("harness.plugins.rerun:Rerun", True),
     "data_hash": BuiltinPlugin("harness.plugins.data_hash:DataHash", True),
     "resume_check": BuiltinPlugin("harness.plugins.resume_check:ResumeCheck", True),
     "grad_sync": BuiltinPlugin("harness.plugins.grad_sync:GradSync", True),
@@ -44,6 +45,8 @@ BUILTIN_PLUGINS: dict[str, BuiltinPlugin] = {
     "throughput": BuiltinPlugin("harness.plugins.throughput:Throughput", True),
     "run_card": BuiltinPlugin("harness.plugins.run_card:RunCard", True),
     "dpo_health": BuiltinPlugin("harness.plugins.dpo_health:DpoHealth", True),
+    "oom": BuiltinPlugin("harness.plugins.oom:OomForensics", True),
+    "layer_stats": BuiltinPlugin("harness.plugins.layer_stats:LayerStats", False),
     "mlflow": BuiltinPlugin("harness.plugins.mlflow.tracker:MlflowTracker", False),
 }
 

@@ -3,7 +3,7 @@
 In order: the step's one device-to-host read (the step loss, the grad norm
 and every tensor plugins deferred), ``on_before_optimizer_step`` with host
 floats, the LR this update uses, then ``ctx.agree()`` (the step's one
-collective) to get the action every rank takes. The optimizer adapters in
+collective) to get the action every rank takes, and ``on_step_agreed`` with it. The optimizer adapters in
 :mod:`harness.hf.optimizers` call :meth:`StepGuard.guard` from inside the
 optimizer's ``step`` and skip the update unless the answer is ``continue``.
 """
@@ -53,6 +53,7 @@ class StepGuard:
         ctx.manager.hooks.on_before_optimizer_step(ctx, ctx.step, model, optimizer, record.grad_norm, record.step_loss)
         record.lr = self._current_lr()  # the LR this update uses, before the scheduler moves
         action = ctx.agree()
+        ctx.manager.hooks.on_step_agreed(ctx, ctx.step, action, model, optimizer)  # every rank, the shared view alike
         if action is Action.ROLLBACK and not self.rollback_available:
             action = Action.SAVE_AND_STOP
         record.agreed = action

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from harness.core.context import RunContext
 from harness.hf.dataset_index import DatasetIndexFeed, batch_rows
 from harness.hf.step_record import StepRecord
-from harness.lib.sample_rows import DATASET_INDEX_KEY, DATASET_INDEX_NOTE_KEY
+from harness.lib.sample_rows import DATASET_INDEX_KEY, DATASET_INDEX_NOTE_KEY, NUM_ITEMS_KEY
 from harness.lib.sharding import replicated_local
 from harness.lib.tokens import token_positions
 
@@ -102,6 +102,8 @@ class MicroBatchTap:
                     seen[DATASET_INDEX_KEY] = self._batch_indices
                 elif self.indices.note:
                     seen[DATASET_INDEX_NOTE_KEY] = self.indices.note
+                if kwargs.get("num_items_in_batch") is not None:  # a reference, not read: the rerun plugin normalises alike
+                    seen[NUM_ITEMS_KEY] = kwargs["num_items_in_batch"]
             result = compute_loss(model, inputs, *args, **kwargs)
             if self.in_training_step:
                 loss = (result[0] if isinstance(result, tuple) else result).detach()

@@ -8,14 +8,20 @@ A capture lives in ``<run_dir>/captures/step-<N>/`` and holds, per rank:
   the row's dataset index), dataset index (from the batch sampler, when the
   loader has one), content hash, token ids, decoded
   text, per-sample loss recomputed by a forward pass on the same weights,
-  and text heuristics (repetition, non-printable and replacement characters,
-  length);
+  per-sample gradient norm (``grad_norm``, the ranking's first key) and text
+  heuristics (repetition, non-printable and replacement characters, length);
+  a ``blame`` block says how the gradient norms were computed and in how many
+  seconds;
 - ``batch.rank-<r>.pt``: the micro-batch tensors and the RNG state of that
   forward pass, so that ``harness replay`` can recompute the same numbers;
 - ``summary.rank-<r>.md``: the ranked samples as a table.
 
 The forward pass runs under ``torch.no_grad`` with the RNG saved and restored
-around it, so taking a capture never changes what training does next.
+around it, so taking a capture never changes what training does next. The
+per-sample gradient norms (:mod:`harness.lib.sample_grads`) cost one forward
+and one backward per captured row, only when a capture is taken, through
+``torch.autograd.grad`` / ``torch.func`` on the unwrapped model: the step's
+``p.grad``, the RNG and the train/eval flags are left as they were.
 """
 from __future__ import annotations
 
@@ -24,17 +30,19 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from harness.core.distributed import model_parallel_sizes
+from harness.lib.capture_summary import CaptureResult, markdown as _markdown, rank_suspects  # CaptureResult re-exported
 from harness.lib.hashing import content_hashes
+from harness.lib.rng_state import preserved_rng, rng_state as _rng_state, set_rng_state  # re-exported (replay, tests)
+from harness.lib.sample_grads import IGNORE_INDEX, Blame, LmBatch, blame_rows, row_inputs, row_loss
 from harness.lib.sample_rows import (  # re-exported: plugins import them from here
     DATASET_INDEX_KEY,
     DATASET_INDEX_NOTE_KEY,
+    NUM_ITEMS_KEY,
     SAMPLE_ID_KEYS,
     dataset_index_note,
     dataset_indices,
@@ -44,29 +52,8 @@ from harness.lib.sample_rows import (  # re-exported: plugins import them from h
 
 log = logging.getLogger("harness.lib.capture")
 
-NOT_MODEL_INPUTS = ("labels", *SAMPLE_ID_KEYS, DATASET_INDEX_KEY, DATASET_INDEX_NOTE_KEY)
-IGNORE_INDEX = -100
+NOT_MODEL_INPUTS = ("labels", *SAMPLE_ID_KEYS, DATASET_INDEX_KEY, DATASET_INDEX_NOTE_KEY, NUM_ITEMS_KEY)
 MAX_TEXT_CHARS = 20_000
-
-
-@dataclass
-class CaptureResult:
-    """Where a capture went and what it found most suspect."""
-
-    directory: Path
-    json_path: Path
-    suspects: list[dict[str, Any]] = field(default_factory=list)
-    recomputed: bool = False
-
-    def describe(self, top: int = 3) -> str:
-        """A one-line summary of the top suspects, for finding messages."""
-        parts = []
-        for s in self.suspects[:top]:
-            sid = f"sample id {s['sample_id']}, " if s.get("sample_id") is not None and s.get("sample_id_source") == "column" else ""
-            sid += f"dataset index {s['dataset_index']}, " if s.get("dataset_index") is not None else ""
-            loss = f"loss {s['loss']}" if isinstance(s.get("loss"), str) else (f"loss {s['loss']:.3f}" if s.get("loss") is not None else "loss n/a")
-            parts.append(f"micro-batch {s['micro_batch']} row {s['row']} ({sid}{loss}, repetition {s['repetition']:.2f})")
-        return "; ".join(parts) if parts else "no samples"
 
 
 def per_sample_loss(model: Any, batch: Mapping[str, Any]) -> torch.Tensor | None:
@@ -78,23 +65,22 @@ def per_sample_loss(model: Any, batch: Mapping[str, Any]) -> torch.Tensor | None
     shape (DPO's paired batches have no labels). A row without any label
     gets NaN.
     """
+    split = lm_inputs(batch)
+    if split is None:
+        return None
+    inputs, labels = split
+    rows = labels.shape[0]
+    with torch.no_grad():
+        return torch.stack([row_loss(model(**row_inputs(inputs, rows, r)).logits[0], labels[r]) for r in range(rows)])
+
+
+def lm_inputs(batch: Mapping[str, Any]) -> LmBatch | None:
+    """(model inputs, labels) of a causal-LM batch, the harness's own keys left out; None for any other batch."""
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if not torch.is_tensor(ids) or ids.dim() != 2 or not torch.is_tensor(labels) or labels.shape != ids.shape:
         return None
-    rows = ids.shape[0]
-    inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS and torch.is_tensor(v)}
-    losses = []
-    with torch.no_grad():
-        for r in range(rows):
-            row_inputs = {k: v[r : r + 1] if v.dim() > 0 and v.shape[0] == rows else v for k, v in inputs.items()}
-            logits = model(**row_inputs).logits[0, :-1].float()
-            shift = labels[r, 1:].to(logits.device)
-            mask = shift != IGNORE_INDEX
-            token_loss = torch.nn.functional.cross_entropy(logits, shift.clamp_min(0), reduction="none")
-            losses.append((token_loss * mask).sum() / mask.sum())
-            del logits, token_loss
-    return torch.stack(losses)
+    return {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS and torch.is_tensor(v)}, labels
 
 
 def can_recompute(trainer: Any) -> str | None:
@@ -124,16 +110,6 @@ def json_float(value: float | None) -> float | str | None:
     return value if math.isfinite(value) else str(value)
 
 
-def _suspicion_key(sample: dict[str, Any]) -> tuple[int, float, float]:
-    loss = sample.get("loss")
-    broken_text = sample["nonprintable_ratio"] + sample["replacement_ratio"]
-    if sample.get("labelled_tokens") == 0:
-        return (2, 0.0, -broken_text)  # nothing to learn from: not what spiked the loss
-    if isinstance(loss, str):
-        return (0, 0.0, 0.0)  # a non-finite per-sample loss is the strongest suspect
-    return (1, -(loss if loss is not None else 0.0), -broken_text)
-
-
 def strict_json(value: Any) -> Any:
     """The same structure with every non-finite float as a string, so that the file is strict JSON."""
     if isinstance(value, float):
@@ -145,27 +121,10 @@ def strict_json(value: Any) -> Any:
     return value
 
 
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def recompute_losses(model: Any, batches: list[dict[str, Any]], rng: dict[str, Any]) -> list[torch.Tensor | None]:
     """Per-sample losses of each micro-batch, in order, starting from ``rng``; the caller's RNG is left as it was."""
-    saved = _rng_state()
-    try:
-        set_rng_state(rng)
+    with preserved_rng(rng):
         return [per_sample_loss(model, b) for b in batches]
-    finally:
-        set_rng_state(saved)
 
 
 def autocast_dtype(trainer: Any) -> str | None:
@@ -183,7 +142,9 @@ def _decode(tokenizer: Any, ids: list[int]) -> str | None:
         return None
 
 
-def _samples(batch: dict[str, Any], micro: int, losses: torch.Tensor | None, tokenizer: Any) -> list[dict[str, Any]]:
+def _samples(
+    batch: dict[str, Any], micro: int, losses: torch.Tensor | None, tokenizer: Any, norms: torch.Tensor | None = None
+) -> list[dict[str, Any]]:
     ids = batch.get("input_ids")
     if not torch.is_tensor(ids) or ids.dim() != 2:
         return []
@@ -195,6 +156,7 @@ def _samples(batch: dict[str, Any], micro: int, losses: torch.Tensor | None, tok
     if indices is not None and len(indices) != ids.shape[0]:
         indices = None
     loss_list = losses.tolist() if losses is not None else None
+    norm_list = norms.tolist() if norms is not None and len(norms) == ids.shape[0] else None
     rows = ids.tolist()
     keep = mask.bool().tolist() if torch.is_tensor(mask) and mask.shape == ids.shape else None
     out = []
@@ -210,6 +172,7 @@ def _samples(batch: dict[str, Any], micro: int, losses: torch.Tensor | None, tok
             "dataset_index": indices[r] if indices is not None else None,
             "hash": hashes[r],
             "loss": json_float(loss_list[r]) if loss_list is not None and labelled != 0 else None,
+            "grad_norm": json_float(norm_list[r]) if norm_list is not None and labelled != 0 else None,
             **text_heuristics(tokens, text),
             "labelled_tokens": labelled,
             "text": text,
@@ -217,29 +180,6 @@ def _samples(batch: dict[str, Any], micro: int, losses: torch.Tensor | None, tok
         }
         out.append(record)
     return out
-
-
-def _markdown(meta: dict[str, Any], samples: list[dict[str, Any]]) -> str:
-    from harness.lib.textsafe import md_cell, md_code, md_escape  # training text is data: escaped, never live markdown/HTML
-
-    lines = [
-        f"# Capture: {md_escape(meta['code'])} at step {meta['step']} (rank {meta['rank']})",
-        "",
-        md_escape(meta["reason"]),
-        "",
-        f"Per-sample loss: {md_escape(meta['per_sample_loss'])}. Replay: {md_code('harness replay ' + str(meta['directory']))}.",
-        "",
-        "| suspect | micro-batch | row | sample id | loss | repetition | non-printable | length | text |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for i, s in enumerate(samples, 1):
-        text = md_cell((s["text"] or "")[:60])
-        loss = s["loss"] if not isinstance(s["loss"], float) else f"{s['loss']:.4f}"
-        lines.append(
-            f"| {i} | {s['micro_batch']} | {s['row']} | {md_cell(s['sample_id'], 80)} | {loss} | {s['repetition']:.2f} | "
-            f"{s['nonprintable_ratio'] + s['replacement_ratio']:.3f} | {s['length_tokens']} | {text} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -282,8 +222,13 @@ def write_capture(
             why_not = f"forward pass failed: {type(exc).__name__}: {exc}"
             log.warning("harness capture: %s", why_not)
     recomputed = why_not is None and any(loss is not None for loss in losses)
-    samples = [s for (micro, batch, _), loss in zip(micro_batches, losses) for s in _samples(batch, micro, loss, tokenizer)]
-    samples.sort(key=_suspicion_key)
+    if recomputed:  # per-sample gradient norms: one backward per row, p.grad untouched (harness.lib.sample_grads)
+        blame = blame_rows(model, [lm_inputs(b) for b in batches], rng)
+    else:
+        blame = Blame("unavailable", [None] * len(batches), why_not or "not a causal-LM batch")
+    samples = [s for (micro, batch, _), loss, norms in zip(micro_batches, losses, blame.norms)
+               for s in _samples(batch, micro, loss, tokenizer, norms)]
+    samples = rank_suspects(samples)
     output_dir = getattr(getattr(trainer, "args", None), "output_dir", None)
     param = next(iter(model.parameters()), None) if model is not None else None
     config = getattr(model, "config", None)
@@ -310,6 +255,7 @@ def write_capture(
             for micro, b, seen in micro_batches
         ],
         "dataset_index": dataset_index_note(batches),
+        "blame": blame.record(),
         **(context or {}),
         "samples": samples,
     }
@@ -322,6 +268,6 @@ def write_capture(
     json_path = directory / f"capture.rank-{ctx.rank}.json"
     _write_atomic(json_path, json.dumps(strict_json(meta), indent=1, default=str))
     _write_atomic(directory / f"summary.rank-{ctx.rank}.md", _markdown(meta, samples))
-    keys = ("micro_batch", "row", "sample_id", "sample_id_source", "dataset_index", "hash", "loss", "repetition", "length_tokens")
+    keys = ("micro_batch", "row", "sample_id", "sample_id_source", "dataset_index", "hash", "grad_norm", "loss", "repetition", "length_tokens")
     suspects = [{k: s[k] for k in keys} for s in samples[:5]]
     return CaptureResult(directory, json_path, suspects, recomputed)

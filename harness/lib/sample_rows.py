@@ -13,6 +13,9 @@ SAMPLE_ID_KEYS = ("sample_id", "sample_ids", "idx", "id", "index")
 # trainer.train_dataset, from the batch sampler (harness.hf.dataset_index), or why it is not known.
 DATASET_INDEX_KEY = "harness_dataset_index"
 DATASET_INDEX_NOTE_KEY = "harness_dataset_index_note"
+# The ``num_items_in_batch`` the Trainer passed to compute_loss (the step's label-token count, a device tensor), kept
+# in the same copy so that a recomputation of the micro-batch (harness.lib.recompute) normalises its loss alike.
+NUM_ITEMS_KEY = "harness_num_items_in_batch"
 
 
 def sample_ids(batch: Any) -> list[Any] | None:

@@ -18,6 +18,9 @@ from harness.core.actions import HarnessStop
 from harness.core.appendfile import open_append
 from harness.core.findings import FindingCode, Severity
 from harness.lib.fingerprints import optimizer_tensors, param_tensors
+from harness.testing.module_faults import ModuleFaults
+from harness.testing.oom_fault import OomRaiser
+from harness.testing.rerun_faults import NanBatch, RankNan
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 
@@ -46,6 +49,24 @@ class FaultOptions(BaseModel):
     )
     inf_grad_at_steps: list[int] = Field(
         default_factory=list, description="Steps whose gradients are made infinite (the loss stays finite)."
+    )
+    inf_grad_target: str | None = Field(
+        None, description="With inf_grad_at_steps: instead of the input embedding weight's gradient (once), make infinite, in "
+        "every backward of those steps, the gradient of this parameter (e.g. model.layers.1.mlp.up_proj.weight) or the one "
+        "arriving at this module's output (e.g. model.layers.1.mlp: the NaN is born in backward there and flows upstream).",
+    )
+    overflow_module: str | None = Field(
+        None, description="A module (e.g. model.layers.1.mlp) whose output is multiplied by inf in every forward pass of "
+        "overflow_at_step (an activation overflow that any rerun of the step reproduces).",
+    )
+    overflow_at_step: int | None = Field(None, description="The step during which overflow_module overflows.")
+    nan_batch_at_steps: list[int] = Field(
+        default_factory=list, description="Steps whose first micro-batch gets a NaN sample in row 0 (one poison token repeated): wherever that row goes through "
+        "the model again (a capture, a rerun, another rank) its embeddings are NaN (a fault in the data, reproducible).",
+    )
+    nan_forward_on_rank: int | None = Field(None, description="With nan_forward_at_step: the rank whose every forward pass yields NaN.")
+    nan_forward_at_step: int | None = Field(
+        None, description="The step during which every forward pass on nan_forward_on_rank yields NaN, a rerun's included (a bad device)."
     )
     corrupt_at_steps: list[int] = Field(
         default_factory=list, description="Steps whose first micro-batch gets random tokens in the rows of corrupt_rows (a loss spike)."
@@ -77,6 +98,9 @@ class FaultOptions(BaseModel):
         description="Step the Trainer's LR scheduler once more at the end of these steps (a training loop that advances the "
         "schedule although the update was skipped).",
     )
+    oom_at_step: int | None = Field(
+        None, description="Raise torch.OutOfMemoryError from the forward of the model's first decoder layer in this step's first "
+        "micro-batch (an OOM inside a real forward pass).")
 
 
 def advance_scheduler(trainer: Any) -> None:
@@ -218,6 +242,9 @@ class FaultInjector(Plugin):
     def __init__(self) -> None:
         self.options = FaultOptions()
         self._poison: EmbeddingPoison | None = None
+        self._module_faults: ModuleFaults | None = None
+        self._nan_batch: NanBatch | None = None
+        self._oom: OomRaiser | None = None
         self._model: Any = None
         self._optimizer: Any = None
         self._before: dict[str, dict[str, torch.Tensor]] = {}
@@ -262,6 +289,14 @@ class FaultInjector(Plugin):
         self._break_methods(ctx)
         if o.scale_grad_at_step is not None and ctx.rank == o.fault_rank:
             scale_reduced_gradients(trainer, o.scale_grad_at_step, o.grad_scale)
+        if o.overflow_module or o.inf_grad_target:
+            self._module_faults = ModuleFaults(trainer.model, o.overflow_module, o.inf_grad_target)
+        if o.oom_at_step is not None:
+            self._oom = OomRaiser(trainer.model)
+        if o.nan_batch_at_steps:
+            self._nan_batch = NanBatch(trainer.model)
+        if o.nan_forward_at_step is not None and ctx.rank == (o.nan_forward_on_rank or 0):
+            RankNan(trainer.model, lambda: ctx.step == o.nan_forward_at_step)
         if not (o.nonfinite_loss_at_steps or o.inf_grad_at_steps):
             return
         self._poison = EmbeddingPoison(trainer.model)
@@ -269,11 +304,19 @@ class FaultInjector(Plugin):
     @hookimpl
     def inspect_batch(self, ctx: Any, batch: dict[str, Any], step: int, micro_step: int) -> None:
         self._maybe_raise("inspect_batch", step)
+        if micro_step == 0 and self._oom is not None and step == self.options.oom_at_step:
+            self._oom.arm()
         if micro_step == 0 and self._poison is not None:
             if step in self.options.nonfinite_loss_at_steps:
                 self._poison.arm()
             if step in self.options.inf_grad_at_steps:
-                self._poison.arm_gradients()
+                if not self.options.inf_grad_target:
+                    self._poison.arm_gradients()
+        if micro_step == 0 and self._nan_batch is not None and step in self.options.nan_batch_at_steps:
+            self._nan_batch.mark(batch)
+        if self._module_faults is not None:
+            self._module_faults.overflowing = step == self.options.overflow_at_step
+            self._module_faults.inf_grads = step in self.options.inf_grad_at_steps
         if micro_step == 0:
             self._maybe_report(ctx, "inspect_batch", step)
         if micro_step == 0 and step in self.options.corrupt_at_steps:

@@ -1,10 +1,13 @@
-"""``harness replay``: recompute a capture's per-sample losses on a checkpoint, to confirm what a capture blames.
+"""``harness replay``: recompute a capture's per-sample losses and gradient norms on a checkpoint, to confirm what a capture blames.
 
 The capture holds the micro-batch tensors and the RNG state of the forward
 pass that produced its per-sample losses. Loading the checkpoint the capture
 was taken on (the one saved at the step before the spike) and running the
 same forward pass must give the same numbers; a different checkpoint shows
 how the blamed samples fare on other weights (e.g. before the data changed).
+The per-sample gradient norms (:mod:`harness.lib.sample_grads`: one backward
+per row) are recomputed alike and printed beside the losses; the verdict
+compares the losses.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from typing import Any
 
 import torch
 
-from harness.lib.capture import per_sample_loss, set_rng_state
+from harness.lib.capture import lm_inputs, per_sample_loss, set_rng_state
+from harness.lib.sample_grads import Blame, blame_rows
 from harness.core.errors import HarnessError
 
 
@@ -30,6 +34,8 @@ class ReplayRow:
     captured: float | None
     replayed: float
     text: str
+    grad_norm: float | None = None  # recomputed on the checkpoint, like ``replayed``
+    captured_grad_norm: float | None = None
 
     @property
     def diff(self) -> float | None:
@@ -148,7 +154,15 @@ def default_tolerance(meta: dict[str, Any]) -> float:
 
 
 def replay(capture_dir: Path, checkpoint: Path | None = None, rank: int | None = None, device: str = "cpu") -> tuple[dict[str, Any], Path, bool, list[ReplayRow]]:
-    """Recompute the per-sample losses of a capture; returns (meta, checkpoint used, exact checkpoint, rows)."""
+    """Recompute the per-sample losses and gradient norms of a capture; returns (meta, checkpoint used, exact checkpoint, rows)."""
+    meta, used, exact, rows, _ = replay_with_blame(capture_dir, checkpoint, rank, device)
+    return meta, used, exact, rows
+
+
+def replay_with_blame(
+    capture_dir: Path, checkpoint: Path | None = None, rank: int | None = None, device: str = "cpu"
+) -> tuple[dict[str, Any], Path, bool, list[ReplayRow], Blame]:
+    """:func:`replay`, and how the per-sample gradient norms were recomputed (method, seconds)."""
     capture_file = find_capture_file(Path(capture_dir), rank)
     meta = json.loads(capture_file.read_text(encoding="utf-8"))
     batch_file = capture_file.with_name(capture_file.name.replace("capture.", "batch.").replace(".json", ".pt"))
@@ -165,18 +179,24 @@ def replay(capture_dir: Path, checkpoint: Path | None = None, rank: int | None =
     recorded = {(s["micro_batch"], s["row"]): s for s in meta["samples"]}
     rows: list[ReplayRow] = []
     autocast = meta.get("model", {}).get("autocast")
-    for micro, tensors in zip(saved["micro_batch_index"], saved["micro_batches"]):
-        batch = {k: v.to(device) for k, v in tensors.items()}
+    batches = [{k: v.to(device) for k, v in tensors.items()} for tensors in saved["micro_batches"]]
+    for micro, batch in zip(saved["micro_batch_index"], batches):
         with _autocast(device, autocast):
             losses = per_sample_loss(model, batch)
         if losses is None:
             raise HarnessError(f"micro-batch {micro} of {capture_file} is not a causal-LM batch (no input_ids and labels); it cannot be replayed.")
         for r, value in enumerate(losses.tolist()):
             s = recorded.get((micro, r), {})
-            rows.append(ReplayRow(micro, r, s.get("sample_id"), _as_float(s.get("loss")), value, (s.get("text") or "")[:50]))
+            rows.append(ReplayRow(micro, r, s.get("sample_id"), _as_float(s.get("loss")), value, (s.get("text") or "")[:50],
+                                  captured_grad_norm=_as_float(s.get("grad_norm"))))
+    with _autocast(device, autocast):  # from the capture's RNG, as the capture computed them
+        blame = blame_rows(model, [lm_inputs(b) for b in batches], saved["rng"])
+    norms = {(micro, r): value for micro, n in zip(saved["micro_batch_index"], blame.norms) if n is not None for r, value in enumerate(n.tolist())}
+    for row in rows:
+        row.grad_norm = norms.get((row.micro_batch, row.row))
     order = {(s["micro_batch"], s["row"]): i for i, s in enumerate(meta["samples"])}
     rows.sort(key=lambda x: order.get((x.micro_batch, x.row), len(order)))
-    return meta, Path(checkpoint), exact, rows
+    return meta, Path(checkpoint), exact, rows, blame
 
 
 def print_replay(capture_dir: Path, checkpoint: Path | None, rank: int | None, device: str | None, tolerance: float | None) -> int:
@@ -195,19 +215,22 @@ def print_replay(capture_dir: Path, checkpoint: Path | None, rank: int | None, d
         for folder, missing in skipped:
             console.print(f"skipped {folder}: it lacks {', '.join(missing)} (a save that did not finish).",
                           style="yellow", markup=False, highlight=False)  # a path is no markup
-    meta, used, exact, rows = replay(capture_dir, checkpoint, rank, device)
+    meta, used, exact, rows, blame = replay_with_blame(capture_dir, checkpoint, rank, device)
     if device != captured_on:
         console.print(f"[yellow]the capture ran on {captured_on}, this replay on {device}: kernels differ, expect small differences.[/yellow]")
-    table = Table(title=f"{meta['code']} at step {meta['step']}, rank {meta['rank']}: per-sample loss on {used}")
-    for column in ("suspect", "micro-batch", "row", "sample id", "captured", "replayed", "|diff|", "text"):
+    table = Table(title=f"{meta['code']} at step {meta['step']}, rank {meta['rank']}: per-sample loss and grad norm on {used}")
+    for column in ("suspect", "micro-batch", "row", "sample id", "captured", "replayed", "|diff|", "grad norm", "text"):
         table.add_column(column, justify="right" if column not in ("text",) else "left")
     for i, row in enumerate(rows, 1):
         diff = row.diff
         table.add_row(
             str(i), str(row.micro_batch), str(row.row), str(row.sample_id), "-" if row.captured is None else f"{row.captured:.5f}",
-            f"{row.replayed:.5f}", "-" if diff is None else f"{diff:.2e}", row.text.replace("\n", " "),
+            f"{row.replayed:.5f}", "-" if diff is None else f"{diff:.2e}", "-" if row.grad_norm is None else f"{row.grad_norm:.4g}",
+            row.text.replace("\n", " "),
         )
     console.print(table)
+    console.print(f"per-sample gradient norms: {blame.method} ({blame.seconds:.3g} s" + (f"; {blame.why}" if blame.why else "") + ")",
+                  markup=False, highlight=False)
     comparable = [r.diff for r in rows if r.diff is not None]
     if not exact:
         console.print(

@@ -1,7 +1,8 @@
 """demo_faults: the faults `harness demo` injects on purpose, each announced as a DEMO_FAULT finding.
 
 Demo-only. It breaks a real training run in the ways the field notes
-describe — a batch that turns the loss non-finite, infinite gradients, a
+describe — a batch that turns the loss non-finite once (a transient fault)
+and one that holds a NaN sample (any rerun reproduces it), infinite gradients, a
 batch whose labels are all masked, a corrupted batch that spikes the loss,
 a hard crash (``kill -9``) that forces a resume, a learning rate blown up
 for the rest of the run (divergence), a packed batch collated by a padding
@@ -22,6 +23,7 @@ from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.testing import EmbeddingPoison, advance_scheduler, corrupt_batch, scale_lr
+from harness.testing.rerun_faults import NanBatch
 
 DEMO_FAULT = FindingCode("DEMO_FAULT", Severity.INFO, "A fault injected on purpose by `harness demo`.", "demo#demo_fault")
 
@@ -30,6 +32,8 @@ class DemoFaultOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     nan_step: int | None = Field(None, description="Step whose first micro-batch gets NaN embeddings (non-finite loss).")
+    nan_batch_step: int | None = Field(
+        None, description="Step whose first micro-batch gets a NaN sample (a row any forward turns NaN: a fault in the data, reproduced by a rerun).")
     inf_grad_step: int | None = Field(None, description="Step whose gradients are made infinite while the loss stays finite.")
     spike_step: int | None = Field(None, description="Step whose first micro-batch is replaced by random tokens (loss spike).")
     masked_step: int | None = Field(None, description="Step whose first micro-batch gets every label masked (-100).")
@@ -55,10 +59,12 @@ class DemoFaults(Plugin):
     def __init__(self) -> None:
         self.options = DemoFaultOptions()
         self._poison: EmbeddingPoison | None = None
+        self._nan_batch: NanBatch | None = None
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         self._poison = EmbeddingPoison(trainer.model)
+        self._nan_batch = NanBatch(trainer.model) if self.options.nan_batch_step is not None else None
 
     @hookimpl
     def inspect_batch(self, ctx: Any, batch: dict[str, Any], step: int, micro_step: int) -> None:
@@ -68,6 +74,10 @@ class DemoFaults(Plugin):
         if step == o.nan_step and self._poison is not None:
             self._poison.arm()
             self.report(DEMO_FAULT.code, f"demo fault: the batch of step {step} makes the loss non-finite (NaN embeddings)", evidence={"fault": "nonfinite_loss"})
+        if step == o.nan_batch_step and self._nan_batch is not None:
+            self._nan_batch.mark(batch)
+            self.report(DEMO_FAULT.code, f"demo fault: the batch of step {step} holds a NaN sample (any forward pass of it is NaN, a rerun's too)",
+                        evidence={"fault": "nan_batch"})
         if step == o.inf_grad_step and self._poison is not None:
             self._poison.arm_gradients()
             self.report(DEMO_FAULT.code, f"demo fault: the gradients of step {step} are made infinite (the loss stays finite)", evidence={"fault": "nonfinite_grad"})

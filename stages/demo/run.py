@@ -24,7 +24,7 @@ from harness.report.verdict import verdict_of
 
 DEMO_STEPS = 60
 DEMO_FAULTS = {
-    "nan_step": 8, "inf_grad_step": 11, "advance_lr_on_skipped_step": 11, "masked_step": 17, "padding_collator_step": 20, "spike_step": 31, "crash_step": 38,
+    "nan_step": 8, "inf_grad_step": 11, "nan_batch_step": 14, "advance_lr_on_skipped_step": 11, "masked_step": 17, "padding_collator_step": 20, "spike_step": 31, "crash_step": 38,
     "diverge_from_step": 46, "diverge_lr_scale": 300,
 }
 DESYNC_STEPS = 20
@@ -81,9 +81,9 @@ def run_demo(out: str | Path = "runs/demo") -> int:
     began = time.time()
     print(f"harness demo: pretraining a tiny Llama for {DEMO_STEPS} steps in {out}")
     f = DEMO_FAULTS
-    print(f"  faults injected on purpose: non-finite loss at step {f['nan_step']}, infinite gradients at step {f['inf_grad_step']} "
+    print(f"  faults injected on purpose: non-finite loss at step {f['nan_step']} (once: a rerun of the step is clean), infinite gradients at step {f['inf_grad_step']} "
           f"(whose skipped update still moves the LR scheduler), "
-          f"all labels masked at step {f['masked_step']}, a padding collator's batch at step {f['padding_collator_step']}, "
+          f"a NaN sample in the batch of step {f['nan_batch_step']} (a rerun reproduces it), all labels masked at step {f['masked_step']}, a padding collator's batch at step {f['padding_collator_step']}, "
           f"corrupted batch at step {f['spike_step']}, kill -9 at step {f['crash_step']}, learning rate blown up from step "
           f"{f['diverge_from_step']}, and an eval set that holds {CONTAMINATED_LINES} lines of the training corpus; then a resume "
           "done wrong, and two data-parallel processes that drift apart", flush=True)

@@ -84,7 +84,7 @@ def test_a_poisoned_line_is_a_loss_spike_at_its_first_draw_after_the_window_and_
     assert spikes and spikes[0]["step"] == first, [(f["code"], f["step"]) for f in findings_of(out)]
     assert {f["step"] for f in spikes} <= set(drawn)  # every spike is a poisoned step
     serious = [(f["code"], f["step"]) for f in findings_of(out) if f["severity"] != "info"]
-    assert all(code in SPIKE_CODES and step in drawn for code, step in serious), serious
+    assert all(code in (*SPIKE_CODES, "FAULT_REPRODUCED") and step in drawn for code, step in serious), serious  # rerun: in the data
     spike = spikes[0]
     assert spike["evidence"]["loss"] > (1 + 0.1) * spike["evidence"]["median"]
 

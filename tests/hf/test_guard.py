@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from harness.core.actions import Action
+from harness.core.hookspecs import hookimpl
 from harness.hf.guard import StepGuard, forget_late_skip
 from harness.hf.step_record import StepRecord
 from unit_context import run_context
@@ -122,3 +123,31 @@ def test_optimizer_skip_and_skip_not_applied(tmp_path: Path) -> None:
     (finding,) = [f for f in ctx.findings if f.code == "SKIP_NOT_APPLIED"]
     assert finding.step == 4 and finding.severity.value == "critical" and "SomeOptimizer" in finding.message
     assert finding.action == "continue"
+
+
+class AgreedProbe:
+    """Records on_step_agreed: fired after the agreement (the shared view is there) and before the update."""
+
+    name = "agreed_probe"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, object, object, object, object]] = []
+
+    @hookimpl
+    def on_step_agreed(self, ctx: object, step: int, action: object, model: object, optimizer: object) -> None:
+        self.seen.append((step, action, model, optimizer, ctx.pending_action))  # type: ignore[attr-defined]
+
+
+def test_on_step_agreed_fires_after_the_agreement_with_the_agreed_action(tmp_path: Path) -> None:
+    from harness.core.registry import PluginEntry
+
+    guard, record, ctx, _ = _guard(tmp_path, {"PROBE_FAULT": "skip_step"})
+    probe = AgreedProbe()
+    ctx.manager.register(PluginEntry(probe.name, "object", lambda: probe))
+    ctx.step = 5
+    ctx.report("PROBE_FAULT", "bad batch", plugin="probe")
+    model, optimizer = object(), object()
+    assert guard.guard(model=model, optimizer=optimizer) is Action.SKIP_STEP
+    assert probe.seen == [(5, Action.SKIP_STEP, model, optimizer, Action.CONTINUE)]  # the pending action was consumed by agree()
+    guard.guard(model=model, optimizer=optimizer)
+    assert probe.seen[-1][1] is Action.CONTINUE

@@ -42,12 +42,20 @@ def test_nan_loss_is_found_at_that_step_and_skipped(make_trainer: Any) -> None:
     capture = json.loads(Path(finding["evidence"]["capture"]).read_text())
     assert capture["code"] == "NONFINITE_LOSS" and len(capture["samples"]) == 8  # both micro-batches of the step
     assert [m["micro_batch"] for m in capture["micro_batches"]] == [0, 1] and capture["micro_batches"][0]["trainer_loss"] == "nan"
+    # the poison is one forward only: the traced rerun is finite, and says so
+    assert finding["evidence"]["reproduced_in_forward"] is False and finding["evidence"]["first_nonfinite_module"] is None
+    assert "not reproduced in the forward" in finding["message"]
 
 
 def test_inf_gradients_are_found_and_skipped(make_trainer: Any) -> None:
     trainer, _ = _train(make_trainer, {"inf_grad_at_steps": [4]})
     (finding,) = findings_of(trainer.args.output_dir, "NONFINITE_GRAD")
     assert finding["step"] == 4 and finding["action"] == "skip_step"
+    # the embedding's zero rows times inf are NaN: the clip coefficient is NaN and so is every gradient; the rerun of the
+    # step's backward is finite again (the poison is one backward only), and the finding says so
+    evidence = finding["evidence"]
+    assert evidence["grad_source"].startswith("a rerun") and evidence["reproduced_in_backward"] is False
+    assert evidence["first_nonfinite_param"] is None and "not reproduced" in finding["message"]
     assert findings_of(trainer.args.output_dir, "NONFINITE_LOSS") == []
     assert trainer.state.global_step == 6 and _all_finite(trainer)
 
@@ -61,9 +69,70 @@ def test_three_in_a_row_save_and_stop(make_trainer: Any) -> None:
 
 
 def test_a_clean_step_resets_the_ladder(make_trainer: Any) -> None:
-    trainer, _ = _train(make_trainer, {"nonfinite_loss_at_steps": [2, 3, 5, 6]}, max_steps=8)
-    actions = [f["action"] for f in findings_of(trainer.args.output_dir, "NONFINITE_LOSS")]
-    assert actions == ["skip_step"] * 4 and trainer.state.global_step == 8
+    trainer = make_trainer(max_steps=8)
+    config = {"plugins": ["nan_guard", FAULTS], "nan_guard": {"locate": False}, "fault_injector": {"nonfinite_loss_at_steps": [2, 3, 5, 6]}}
+    harness.attach(trainer, config=config)
+    trainer.train()
+    findings = findings_of(trainer.args.output_dir, "NONFINITE_LOSS")
+    assert [f["action"] for f in findings] == ["skip_step"] * 4 and trainer.state.global_step == 8
+    assert {f["evidence"]["locate"] for f in findings} == {"off"}  # locate: false, no rerun
+
+
+def test_an_overflow_in_layer_1_names_that_module(make_trainer: Any) -> None:
+    """A module that overflows on purpose in layer 1 of 2: the traced rerun names it, with its finite input."""
+    trainer, ctx = _train(make_trainer, {"overflow_module": "model.layers.1.mlp", "overflow_at_step": 3}, max_steps=4)
+    (finding,) = findings_of(trainer.args.output_dir, "NONFINITE_LOSS")
+    evidence = finding["evidence"]
+    assert finding["step"] == 3 and evidence["reproduced_in_forward"] is True
+    assert evidence["first_nonfinite_module"] == "model.layers.1.mlp" and evidence["first_nonfinite"]["class"] == "LlamaMLP"
+    assert all(isinstance(v, float) for v in evidence["first_nonfinite"]["input"].values())  # finite: numbers, not "nan"/"inf"
+    assert evidence["first_nonfinite"]["output"]["abs_max"] in ("inf", "nan")
+    assert evidence["last_finite_module"] == "model.layers.1.mlp.down_proj"
+    assert "model.layers.1.mlp (LlamaMLP; input min" in finding["message"]
+    assert "model.layers.1.mlp (LlamaMLP" in (ctx.run_dir / "report.md").read_text()  # the report renders the name
+    assert trainer.state.global_step == 4 and _all_finite(trainer)
+
+
+def test_a_gradient_born_nonfinite_in_layer_1_names_the_first_parameter(make_trainer: Any) -> None:
+    """The gradient arriving at layer 1's MLP output made infinite: every parameter upstream is named, in module order."""
+    trainer, _ = _train(make_trainer, {"inf_grad_at_steps": [3], "inf_grad_target": "model.layers.1.mlp"}, max_steps=4)
+    (finding,) = findings_of(trainer.args.output_dir, "NONFINITE_GRAD")
+    evidence = finding["evidence"]
+    assert evidence["first_nonfinite_param"] == "model.layers.1.mlp.down_proj.weight"  # backward reaches it first
+    assert evidence["reproduced_in_backward"] is True  # NaN norm: found by a rerun of the step's backward
+    names = evidence["nonfinite_params"]
+    assert names[0] == "model.embed_tokens.weight" and evidence["nonfinite_param_count"] == len(names) == 19
+    layers = [int(n.split(".")[2]) for n in names[1:]]
+    assert layers == sorted(layers) and set(layers) == {0, 1}  # ordered by layer
+    assert "model.norm.weight" not in names and "lm_head.weight" not in names  # downstream of the fault: finite
+    assert evidence["grad_scope"] == "whole model" and "model.layers.1.mlp.down_proj.weight" in finding["message"]
+    assert trainer.state.global_step == 4 and _all_finite(trainer)
+
+
+def test_one_infinite_parameter_gradient_is_named_from_the_step_itself(make_trainer: Any) -> None:
+    """One layer-1 weight's gradient times inf: an infinite norm, so the step's own gradients still tell which one."""
+    target = "model.layers.1.mlp.up_proj.weight"
+    trainer, _ = _train(make_trainer, {"inf_grad_at_steps": [2], "inf_grad_target": target}, max_steps=3)
+    (finding,) = findings_of(trainer.args.output_dir, "NONFINITE_GRAD")
+    evidence = finding["evidence"]
+    assert evidence["nonfinite_params"] == [target] and evidence["first_nonfinite_param"] == target
+    assert evidence["grad_source"] == "the step's gradients" and evidence["grad_tensors_checked"] == 21
+
+
+@pytest.mark.slow  # two processes
+def test_the_first_bad_tensor_under_ddp(tmp_path: Path) -> None:
+    """Two DDP ranks: the traced forward and the backward rerun run on each rank alone (no collective, no hang) and agree."""
+    out = tmp_path / "run"
+    faults = {"overflow_module": "model.layers.1.mlp", "overflow_at_step": 2, "inf_grad_at_steps": [3], "inf_grad_target": "model.layers.1.mlp"}
+    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["nan_guard", FAULTS], "fault_injector": faults})
+    script = [str(EXAMPLE), "--output_dir", str(out), "--max_steps", "4"]
+    result = harness_cli("wrap", "--config", str(config), "--", *torchrun(), *script)
+    assert result.returncode == 0, result.stderr[-4000:]
+    losses, grads = findings_of(out, "NONFINITE_LOSS"), findings_of(out, "NONFINITE_GRAD")
+    assert sorted((f["rank"], f["step"]) for f in losses) == [(0, 2), (1, 2)]
+    assert {f["evidence"]["first_nonfinite_module"] for f in losses} == {"model.layers.1.mlp"}
+    assert sorted((f["rank"], f["step"]) for f in grads) == [(0, 3), (1, 3)]
+    assert {f["evidence"]["first_nonfinite_param"] for f in grads} == {"model.layers.1.mlp.down_proj.weight"}
 
 
 @pytest.mark.parametrize(("fault", "code"), [("nonfinite_loss_at_steps", "NONFINITE_LOSS"), ("inf_grad_at_steps", "NONFINITE_GRAD")])

@@ -16,17 +16,21 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     summary = result.stdout[result.stdout.index("harness demo: finished"):]
     faults = ("makes the loss non-finite", "made infinite", "replaced by random tokens", "is masked (-100)", "kills itself (SIGKILL)", "(divergence)",
-              "a padding collator instead")
+              "a padding collator instead", "holds a NaN sample")
     for fault in faults:
         assert fault in summary
     assert "harness skipped the optimizer update at step 8 after NONFINITE_LOSS" in summary
     assert "mlflow ui --backend-store-uri sqlite:///" in summary
     injected = sorted(f["evidence"]["fault"] for f in findings_of(out, "DEMO_FAULT"))
-    assert injected == ["all_labels_masked", "corrupted_batch", "corrupted_batch", "crash", "divergence", "lr_advanced_on_skip", "nonfinite_grad",
+    assert injected == ["all_labels_masked", "corrupted_batch", "corrupted_batch", "crash", "divergence", "lr_advanced_on_skip", "nan_batch", "nonfinite_grad",
                         "nonfinite_loss", "padding_collator"]
     assert (out / "model.safetensors").exists()  # the resumed run finished
     # the detectors caught what was injected, at the injected steps
-    assert [f["step"] for f in findings_of(out, "NONFINITE_LOSS") if f["step"] == 8] == [8]
+    assert [f["step"] for f in findings_of(out, "NONFINITE_LOSS") if f["step"] in (8, 14)] == [8, 14]
+    # the rerun verdicts: the one-shot NaN (8) and infinite gradients (11) are transient, the NaN sample (14) and the corrupted batch (31) reproduce
+    assert [f["step"] for f in findings_of(out, "FAULT_TRANSIENT")] == [8, 11]
+    reproduced = [f["step"] for f in findings_of(out, "FAULT_REPRODUCED")]
+    assert 14 in reproduced and 31 in reproduced and findings_of(out, "FAULT_RANK_SUSPECT") == []
     (grad,) = findings_of(out, "NONFINITE_GRAD")
     assert grad["step"] == 11 and grad["action"] == "skip_step"
     (masked,) = findings_of(out, "ALL_LABELS_MASKED")
@@ -44,7 +48,7 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     assert divergence["evidence"]["since_step"] == 47
     # the skipped steps of the killed process were carried through the checkpoint into the run-end summary
     (summary,) = findings_of(out, "SKIPPED_STEPS")
-    assert summary["evidence"]["skipped_steps"] == [8, 11] and summary["evidence"]["scheduler_advanced"] == [11]
+    assert summary["evidence"]["skipped_steps"] == [8, 11, 14] and summary["evidence"]["scheduler_advanced"] == [11]
     # the scheduler stepped on the skipped step 11; the 300x LR from step 46 is not the schedule
     assert [(f["code"], f["step"]) for f in findings_of(out) if f["code"].startswith("LR_")] == [
         ("LR_ADVANCED_ON_SKIPPED_STEP", 11), ("LR_SCHEDULE_MISMATCH", 46)]

@@ -1,0 +1,214 @@
+"""The first bad tensor: which parameter gradients, and which module output, went non-finite first.
+
+Used on a flagged step only (a non-finite loss or gradient norm was already
+found), where one extra device-to-host read is allowed: every function here
+reads at most once, and nothing here runs on an ordinary step.
+
+- :func:`nonfinite_names`: which of some named tensors hold NaN/Inf; the
+  gradients' side (module order, backward order) is
+  :mod:`harness.lib.first_bad_grads`.
+- :func:`locate_forward`: one forward pass of a micro-batch under
+  ``torch.no_grad`` (RNG saved and restored) with a forward hook on every
+  module; the first module, in completion order (a child finishes before its
+  parent), whose output is non-finite, with min/max/abs-max of its input and
+  output (what ``transformers.debug_utils.DebugUnderflowOverflow`` prints),
+  and the last finite module before it.
+
+Finiteness is read from ``torch.aminmax`` (NaN propagates into both, Inf
+shows as an extreme), so no tensor the size of an activation is allocated.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MAX_NAMES = 50
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+_NAN = float("nan")
+
+
+def clean_name(name: str) -> str:
+    """A parameter or module name without the wrappers' prefixes (DDP ``module.``, FSDP1, activation checkpointing, compile)."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name[len("module."):] if name.startswith("module.") else name
+
+
+def extremes(tensor: torch.Tensor) -> torch.Tensor:
+    """[min, max] as float32 on the tensor's device, no host sync; NaN when the tensor holds a NaN."""
+    low, high = torch.aminmax(tensor.detach().reshape(-1))
+    return torch.stack((low, high)).float()
+
+
+def _usable(tensor: Any) -> bool:
+    return torch.is_tensor(tensor) and tensor.is_floating_point() and tensor.numel() > 0
+
+
+def nonfinite_names(named: Iterable[tuple[str, torch.Tensor | None]]) -> tuple[list[str], int]:
+    """Names (in the given order) of the floating-point tensors that hold NaN/Inf, and how many were checked; one device read."""
+    kept = [(n, t) for n, t in named if _usable(t)]
+    if not kept:
+        return [], 0
+    device = kept[0][1].device
+    bounds = torch.stack([extremes(t).to(device) for _, t in kept])
+    finite = torch.isfinite(bounds).all(dim=1).tolist()  # the one read
+    return [n for (n, _), ok in zip(kept, finite) if not ok], len(kept)
+
+
+def _first_float(value: Any) -> torch.Tensor | None:
+    for tensor in _float_tensors(value, first_only=True):
+        return tensor
+    return None
+
+
+def _float_tensors(value: Any, first_only: bool = False, depth: int = 0) -> list[torch.Tensor]:
+    """Floating-point tensors in a module's input or output (tensors, tuples, lists, dicts, ModelOutputs)."""
+    if _usable(value):
+        return [value]
+    if depth > 3:
+        return []
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+    found: list[torch.Tensor] = []
+    for item in items:
+        found += _float_tensors(item, first_only, depth + 1)
+        if first_only and found:
+            break
+    return found
+
+
+@dataclass
+class ModuleCall:
+    """One module's forward call, as read back: min/max of its first floating input and output, and finiteness of all outputs."""
+
+    name: str
+    kind: str
+    input: dict[str, Any] | None
+    output: dict[str, Any] | None
+    finite: bool
+
+    def describe(self) -> str:
+        def stats(s: dict[str, Any] | None) -> str:
+            return "none" if s is None else f"min {s['min']:.2e} max {s['max']:.2e} abs max {s['abs_max']:.2e}"
+        return f"{self.name} ({self.kind}; input {stats(self.input)}; output {stats(self.output)})"
+
+    def evidence(self) -> dict[str, Any]:
+        return {"name": self.name, "class": self.kind, "input": _strict(self.input), "output": _strict(self.output)}
+
+
+def _strict(stats: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Strict JSON: non-finite floats as strings ("nan", "inf")."""
+    return None if stats is None else {k: (v if v == v and abs(v) != float("inf") else str(v)) for k, v in stats.items()}
+
+
+@dataclass
+class ForwardLocation:
+    """What a traced forward pass found."""
+
+    first: ModuleCall | None
+    last_finite: ModuleCall | None
+    calls: int
+
+    @property
+    def reproduced(self) -> bool:
+        return self.first is not None
+
+    def evidence(self) -> dict[str, Any]:
+        return {
+            "reproduced_in_forward": self.reproduced,
+            "first_nonfinite_module": self.first.name if self.first else None,
+            "first_nonfinite": self.first.evidence() if self.first else None,
+            "last_finite_module": self.last_finite.name if self.last_finite else None,
+            "last_finite": self.last_finite.evidence() if self.last_finite else None,
+            "modules_traced": self.calls,
+        }
+
+    def describe(self) -> str:
+        if self.first is None:
+            return (f"a rerun of that micro-batch on the same weights was finite in all {self.calls} module calls "
+                    "(not reproduced in the forward: a transient fault, or a loss computed outside the model)")
+        after = f", after {self.last_finite.name} (finite)" if self.last_finite else " (the first module to run)"
+        return f"first module with a non-finite output, rerun on the same weights: {self.first.describe()}{after}"
+
+
+class ForwardTrace:
+    """Forward hooks on every module of ``model`` that queue, per call, [input min, max, output min, max, all outputs finite]."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._handles: list[Any] = []
+        self._calls: list[tuple[str, str, bool, bool, torch.Tensor]] = []
+
+    def __enter__(self) -> ForwardTrace:
+        for name, module in self.model.named_modules():
+            label = clean_name(name) or f"({type(module).__name__}: the model itself)"
+            self._handles.append(module.register_forward_hook(self._hook(label), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            source = _first_float(args)
+            source = source if source is not None else _first_float(kwargs)
+            outputs = _float_tensors(output)
+            first = outputs[0] if outputs else None
+            ref = first if first is not None else source
+            if ref is None:
+                return  # nothing floating in or out (e.g. a container module called on nothing)
+            device = ref.device
+            blank = torch.full((2,), _NAN, device=device)
+            inp = extremes(source).to(device) if source is not None else blank
+            out = extremes(first) if first is not None else blank
+            flags = [torch.isfinite(extremes(o).to(device)).all() for o in outputs]
+            finite = torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
+            row = torch.cat((inp, out, finite.float().reshape(1)))
+            self._calls.append((name, type(module).__name__, source is not None, first is not None, row))
+        return hook
+
+    def result(self) -> ForwardLocation:
+        """One device read of every queued call."""
+        if not self._calls:
+            return ForwardLocation(None, None, 0)
+        device = self._calls[0][4].device
+        rows = torch.stack([row.to(device) for *_, row in self._calls]).tolist()
+        last_finite: ModuleCall | None = None
+        for (name, kind, has_in, has_out, _), (i_lo, i_hi, o_lo, o_hi, ok) in zip(self._calls, rows):
+            call = ModuleCall(name, kind, _stats(i_lo, i_hi) if has_in else None, _stats(o_lo, o_hi) if has_out else None, bool(ok))
+            if not call.finite:
+                return ForwardLocation(call, last_finite, len(rows))
+            last_finite = call
+        return ForwardLocation(None, last_finite, len(rows))
+
+
+def _stats(low: float, high: float) -> dict[str, float]:
+    return {"min": low, "max": high, "abs_max": max(abs(low), abs(high)) if low == low and high == high else _NAN}
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def locate_forward(model: torch.nn.Module, inputs: Mapping[str, Any]) -> ForwardLocation:
+    """Run ``model(**inputs)`` once without gradients, RNG untouched afterwards, and name the first non-finite module output."""
+    saved = rng_state()
+    try:
+        with torch.no_grad(), ForwardTrace(model) as trace:
+            model(**inputs)
+        return trace.result()
+    finally:
+        restore_rng(saved)
