@@ -289,12 +289,15 @@ class LayerStats(Plugin):
 
     @hookimpl
     def report_sections(self, run: Any) -> Any:
-        """Per-block sparklines of grad norm, update ratio and max attention logit, from layer_stats.jsonl alone."""
+        """Per-block figures (report/plots/layer_stats-*.png) and sparklines as their text fallback, from layer_stats.jsonl alone."""
+        from harness.lib.layer_plots import layer_figures
         from harness.lib.layer_sparks import layer_table
         from harness.report.model import ReportSection
+        from harness.report.section_plots import render_all
 
         table = layer_table(run.run_dir)
-        return ReportSection("Layer statistics", table) if table else None
+        plots = render_all(layer_figures(run.run_dir, run.findings)) if table else ()
+        return ReportSection("Layer statistics", table, self.name, plots) if table else None  # plugin named: the provider keeps plots
 
 
 __all__ = ["LayerStats", "LayerStatsOptions"]

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from harness.lib.rng_state import rng_state as _rng_state, set_rng_state
+
 MAX_NAMES = 50
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 _NAN = float("nan")
@@ -191,16 +193,11 @@ def _stats(low: float, high: float) -> dict[str, float]:
 
 
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    """Every generator's state (the CPU's and each CUDA device's), restored after the extra forward."""
+    return _rng_state(all_devices=True)
 
 
-def restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
+restore_rng = set_rng_state
 
 
 def locate_forward(model: torch.nn.Module, inputs: Mapping[str, Any]) -> ForwardLocation:

@@ -33,6 +33,7 @@ import torch
 
 from harness.lib.capture import can_recompute
 from harness.lib.sample_rows import DATASET_INDEX_KEY, DATASET_INDEX_NOTE_KEY, NUM_ITEMS_KEY
+from harness.lib.rng_state import rng_state, set_rng_state
 
 HARNESS_KEYS = (DATASET_INDEX_KEY, DATASET_INDEX_NOTE_KEY, NUM_ITEMS_KEY)  # what the tap added to the Trainer's inputs
 
@@ -48,17 +49,11 @@ class Recomputed:
 
 
 def capture_rng() -> dict[str, Any]:
-    """The RNG streams a forward pass may draw from (host copies: no device sync)."""
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    """The RNG streams a forward pass may draw from, every CUDA device's included (host copies: no device sync)."""
+    return rng_state(all_devices=True)
 
 
-def restore_rng(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if state.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"]))
+restore_rng = set_rng_state
 
 
 METRIC_STATE = ("_metrics", "_stored_metrics", "_total_train_tokens")  # what TRL's compute_loss adds to (restored after a rerun)

@@ -80,7 +80,7 @@ def write_report(
     try:  # a read-only mount (root too: os.access says yes there), a full disk, a folder where a file goes
         safe_rmtree(target, target / PLOTS_DIR)
         safe_mkdir(target, target / PLOTS_DIR)
-        for plot in report.plots:
+        for plot in report.all_plots:  # the report's own and the plugin sections' (named safe in build_report)
             safe_write_bytes(target, target / PLOTS_DIR / f"{plot.name}.png", plot.png)
         _copy_playbooks(target, target / PLAYBOOKS_DIR)
         safe_write_text(target, markdown, text_md)

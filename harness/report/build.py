@@ -1,6 +1,7 @@
 """Builds the report from a run directory: verdict, grouped findings, plots, run card, plugin sections."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from urllib.parse import quote
 from collections import defaultdict
@@ -12,6 +13,7 @@ from harness.lib.playbook import find_section, section_for_link
 from harness.report.model import FindingGroup, Raw, Report, ReportSection, md_table
 from harness.report.plots import make_plots
 from harness.report.provider import SectionsProvider
+from harness.report.section_plots import name_section_plots
 from harness.report.record import RunRecord, as_float
 from harness.report.verdict import symptoms_of, verdict_of
 from harness.lib.textsafe import md_escape
@@ -34,6 +36,10 @@ def build_report(run: RunRecord, plugin_sections: SectionsProvider | None = None
             drawn = make_plots(run)
         except Exception as exc:  # noqa: BLE001 - a report without plots beats no report
             notes.append(f"plots could not be drawn: {type(exc).__name__}: {exc}")
+    if plots:
+        sections = name_section_plots(sections, taken=[plot.name for plot in drawn])
+    else:  # --no-plots: no PNG at all, the sections' text stays
+        sections = [dataclasses.replace(section, plots=()) if section.plots else section for section in sections]
     return Report(
         run_dir=run.run_dir,
         title=f"Run report: {run.output_dir.name or run.output_dir}",

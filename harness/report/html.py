@@ -77,7 +77,9 @@ img.plot{max-width:100%;border:1px solid #eee;margin:.4em 0}.playbook{border-lef
 <td>{{ a.get('start_step', '?') }}-{{ a.get('end_step', '?') }}</td><td>{{ a.get('outcome') or a.get('status') }}</td><td>{{ a.get('error', '-') | string | truncate(300) }}</td></tr>
 {% endfor %}</tbody></table>{% endif %}
 {% for section in report.sections %}<h2>{{ section.title }}</h2>
-<div class="plugin-section" data-plugin="{{ section.plugin }}">{{ md(section.markdown) }}</div>
+<div class="plugin-section" data-plugin="{{ section.plugin }}">{{ md(section.markdown) }}
+{% for plot in section.plots %}<figure><img class="plot" id="plot-{{ plot.name }}" alt="{{ plot.title }}" src="data:image/png;base64,{{ b64(plot.png) }}"><figcaption class="muted"><a href="report/plots/{{ plot.name }}.png">{{ plot.title }}</a></figcaption></figure>
+{% endfor %}</div>
 {% endfor %}
 {% if report.notes %}<h2>Notes</h2><ul>{% for note in report.notes %}<li>{{ note }}</li>{% endfor %}</ul>{% endif %}
 {% if report.playbook_sections %}<h2 id="playbooks">Playbooks</h2>

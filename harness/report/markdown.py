@@ -50,6 +50,7 @@ def render_markdown(report: Report) -> str:
     out += _attempts(report)
     for section in report.sections:
         out += [f"## {section.title}", "", section.markdown.strip(), ""]
+        out += [line for plot in section.plots for line in (f"![{md_escape(plot.title)}]({PLOTS_DIR}/{plot.name}.png)", "")]
     if report.notes:
         out += ["## Notes", ""] + [f"- {cell(note, 1000)}" for note in report.notes] + [""]
     out += [f"_Built from {md_code(report.run_dir)} at {when(dt.datetime.now().timestamp())}; rebuild with {md_code(f'harness report {report.run_dir.parent}')}._", ""]

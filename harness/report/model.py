@@ -38,11 +38,15 @@ class ReportSection:
 
     ``markdown`` is rendered as is in report.md and converted for report.html;
     relative links in it are relative to the run directory (where both reports live).
+    ``plots`` (see :mod:`harness.report.section_plots`) are saved as
+    ``report/plots/<plugin>-<name>.png``, linked from report.md after the
+    markdown and embedded in report.html like the report's own plots.
     """
 
     title: str
     markdown: str
     plugin: str = ""
+    plots: tuple[Plot, ...] = ()
 
 
 @dataclass
@@ -96,6 +100,11 @@ class Report:
     attempts: list[dict[str, Any]]
     sections: list[ReportSection]
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def all_plots(self) -> list[Plot]:
+        """Every PNG the report writes under report/plots: its own, then the sections'."""
+        return list(self.plots) + [plot for section in self.sections for plot in section.plots]
 
     @property
     def playbook_sections(self) -> list[Section]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from harness.report.record import RunRecord, as_float
 
@@ -23,8 +23,6 @@ def make_plots(run: RunRecord) -> list[Plot]:
     """Every plot the run's numbers allow (none when ``steps.jsonl`` is empty)."""
     if not run.steps:
         return []
-    from matplotlib.figure import Figure
-
     plots = []
     for name, title, draw in (
         ("loss", "Loss per token processed", _draw_loss),
@@ -32,17 +30,26 @@ def make_plots(run: RunRecord) -> list[Plot]:
         ("lr", "Learning rate", _draw_lr),
         ("throughput", "Throughput", _draw_throughput),
     ):
-        figure = Figure(figsize=(7.5, 3.0), dpi=90)
-        axes = figure.subplots()
-        if not draw(run, axes):
-            continue
-        axes.set_title(title, fontsize=10)
-        axes.grid(True, alpha=0.3)
-        figure.subplots_adjust(left=0.1, right=0.98, top=0.88, bottom=0.2)  # fixed margins: tight_layout costs more than drawing
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png")
-        plots.append(Plot(name, title, buffer.getvalue()))
+        png = render_png(title, lambda axes, draw=draw: draw(run, axes))
+        if png is not None:
+            plots.append(Plot(name, title, png))
     return plots
+
+
+def render_png(title: str, draw: Callable[[Any], bool]) -> bytes | None:
+    """One figure as PNG bytes: ``draw(axes)`` fills it (False: nothing to show, no figure); fixed size and margins."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7.5, 3.0), dpi=90)
+    axes = figure.subplots()
+    if not draw(axes):
+        return None
+    axes.set_title(title, fontsize=10)
+    axes.grid(True, alpha=0.3)
+    figure.subplots_adjust(left=0.1, right=0.98, top=0.88, bottom=0.2)  # fixed margins: tight_layout costs more than drawing
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
 
 
 def _segments(run: RunRecord) -> list[list[dict[str, Any]]]:

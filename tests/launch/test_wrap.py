@@ -143,6 +143,7 @@ print("BODIES", CountingTrainer.bodies)
 '''
 
 
+@pytest.mark.slow  # a run through `harness wrap` (a subprocess): CI runs it, the quick tier does not
 def test_wrap_runs_a_subclass_train_body_once_per_call(tmp_path: Path) -> None:
     script = tmp_path / "subclass_train.py"
     script.write_text(SUBCLASS_SCRIPT, encoding="utf-8")

@@ -207,6 +207,7 @@ def test_a_killed_runs_forked_workers_do_not_keep_the_lock(tmp_path: Path) -> No
             pass
 
 
+@pytest.mark.slow  # a run through `harness wrap` (a subprocess): CI runs it, the quick tier does not
 def test_replay_skips_an_incomplete_checkpoint(make_trainer: Any, tmp_path: Path) -> None:
     """A save killed half-way leaves checkpoint-<N> without trainer_state.json: replay passes it over, or says so."""
     from harness.tools.replay import replay

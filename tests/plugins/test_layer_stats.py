@@ -71,6 +71,29 @@ def test_every_measured_step_writes_one_row_per_block_without_a_read_of_its_own(
 
     section = LayerStats().report_sections(RunRecord.load(Path(trainer.args.output_dir) / "harness"))
     assert section is not None and "`model.layers.1`" in section.markdown and "update ratio" in section.markdown
+    _assert_layer_plots(Path(trainer.args.output_dir) / "harness")
+
+
+PLOT_NAMES = ("grad_norm", "param_norm", "update_ratio", "adam_second_moment", "attn_logit_max")
+
+
+def _assert_layer_plots(run_dir: Path) -> None:
+    """One PNG per statistic under report/plots, linked from report.md, embedded and linked in report.html; kept by a rebuild."""
+    from conftest import broken_report_links
+    from harness.cli import main as harness_main
+
+    for rebuilt in (False, True):
+        if rebuilt:  # `harness report` from the run directory alone keeps (and rewrites) them
+            assert harness_main(["report", str(run_dir.parent)]) == 0
+        markdown, html = (run_dir / "report.md").read_text(), (run_dir / "report.html").read_text()
+        for name in PLOT_NAMES:
+            png = run_dir / "report" / "plots" / f"layer_stats-{name}.png"
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+            assert f"](report/plots/layer_stats-{name}.png)" in markdown
+            assert f'id="plot-layer_stats-{name}"' in html and f'href="report/plots/layer_stats-{name}.png"' in html
+        assert "`model.layers.1`" in markdown.split("## Layer statistics", 1)[1]  # the sparklines stay as the text fallback
+        assert (run_dir / "report" / "plots" / "grad_norm.png").exists()  # beside the report's own plots
+        assert broken_report_links(run_dir) == []
 
 
 @pytest.mark.slow  # two runs of 56 steps in-process

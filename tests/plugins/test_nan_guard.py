@@ -135,7 +135,7 @@ def test_the_first_bad_tensor_under_ddp(tmp_path: Path) -> None:
     assert {f["evidence"]["first_nonfinite_param"] for f in grads} == {"model.layers.1.mlp.down_proj.weight"}
 
 
-@pytest.mark.parametrize(("fault", "code"), [("nonfinite_loss_at_steps", "NONFINITE_LOSS"), ("inf_grad_at_steps", "NONFINITE_GRAD")])
+@pytest.mark.parametrize(("fault", "code"), [("nonfinite_loss_at_steps", "NONFINITE_LOSS"), pytest.param("inf_grad_at_steps", "NONFINITE_GRAD", marks=pytest.mark.slow)])
 def test_through_wrap_on_an_unmodified_script(tmp_path: Path, fault: str, code: str) -> None:
     out = tmp_path / "run"
     config = write_yaml(tmp_path / "h.yaml", {"plugins": ["nan_guard", FAULTS], "fault_injector": {fault: [2]}})
@@ -147,6 +147,7 @@ def test_through_wrap_on_an_unmodified_script(tmp_path: Path, fault: str, code: 
     assert taken["step"] == 2
 
 
+@pytest.mark.slow  # a run through `harness wrap` (a subprocess): CI runs it, the quick tier does not
 def test_three_in_a_row_save_and_stop_through_wrap(tmp_path: Path) -> None:
     out = tmp_path / "run"
     config = write_yaml(tmp_path / "h.yaml", {"plugins": ["nan_guard", FAULTS], "fault_injector": {"nonfinite_loss_at_steps": [2, 3, 4]}})

@@ -160,6 +160,7 @@ def _wrapped(tmp_path: Path, faults: dict[str, Any], steps: int) -> Path:
     return out
 
 
+@pytest.mark.slow  # a run through `harness wrap` (a subprocess): CI runs it, the quick tier does not
 def test_a_corrupted_batch_through_wrap_on_an_unmodified_script(tmp_path: Path) -> None:
     out = _wrapped(tmp_path, {"corrupt_at_steps": [40]}, steps=42)
     (spike,) = findings_of(out, "LOSS_SPIKE")
