@@ -293,11 +293,9 @@ class LayerStats(Plugin):
         from harness.lib.layer_plots import layer_figures
         from harness.lib.layer_sparks import layer_table
         from harness.report.model import ReportSection
-        from harness.report.section_plots import render_all
 
-        table = layer_table(run.run_dir)
-        plots = render_all(layer_figures(run.run_dir, run.findings)) if table else ()
-        return ReportSection("Layer statistics", table, self.name, plots) if table else None  # plugin named: the provider keeps plots
+        table = layer_table(run.run_dir)  # the figures are drawn by the report, and only when it draws plots
+        return ReportSection("Layer statistics", table, self.name, tuple(layer_figures(run.run_dir, run.findings))) if table else None
 
 
 __all__ = ["LayerStats", "LayerStatsOptions"]

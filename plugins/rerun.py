@@ -200,7 +200,9 @@ class Rerun(Plugin):
         if not outcomes:
             return
         reproduced = [r for r, o in outcomes.items() if o is Outcome.REPRODUCED]
-        neighbour = {src: self._neighbour_check(ctx, src, pending) for src in reproduced} if self.options.neighbour_check else {}
+        everywhere = len(reproduced) == ctx.world_size  # every rank reproduced: no one device to blame, no check needed
+        check = self.options.neighbour_check and reproduced and not everywhere
+        neighbour = {src: self._neighbour_check(ctx, src, pending) for src in reproduced} if check else {}
         if pending is None:
             return
         outcome = outcomes.get(ctx.rank)
@@ -208,7 +210,9 @@ class Rerun(Plugin):
             if not reproduced and all(o is Outcome.CLEAN_HERE for o in outcomes.values()) and ctx.rank == min(outcomes):
                 self._report_local(ctx, pending, note="every flagged rank recomputed its own part clean")
             return
-        self._report_local(ctx, pending, neighbour=neighbour.get(ctx.rank, "off"))
+        if everywhere and ctx.rank != min(reproduced):
+            return  # one event: reported once, by the lowest rank
+        self._report_local(ctx, pending, neighbour="everywhere" if everywhere else neighbour.get(ctx.rank, "off"))
 
     def _neighbour_check(self, ctx: Any, src: int, pending: dict[str, Any] | None) -> Any:
         """Every rank together: ``src`` broadcasts its micro-batches, its neighbour recomputes them, the result comes back."""
@@ -263,7 +267,8 @@ class Rerun(Plugin):
                             limit=20)
                 return
         elif ctx.world_size > 1:
-            evidence["neighbour"] = "not run" if neighbour == "off" else "failed"
+            evidence["neighbour"] = {"off": "not run", "everywhere": f"not needed: all {ctx.world_size} ranks reproduced their own part"}.get(
+                neighbour, "failed")
         self.report(FAULT_REPRODUCED.code, f"{what}, reproduced it ({c.reason}; tolerance {self.tolerance.value:.3g})"
                     f"{', and so did rank ' + str(neighbour['rank']) if isinstance(neighbour, dict) else ''}: the data or the model state, "
                     f"not the machine. Look at the step's capture (captures/step-{step}/) and the data and LR playbooks.",

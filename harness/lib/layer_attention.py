@@ -42,15 +42,23 @@ def max_causal_logit(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> torch.T
     kh = k.detach().float().view(batch, length, kv_heads, head_dim).transpose(1, 2)
     if kv_heads != heads:  # grouped-query attention: each key head serves heads // kv_heads query heads
         kh = kh.repeat_interleave(heads // kv_heads, dim=1)
-    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
     scale = 1.0 / math.sqrt(head_dim)
     qh, kh = qh.reshape(batch * heads, length, head_dim), kh.reshape(batch * heads, length, head_dim)
-    step = max(1, CHUNK // max(1, length * length))
+    # at most CHUNK logits at once: whole [T, T] matrices of several heads when they fit, else blocks of query rows of one
+    if length * length <= CHUNK:
+        heads_at_once, rows = max(1, CHUNK // (length * length)), length
+    else:
+        heads_at_once, rows = 1, max(1, CHUNK // length)
+    positions = torch.arange(length, device=q.device)
     best: torch.Tensor | None = None
-    for start in range(0, batch * heads, step):
-        logits = torch.bmm(qh[start : start + step], kh[start : start + step].transpose(1, 2)) * scale
-        top = logits.masked_fill(future, float("-inf")).amax()
-        best = top if best is None else torch.maximum(best, top)
+    for start in range(0, batch * heads, heads_at_once):
+        qs, ks = qh[start : start + heads_at_once], kh[start : start + heads_at_once]
+        for first in range(0, length, rows):
+            last = min(length, first + rows)  # causal: rows first..last-1 see keys 0..last-1 only
+            logits = torch.bmm(qs[:, first:last], ks[:, :last].transpose(1, 2)) * scale
+            logits.masked_fill_(positions[None, :last] > positions[first:last, None], float("-inf"))
+            top = logits.amax()
+            best = top if best is None else torch.maximum(best, top)
     assert best is not None
     return best
 

@@ -23,7 +23,7 @@ import torch
 
 def group_sums(values: Sequence[torch.Tensor], index: torch.Tensor, groups: int) -> torch.Tensor:
     """Sum per group of 0-dim tensors ``values`` (one per entry of ``index``), as one ``[groups]`` float32 tensor."""
-    stacked = torch.stack([v.float() for v in values]) if values else torch.zeros(0, device=index.device)
+    stacked = torch.stack([v.float().to(index.device) for v in values]) if values else torch.zeros(0, device=index.device)
     return torch.zeros(groups, dtype=torch.float32, device=index.device).index_add_(0, index, stacked.to(index.device))
 
 

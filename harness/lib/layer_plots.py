@@ -74,6 +74,9 @@ def draw_series(axes: Any, series: Series, ylabel: str, log: bool, marks: Iterab
         axes.set_yscale("log")
     for k, step in enumerate(sorted(set(marks))):
         axes.axvline(step, color="black", alpha=0.5, linewidth=1, linestyle=":", label="finding" if k == 0 else None)
+    from matplotlib.ticker import MaxNLocator
+
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(ylabel)
     axes.legend(fontsize=6, loc="upper left", ncol=2 if len(blocks) > 6 else 1)

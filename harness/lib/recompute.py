@@ -63,6 +63,9 @@ def why_not(trainer: Any, world_size: int = 1) -> str | None:
     """None when this rank can recompute a step alone; else why not."""
     if getattr(trainer, "is_deepspeed_enabled", False):
         return "DeepSpeed: the guard runs inside the engine's step and its gradients live in the engine's partitions"
+    if int(getattr(getattr(trainer, "args", None), "n_gpu", 1) or 1) > 1:
+        return ("DataParallel over several GPUs in one process: the Trainer scales the loss by n_gpu and averages replicas, "
+                "which a recomputation on the unwrapped model cannot match")
     own = getattr(type(trainer), "compute_loss", None)
     if world_size > 1 and not str(getattr(own, "__module__", "")).startswith("transformers."):
         return (f"{getattr(own, '__qualname__', 'compute_loss')} overrides the Trainer's compute_loss and may run collectives "
@@ -119,8 +122,10 @@ def recompute_step(trainer: Any, batches: list[Mapping[str, Any]], rng: Mapping[
         for name, value in metrics.items():  # the rerun's metrics (TRL's token count, rewards) must not reach the logs
             setattr(trainer, name, value)
     kept = [t for t in totals if t is not None]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in kept])) if kept else None
-    values = torch.stack([*(loss.float() for loss in losses), *([norm] if norm is not None else [])]).tolist()  # one read
+    home = kept[0].device if kept else None  # a model spread over devices (device_map): norms meet on one device
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()).to(home) for t in kept])) if kept else None
+    values = torch.stack([*(loss.float().to(norm.device if norm is not None else loss.device) for loss in losses),
+                          *([norm] if norm is not None else [])]).tolist()  # one read
     grad_norm = values[len(losses)] if norm is not None else None
     return Recomputed(
         losses=[float(v) for v in values[: len(losses)]],

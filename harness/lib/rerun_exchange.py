@@ -41,9 +41,10 @@ def _pack(batches: list[Mapping[str, Any]], rng: Mapping[str, Any] | None, losse
         micro.append(entries)
     rng_entries: list[list[Any]] = []
     if rng is not None:
-        for name, value in (("cpu", rng["cpu"]), *((f"cuda:{i}", s) for i, s in enumerate(rng.get("cuda") or []))):
-            rng_entries.append([name, list(value.shape)])
-            tensors.append(value.detach().cpu().contiguous())
+        for name, value in (("cpu", rng["cpu"]), ("cuda", _current_device_state(rng))):
+            if value is not None:
+                rng_entries.append([name, list(value.shape)])
+                tensors.append(value.detach().cpu().contiguous())
     tensors.append(torch.tensor(losses, dtype=torch.float64))
     manifest = {"micro": micro, "rng": rng_entries, "losses": len(losses)}
     return json.dumps(manifest).encode("utf-8"), tensors
@@ -82,9 +83,19 @@ def broadcast_step(src: int, rank: int, batches: list[Mapping[str, Any]], rng: M
     states = {name: next(it) for name, _ in manifest["rng"]}
     sent_losses = [float(v) for v in next(it).tolist()]
     state = None
-    if "cpu" in states:
-        state = {"cpu": states["cpu"], "cuda": [states[k] for k in sorted(states) if k.startswith("cuda:")]}
+    if "cpu" in states:  # the sender's training device's generator goes onto the receiver's own current device
+        state = {"cpu": states["cpu"], **({"cuda": states["cuda"]} if "cuda" in states else {})}
     return received, state, sent_losses
+
+
+def _current_device_state(rng: Mapping[str, Any]) -> torch.Tensor | None:
+    """The generator state of the device this rank trains on (``cuda_all`` holds one per visible GPU)."""
+    if rng.get("cuda") is not None:
+        return rng["cuda"]
+    every = rng.get("cuda_all")
+    if not every or not torch.cuda.is_available():
+        return None
+    return every[torch.cuda.current_device()]
 
 
 def broadcast_result(src: int, rank: int, count: int, result: tuple[list[float], float | None, bool | None] | None

@@ -82,7 +82,8 @@ def vmap_bytes(model: torch.nn.Module, rows: int) -> int:
 
 def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The global L2 norm of one sample's gradients (float32; NaN/Inf propagate)."""
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    home = grads[0].device  # a model spread over devices (device_map): the per-tensor norms meet on one device
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()).to(home) for g in grads]))
 
 
 def grad_norms_loop(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,8 @@ def build_report(run: RunRecord, plugin_sections: SectionsProvider | None = None
         except Exception as exc:  # noqa: BLE001 - a report without plots beats no report
             notes.append(f"plots could not be drawn: {type(exc).__name__}: {exc}")
     if plots:
-        sections = name_section_plots(sections, taken=[plot.name for plot in drawn])
+        sections, drawing_notes = name_section_plots(sections, taken=[plot.name for plot in drawn])
+        notes.extend(drawing_notes)
     else:  # --no-plots: no PNG at all, the sections' text stays
         sections = [dataclasses.replace(section, plots=()) if section.plots else section for section in sections]
     return Report(

@@ -38,15 +38,17 @@ class ReportSection:
 
     ``markdown`` is rendered as is in report.md and converted for report.html;
     relative links in it are relative to the run directory (where both reports live).
-    ``plots`` (see :mod:`harness.report.section_plots`) are saved as
-    ``report/plots/<plugin>-<name>.png``, linked from report.md after the
-    markdown and embedded in report.html like the report's own plots.
+    ``plots``: ``(name, title, draw(axes) -> bool)`` specs or ready :class:`Plot`
+    objects (:mod:`harness.report.section_plots`), drawn when the report
+    draws plots, saved as ``report/plots/<plugin>-<name>.png``, linked from
+    report.md after the markdown and embedded in report.html like the
+    report's own plots. The built report holds :class:`Plot` objects only.
     """
 
     title: str
     markdown: str
     plugin: str = ""
-    plots: tuple[Plot, ...] = ()
+    plots: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -104,7 +106,7 @@ class Report:
     @property
     def all_plots(self) -> list[Plot]:
         """Every PNG the report writes under report/plots: its own, then the sections'."""
-        return list(self.plots) + [plot for section in self.sections for plot in section.plots]
+        return list(self.plots) + [plot for section in self.sections for plot in section.plots if isinstance(plot, Plot)]
 
     @property
     def playbook_sections(self) -> list[Section]:

@@ -7,6 +7,8 @@ only calls ``sections(run)``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -75,7 +77,7 @@ class PluginSections:
                 continue
             for section in result if isinstance(result, (list, tuple)) else [result] if result is not None else []:
                 if isinstance(section, ReportSection):
-                    found.append(section if section.plugin else ReportSection(section.title, section.markdown, name))
+                    found.append(section if section.plugin else dataclasses.replace(section, plugin=name))  # keeps its plots
                 else:
                     notes.append(f"plugin '{name}' returned {type(section).__name__} from report_sections; expected ReportSection.")
         return found, notes

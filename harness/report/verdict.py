@@ -48,7 +48,8 @@ def verdict_of(run: RunRecord) -> Verdict:
         return Verdict(FAILED, f"the last train() call never reached its end{at} (killed, or still running{'; ' + which if which else ''}); {summary}.")
     if status == "crashed":
         error = run.attempts[-1].get("error") or "an exception"
-        return Verdict(FAILED, f"training crashed{at} with {error}{attempt}; {summary}.")
+        after = f" after step {step}" if step is not None else ""  # global_step: the last step that completed, not the one in flight
+        return Verdict(FAILED, f"training crashed{after} with {error}{attempt}; {summary}.")
     if status == "stopped":
         stop_step, causes = run.attempt_stop(-1)
         at = f" at step {stop_step}" if stop_step is not None else at

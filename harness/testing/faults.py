@@ -64,6 +64,10 @@ class FaultOptions(BaseModel):
         default_factory=list, description="Steps whose first micro-batch gets a NaN sample in row 0 (one poison token repeated): wherever that row goes through "
         "the model again (a capture, a rerun, another rank) its embeddings are NaN (a fault in the data, reproducible).",
     )
+    nan_batch_on_rank: int | None = Field(None, description="With nan_batch_on_rank_at_steps: the one rank whose batch gets the NaN sample.")
+    nan_batch_on_rank_at_steps: list[int] = Field(
+        default_factory=list, description="Steps at which only nan_batch_on_rank's first micro-batch gets the NaN sample of nan_batch_at_steps."
+    )
     nan_forward_on_rank: int | None = Field(None, description="With nan_forward_at_step: the rank whose every forward pass yields NaN.")
     nan_forward_at_step: int | None = Field(
         None, description="The step during which every forward pass on nan_forward_on_rank yields NaN, a rerun's included (a bad device)."
@@ -293,7 +297,7 @@ class FaultInjector(Plugin):
             self._module_faults = ModuleFaults(trainer.model, o.overflow_module, o.inf_grad_target)
         if o.oom_at_step is not None:
             self._oom = OomRaiser(trainer.model)
-        if o.nan_batch_at_steps:
+        if o.nan_batch_at_steps or o.nan_batch_on_rank_at_steps:
             self._nan_batch = NanBatch(trainer.model)
         if o.nan_forward_at_step is not None and ctx.rank == (o.nan_forward_on_rank or 0):
             RankNan(trainer.model, lambda: ctx.step == o.nan_forward_at_step)
@@ -312,7 +316,10 @@ class FaultInjector(Plugin):
             if step in self.options.inf_grad_at_steps:
                 if not self.options.inf_grad_target:
                     self._poison.arm_gradients()
-        if micro_step == 0 and self._nan_batch is not None and step in self.options.nan_batch_at_steps:
+        if micro_step == 0 and self._nan_batch is not None and (
+            step in self.options.nan_batch_at_steps
+            or (step in self.options.nan_batch_on_rank_at_steps and ctx.rank == self.options.nan_batch_on_rank)
+        ):
             self._nan_batch.mark(batch)
         if self._module_faults is not None:
             self._module_faults.overflowing = step == self.options.overflow_at_step

@@ -31,11 +31,15 @@ def test_a_rank_1_only_corruption_is_named_rank_suspect(tmp_path: Path) -> None:
     assert loss["rank"] == 1 and loss["step"] == 3
 
 
-def test_a_nan_batch_on_rank_1_reproduces_on_its_neighbour_too(tmp_path: Path) -> None:
-    out = _run(tmp_path, {"nan_batch_at_steps": [3]})
-    reproduced = findings_of(out, "FAULT_REPRODUCED")
-    assert reproduced and {f["step"] for f in reproduced} == {3}
-    assert all(f["evidence"]["neighbour"]["losses"] == ["nan"] for f in reproduced)  # the data: NaN on the other rank too
+def test_a_nan_batch_reproduces_on_the_neighbour_too_and_on_every_rank_is_one_finding(tmp_path: Path) -> None:
+    out = _run(tmp_path, {"nan_batch_at_steps": [3], "nan_batch_on_rank": 1, "nan_batch_on_rank_at_steps": [5]}, steps=6)
+    reproduced = {f["step"]: f for f in findings_of(out, "FAULT_REPRODUCED")}
+    assert sorted(reproduced) == [3, 5] and len(findings_of(out, "FAULT_REPRODUCED")) == 2
+    everywhere = reproduced[3]  # both ranks reproduced their own NaN batch: one event, one finding, no neighbour check
+    assert everywhere["rank"] == 0 and everywhere["evidence"]["neighbour"].startswith("not needed: all 2 ranks reproduced")
+    on_rank_1 = reproduced[5]  # only rank 1's batch: rank 0 recomputes it and gets NaN too, so the data, not the device
+    assert on_rank_1["rank"] == 1 and on_rank_1["evidence"]["neighbour"]["rank"] == 0
+    assert on_rank_1["evidence"]["neighbour"]["losses"] == ["nan"]
     assert findings_of(out, "FAULT_RANK_SUSPECT") == [] and findings_of(out, "FAULT_TRANSIENT") == []
 
 

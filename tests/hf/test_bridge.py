@@ -196,7 +196,7 @@ def test_run_end_fires_after_a_crash_and_findings_survive(make_trainer: Any) -> 
     assert recorder.calls["on_run_end"] == [("crashed", "RuntimeError")]
     assert len(findings_of(trainer.args.output_dir, "TEST_FAULT")) == 1
     report = (Path(trainer.args.output_dir) / "harness" / "report.md").read_text(encoding="utf-8")  # written after the crash too
-    assert "**Verdict: failed.** training crashed at step 2 with RuntimeError: the training loop itself failed" in report
+    assert "**Verdict: failed.** training crashed after step 2 with RuntimeError: the training loop itself failed" in report
     assert "| [TEST_FAULT](report/playbooks/harness-core.md#test_fault) | 1 | 1 |" in report
 
 

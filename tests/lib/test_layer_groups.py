@@ -40,7 +40,9 @@ def test_a_tiny_llama_groups_into_embeddings_blocks_norm_and_head_with_attention
     assert sorted(probes) == [1, 2] and all(q is not k for _, q, k in probes.values())
 
 
-def test_the_causal_logit_maximum_matches_a_brute_force_one_with_grouped_query_heads() -> None:
+@pytest.mark.parametrize("chunk", [1 << 24, 20, 3])  # whole matrices of several heads; blocks of rows (a long context); one row
+def test_the_causal_logit_maximum_matches_a_brute_force_one_with_grouped_query_heads(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("harness.lib.layer_attention.CHUNK", chunk)
     torch.manual_seed(0)
     batch, length, heads, kv_heads, dim = 2, 7, 4, 2, 8
     q, k = torch.randn(batch, length, heads * dim), torch.randn(batch, length, kv_heads * dim)

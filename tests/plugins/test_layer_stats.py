@@ -78,22 +78,21 @@ PLOT_NAMES = ("grad_norm", "param_norm", "update_ratio", "adam_second_moment", "
 
 
 def _assert_layer_plots(run_dir: Path) -> None:
-    """One PNG per statistic under report/plots, linked from report.md, embedded and linked in report.html; kept by a rebuild."""
+    """One PNG per statistic under report/plots, linked from report.md, embedded and linked in report.html, drawn by `harness report`."""
     from conftest import broken_report_links
     from harness.cli import main as harness_main
 
-    for rebuilt in (False, True):
-        if rebuilt:  # `harness report` from the run directory alone keeps (and rewrites) them
-            assert harness_main(["report", str(run_dir.parent)]) == 0
-        markdown, html = (run_dir / "report.md").read_text(), (run_dir / "report.html").read_text()
-        for name in PLOT_NAMES:
-            png = run_dir / "report" / "plots" / f"layer_stats-{name}.png"
-            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
-            assert f"](report/plots/layer_stats-{name}.png)" in markdown
-            assert f'id="plot-layer_stats-{name}"' in html and f'href="report/plots/layer_stats-{name}.png"' in html
-        assert "`model.layers.1`" in markdown.split("## Layer statistics", 1)[1]  # the sparklines stay as the text fallback
-        assert (run_dir / "report" / "plots" / "grad_norm.png").exists()  # beside the report's own plots
-        assert broken_report_links(run_dir) == []
+    assert not (run_dir / "report" / "plots" / "layer_stats-grad_norm.png").exists()  # HARNESS_REPORT_PLOTS=0: not even drawn
+    assert harness_main(["report", str(run_dir.parent)]) == 0  # from the run directory alone, as on another machine
+    markdown, html = (run_dir / "report.md").read_text(), (run_dir / "report.html").read_text()
+    for name in PLOT_NAMES:
+        png = run_dir / "report" / "plots" / f"layer_stats-{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+        assert f"](report/plots/layer_stats-{name}.png)" in markdown
+        assert f'id="plot-layer_stats-{name}"' in html and f'href="report/plots/layer_stats-{name}.png"' in html
+    assert "`model.layers.1`" in markdown.split("## Layer statistics", 1)[1]  # the sparklines stay as the text fallback
+    assert sorted(p.name for p in (run_dir / "report" / "plots").iterdir()) == sorted(f"layer_stats-{n}.png" for n in PLOT_NAMES)
+    assert broken_report_links(run_dir) == []
 
 
 @pytest.mark.slow  # two runs of 56 steps in-process

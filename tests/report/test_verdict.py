@@ -69,7 +69,7 @@ def test_a_killed_attempt_ends_at_the_last_step_it_recorded(tmp_path: Path) -> N
 def test_a_crash_names_its_attempt_and_step(tmp_path: Path) -> None:
     attempts = [{"started": T0, "resumed_from": None, "start_step": 0, "status": "crashed", "end_step": 6, "error": "RuntimeError: boom"}]
     reason = verdict_of(_run(tmp_path, attempts, [], [{"step": 6, "time": T0 + 6}])).reason
-    assert reason.startswith("training crashed at step 6 with RuntimeError: boom (attempt 1)")
+    assert reason.startswith("training crashed after step 6 with RuntimeError: boom (attempt 1)")
 
 
 def test_a_plugin_stop_without_action_taken_still_names_its_cause(tmp_path: Path) -> None:
