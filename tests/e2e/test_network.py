@@ -10,6 +10,8 @@ what a user's shell looks like.
 """
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -79,6 +81,7 @@ def _audited_cli(tmp_path: Path, *args: str, cwd: Path, timeout: float = 600) ->
     return result, refused
 
 
+@pytest.mark.slow  # a subprocess run (`harness wrap` or the runner): CI runs it, the quick tier does not
 def test_run_opens_no_socket_outside_loopback(tmp_path: Path) -> None:
     """`harness run pretrain` on examples/pretrain.yaml (2 steps, a .jsonl source added: `datasets` loads it)."""
     config: dict[str, Any] = yaml.safe_load((REPO / "examples" / "pretrain.yaml").read_text(encoding="utf-8"))

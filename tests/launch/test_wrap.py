@@ -44,6 +44,7 @@ def test_a_harness_stop_exits_75_unless_the_script_failed_otherwise(tmp_path: Pa
     assert not list(private.glob("harness-wrap-*"))  # wrap removed its private marker folder
 
 
+@pytest.mark.slow  # a subprocess run (`harness wrap` or the runner): CI runs it, the quick tier does not
 def test_wrap_passes_config_and_plugins_to_the_script(tmp_path: Path) -> None:
     out = tmp_path / "run"
     config = write_yaml(tmp_path / "h.yaml", {"fault_injector": {"report_at_step": 2}, "severity": {"TEST_FAULT": "error"}})
@@ -108,6 +109,7 @@ def test_trl_sft_script_through_wrap(tmp_path: Path) -> None:
     assert len(read_jsonl(out / "harness" / "metrics.jsonl")) >= 3
 
 
+@pytest.mark.slow  # a subprocess run (`harness wrap` or the runner): CI runs it, the quick tier does not
 def test_settings_survive_a_launcher_that_forwards_only_python_variables(tmp_path: Path) -> None:
     """DeepSpeed's multi-node launcher forwards PYTHON* variables only: the carrier restores the rest."""
     from harness.launch.wrap import wrap_environment

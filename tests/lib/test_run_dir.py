@@ -72,6 +72,7 @@ def test_unwritable_run_dir_is_a_clear_error(make_trainer: Any, tmp_path: Path) 
         harness.attach(trainer)
 
 
+@pytest.mark.slow  # a subprocess run (`harness wrap` or the runner): CI runs it, the quick tier does not
 def test_unwritable_run_dir_under_wrap_exits_2_without_a_traceback(tmp_path: Path) -> None:
     blocker = tmp_path / "afile"
     blocker.write_text("not a folder", encoding="utf-8")
@@ -104,6 +105,7 @@ def test_an_existing_folder_without_write_permission(make_trainer: Any, tmp_path
     assert str(out / "harness") in str(caught.value) and "PermissionError" in str(caught.value)
 
 
+@pytest.mark.slow  # a subprocess run (`harness wrap` or the runner): CI runs it, the quick tier does not
 def test_second_run_on_same_output_dir_is_refused(make_trainer: Any, tmp_path: Path) -> None:
     out = tmp_path / "out"
     run_dir = out / "harness"

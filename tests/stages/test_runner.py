@@ -151,6 +151,7 @@ def test_stage_mismatch_and_unknown_harness_option(tmp_path: Path) -> None:
         run_stage("pretrain", config)
 
 
+@pytest.mark.slow  # a subprocess run (`harness wrap` or the runner): CI runs it, the quick tier does not
 def test_runner_refuses_records_without_text_field(tmp_path: Path) -> None:
     """A mixed JSON-lines file: half the records lack 'text'. They were dropped in silence (and the tokenizer trained on
     the string 'None'); now the run fails before anything is built, naming the file, the records' lines and the key."""
@@ -172,6 +173,7 @@ def test_runner_refuses_records_without_text_field(tmp_path: Path) -> None:
     assert not (tmp_path / "pretrain").exists()  # failed before tokenizer, model or Trainer were built
 
 
+@pytest.mark.slow  # a subprocess run (`harness wrap` or the runner): CI runs it, the quick tier does not
 def test_runner_refuses_unknown_model_override(tmp_path: Path) -> None:
     config = example_config("pretrain", tmp_path, training={"max_steps": 2, "save_strategy": "no"})
     data = yaml.safe_load(config.read_text())
