@@ -15,7 +15,10 @@ model state), ``FAULT_TRANSIENT`` (not reproduced: hardware, silent data
 corruption). With several ranks a rank that reproduced its fault sends its
 micro-batches and RNG state to ``(rank + 1) % world`` over the control
 group (tensors, no pickle); when the neighbour gets the clean result the
-verdict is ``FAULT_RANK_SUSPECT`` naming the rank.
+verdict is ``FAULT_RANK_SUSPECT`` naming the rank. The check runs only
+when some flagged rank did not reproduce: a fault every rank reproduces
+(a learning rate too high, bad data everywhere) blames no device and is
+reported once, by the lowest rank.
 
 Cost: nothing on an ordinary step but a host copy of the CPU RNG state
 (and CUDA's generator states) at each step's first micro-batch, and one
