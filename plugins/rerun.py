@@ -24,7 +24,7 @@ Cost: nothing on an ordinary step but a host copy of the CPU RNG state
 (and CUDA's generator states) at each step's first micro-batch, and one
 slot of two integers in the step exchange with several ranks. Once per
 run, at ``calibrate_at_step``, one recomputation of that step (one
-forward and backward per micro-batch, one device read). On a flagged step:
+forward and backward per micro-batch; its numbers ride the next step's one read). On a flagged step:
 that recomputation again, one gradient-sized buffer while it runs, and
 with several ranks the neighbour check (the step's micro-batches through
 the host and over gloo, a second recomputation on the neighbour, a few
@@ -41,7 +41,7 @@ from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.lib.capture import strict_json as _strict
-from harness.lib.recompute import Recomputed, capture_rng, recompute_step, why_not
+from harness.lib.recompute import PendingRecompute, Recomputed, capture_rng, recompute_on_device, recompute_step, why_not
 from harness.lib.rerun_verdict import OUTCOME_CODES, OUTCOME_OF_CODE, Comparison, Outcome, Tolerance, compare, measured_nondeterminism, neighbour_agrees
 
 log = logging.getLogger("harness.rerun")
@@ -91,6 +91,7 @@ class Rerun(Plugin):
         self.calibration: dict[str, Any] | None = None
         self.reruns = 0
         self._calibration_tried = False
+        self._calibrating: tuple[int, PendingRecompute, list[float], float | None] | None = None  # read with the next step
         self._off: str | None = None
         self._rng: dict[str, Any] | None = None
         self._batches: list[dict[str, Any]] = []
@@ -128,6 +129,8 @@ class Rerun(Plugin):
         if micro_step == 0 and not self._off:
             self._rng = capture_rng()  # host copies of the generator states: no device sync
             self._batches = []
+            if self._calibrating is not None:  # the calibration's numbers ride this step's one read
+                self.defer("calibration", self._calibrating[1].values)
 
     @hookimpl
     def on_loss(self, loss: Any, batch: dict[str, Any]) -> None:
@@ -150,6 +153,7 @@ class Rerun(Plugin):
         flags = self._flags(ctx, step)
         outcome: Outcome | None = None
         try:  # share on every path: a rerun that raises still leaves this rank's slot filled ("not flagged")
+            self._finish_calibration(ctx)
             if self._off or not batches:
                 return
             losses = [float(v) for v in self.deferred("loss")]
@@ -178,8 +182,18 @@ class Rerun(Plugin):
             ctx.share(SLOT, [int(outcome is not None), OUTCOME_CODES[outcome] if outcome is not None else 0])
 
     def _calibrate(self, ctx: Any, step: int, batches: list[dict[str, Any]], rng: Any, losses: list[float], grad_norm: float | None) -> None:
-        rerun = recompute_step(ctx.trainer, batches, rng)
+        """Recompute a clean step; its numbers stay on the device until the next step's one read (no host sync of its own)."""
         norm = grad_norm if ctx.world_size == 1 else None
+        self._calibrating = (step, recompute_on_device(ctx.trainer, batches, rng), losses, norm)
+
+    def _finish_calibration(self, ctx: Any) -> None:
+        read = self.deferred("calibration") if self._calibrating is not None else []
+        if not read or self._calibrating is None:
+            return
+        step, pending, losses, norm = self._calibrating
+        self._calibrating = None
+        value = read[-1]
+        rerun = pending.read([float(v) for v in (value.tolist() if hasattr(value, "tolist") else value)])
         measured = measured_nondeterminism(losses, rerun.losses, norm, rerun.grad_norm if norm is not None else None)
         if measured is None:
             return

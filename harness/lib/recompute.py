@@ -88,7 +88,32 @@ def model_inputs(batch: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
 
 
 def recompute_step(trainer: Any, batches: list[Mapping[str, Any]], rng: Mapping[str, Any] | None) -> Recomputed:
-    """Forward and backward of every micro-batch of a step, from ``rng``; the gradients summed, never written to ``param.grad``."""
+    """Forward and backward of every micro-batch of a step, from ``rng``; the gradients summed, never written to ``param.grad``.
+
+    Reads the result at once (one device read): for flagged steps, whose verdict is due before the update.
+    """
+    pending = recompute_on_device(trainer, batches, rng)
+    return pending.read(pending.values.tolist())  # one read
+
+
+@dataclass
+class PendingRecompute:
+    """A recomputation whose numbers are still on the device: ``values`` holds the losses, then the grad norm if any."""
+
+    values: Any
+    count: int
+    has_norm: bool
+    seconds: float
+
+    def read(self, values: list[float]) -> Recomputed:
+        """The host values of ``values`` (read now, or with a later step's one transfer) as a :class:`Recomputed`."""
+        grad_norm = float(values[self.count]) if self.has_norm else None
+        return Recomputed(losses=[float(v) for v in values[: self.count]], grad_norm=grad_norm,
+                          grads_finite=None if grad_norm is None else math.isfinite(grad_norm), seconds=self.seconds)
+
+
+def recompute_on_device(trainer: Any, batches: list[Mapping[str, Any]], rng: Mapping[str, Any] | None) -> PendingRecompute:
+    """:func:`recompute_step` without the read: the numbers stay on the device (the calibration defers them to the next step's read)."""
     import time
 
     started = time.perf_counter()
@@ -125,11 +150,5 @@ def recompute_step(trainer: Any, batches: list[Mapping[str, Any]], rng: Mapping[
     home = kept[0].device if kept else None  # a model spread over devices (device_map): norms meet on one device
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()).to(home) for t in kept])) if kept else None
     values = torch.stack([*(loss.float().to(norm.device if norm is not None else loss.device) for loss in losses),
-                          *([norm] if norm is not None else [])]).tolist()  # one read
-    grad_norm = values[len(losses)] if norm is not None else None
-    return Recomputed(
-        losses=[float(v) for v in values[: len(losses)]],
-        grad_norm=grad_norm,
-        grads_finite=None if grad_norm is None else math.isfinite(grad_norm),
-        seconds=time.perf_counter() - started,
-    )
+                          *([norm] if norm is not None else [])])
+    return PendingRecompute(values, len(losses), norm is not None, time.perf_counter() - started)
