@@ -89,6 +89,14 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return print_explain(Path(args.output_dir))
 
 
+def _cmd_resume_point(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from harness.tools.resume_point import print_resume_point
+
+    return print_resume_point(Path(args.output_dir))
+
+
 def _cmd_playbook(args: argparse.Namespace) -> int:
     from harness.tools.explain import print_playbook
 
@@ -199,6 +207,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("output_dir", help="the training run's output_dir (the folder holding harness/)")
     explain.set_defaults(func=_cmd_explain)
+
+    resume_point = sub.add_parser(
+        "resume-point",
+        help="print the newest proven checkpoint of a run (exit 1 when there is none)",
+        description="Print the newest checkpoint-<N> of OUTPUT_DIR that checkpoint_proof read back and marked harness_proven "
+        "(complete, weights load and are finite, the reference loss matches); exit 1, with a line on stderr, when none is.",
+    )
+    resume_point.add_argument("output_dir", help="the training run's output_dir (the folder holding the checkpoint-* folders)")
+    resume_point.set_defaults(func=_cmd_resume_point)
 
     playbook = sub.add_parser(
         "playbook",

@@ -145,11 +145,8 @@ class NanGuard(Plugin):
         self.scheduler_moved = [int(s) for s in state.get("scheduler_moved", [])]
 
     @hookimpl
-    def on_loss(self, loss: torch.Tensor, batch: dict[str, Any]) -> None:
-        detached = loss.detach()
-        self.defer("finite", torch.isfinite(detached).all())  # read at the guard, with every plugin's tensors
-        self.defer("loss", detached.float().mean())
-        self._batches.append(batch)
+    def on_loss(self, batch: dict[str, Any]) -> None:
+        self._batches.append(batch)  # the losses come read, one per micro-batch, with on_before_optimizer_step
 
     def _grads_finite(self, model: Any, grad_norm: float | None) -> bool | None:
         if grad_norm is not None:
@@ -162,11 +159,11 @@ class NanGuard(Plugin):
         return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
 
     @hookimpl
-    def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, grad_norm: float | None) -> None:
+    def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, grad_norm: float | None, micro_losses: list[float]) -> None:
         self._schedule_position = _scheduler_position(ctx.trainer)
         batches, self._batches = self._batches, []
-        finite, losses = self.deferred("finite"), self.deferred("loss")
-        bad = [i for i, ok in enumerate(finite) if not ok]
+        losses = micro_losses
+        bad = [i for i, value in enumerate(losses) if not math.isfinite(value)]
         if bad:
             self._consecutive += 1
             self._report_loss(ctx, step, bad, batches, losses)
@@ -183,7 +180,7 @@ class NanGuard(Plugin):
                 f"gradient norm is {norm} at step {step} on rank {ctx.rank} although every micro-batch loss was finite; "
                 f"{scan.describe()} ({self._consecutive} non-finite step(s) in a row); the update is not applied.",
                 step=step,
-                evidence={"grad_norm": norm, "consecutive": self._consecutive, "micro_batches": len(finite), **scan.evidence()},
+                evidence={"grad_norm": norm, "consecutive": self._consecutive, "micro_batches": len(losses), **scan.evidence()},
             )
             return
         self._consecutive = 0

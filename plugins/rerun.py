@@ -133,11 +133,10 @@ class Rerun(Plugin):
                 self.defer("calibration", self._calibrating[1].values)
 
     @hookimpl
-    def on_loss(self, loss: Any, batch: dict[str, Any]) -> None:
+    def on_loss(self, batch: dict[str, Any]) -> None:
         if self._off:
             return
-        self.defer("loss", loss.detach().float().mean())
-        self._batches.append(batch)
+        self._batches.append(batch)  # by reference; its loss comes read with on_before_optimizer_step
 
     # -- the step: local rerun after the detectors, verdict after the agreement --------------------------
 
@@ -147,7 +146,7 @@ class Rerun(Plugin):
         return sorted({f.code for f in new if f.step == step and f.rank == ctx.rank and f.code in wanted and f.severity >= Severity.WARNING})
 
     @hookimpl(trylast=True)  # after nan_guard and spike_capture have reported this step
-    def on_before_optimizer_step(self, ctx: Any, step: int, grad_norm: float | None) -> None:
+    def on_before_optimizer_step(self, ctx: Any, step: int, grad_norm: float | None, micro_losses: list[float]) -> None:
         batches, rng, self._batches = self._batches, self._rng, []
         self._pending = None
         flags = self._flags(ctx, step)
@@ -156,7 +155,7 @@ class Rerun(Plugin):
             self._finish_calibration(ctx)
             if self._off or not batches:
                 return
-            losses = [float(v) for v in self.deferred("loss")]
+            losses = list(micro_losses)
             if flags and self.reruns < self.options.max_reruns:
                 self.reruns += 1
                 rerun = recompute_step(ctx.trainer, batches, rng)

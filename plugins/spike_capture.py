@@ -164,18 +164,17 @@ class SpikeCapture(Plugin):
     # -- per micro-batch: references, and the loss queued for the guard's one read ---------------------
 
     @hookimpl
-    def on_loss(self, loss: torch.Tensor, batch: dict[str, Any], step: int, micro_step: int) -> None:
-        kept = _detach(batch, self.options.copy_batches)
-        self.defer("loss", loss.detach().float().mean())
+    def on_loss(self, batch: dict[str, Any], step: int, micro_step: int) -> None:
+        kept = _detach(batch, self.options.copy_batches)  # its loss comes read with on_before_optimizer_step
         self._current.append((micro_step, kept))
         self._ring.append((step, micro_step, kept))
 
     # -- per optimizer step ---------------------------------------------------------------------------
 
     @hookimpl
-    def on_before_optimizer_step(self, ctx: Any, step: int, grad_norm: float | None, loss: float | None) -> None:
+    def on_before_optimizer_step(self, ctx: Any, step: int, grad_norm: float | None, loss: float | None, micro_losses: list[float]) -> None:
         kept, self._current = self._current, []
-        losses = self.deferred("loss")
+        losses = micro_losses
         current = [(m, b, losses[i] if i < len(losses) else math.nan) for i, (m, b) in enumerate(kept)]
         if loss is None:
             return

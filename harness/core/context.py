@@ -83,6 +83,8 @@ class RunContext:
         self.recent_batches: deque[tuple[int, int, dict[str, Any]]] = deque(maxlen=config.model.recent_batches)
         self.findings: list[Finding] = []
         self.pending_action = Action.CONTINUE
+        self.after_update = Action.CONTINUE  # save_and_stop / stop asked for after this step's update (stop_after_update)
+        self.after_update_cause: Finding | None = None
         self.status = "running"
         self.stage: str | None = None  # set by the stage runner; otherwise inferred from the trainer class
         self._hub = FindingsHub(self.run_dir, dist)
@@ -143,6 +145,25 @@ class RunContext:
     def shared_cut(self, key: str, *, owner: str | None = None) -> list[int]:
         """Ranks whose contribution of ``key`` was longer than its slot at the last agreement (their values arrived cut)."""
         return self.exchange.cut_ranks(self._owner(owner), key)
+
+    def stop_after_update(self, save: bool = True, cause: Finding | None = None) -> None:
+        """Save a checkpoint (or not) and stop once this step's update is applied: nothing trained is lost.
+
+        Unlike a finding's ``save_and_stop`` (which holds the step's update
+        back: the step is suspect), the step completes and its checkpoint holds
+        it. With several ranks call it where every rank decides alike: in
+        ``on_step_agreed`` from the shared values (e.g. a preemption signal one
+        rank got), so that every rank saves at the same step.
+        """
+        wanted = Action.SAVE_AND_STOP if save else Action.STOP
+        if self.after_update is Action.CONTINUE or wanted is Action.SAVE_AND_STOP:
+            self.after_update, self.after_update_cause = wanted, cause or self.after_update_cause
+
+    def take_after_update(self) -> tuple[Action, Finding | None]:
+        """The stop asked for after this step's update (and its cause), cleared (the bridge, at step end)."""
+        asked, cause = self.after_update, self.after_update_cause
+        self.after_update, self.after_update_cause = Action.CONTINUE, None
+        return asked, cause
 
     # -- findings -----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 Key = tuple[str, str]  # (owner plugin, key)
+Group = tuple[bool, bool]  # (born on the host, floating point): tensors joined in one cat
 ErrorSink = Callable[[str, BaseException], None]  # (owner plugin, exception)
 
 
@@ -47,35 +48,47 @@ class DeferredReads:
         """Copy every queued tensor to the host in one transfer; the values replace the last read's.
 
         Device tensors are joined on their device and copied once; host-born
-        ones are joined on the host (no host-to-device copy). A tensor that
-        cannot be packed (a meta or complex tensor, a DTensor) is dropped and
-        charged to its plugin through ``on_error``; the others are read.
+        ones are joined on the host (no host-to-device copy). Tensors are
+        joined by kind first (every float in one ``cat`` and one conversion to
+        float64 bits, every integer and bool in another), so a step's read
+        costs a handful of tensor operations however many values plugins
+        queued. A tensor that cannot be packed (a meta or complex tensor, a
+        DTensor) is dropped and charged to its plugin through ``on_error``;
+        the others are read.
         """
         pending, self._pending = self._pending, []
-        values: dict[Key, list[Any]] = defaultdict(list)
-        packed: list[tuple[Key, str, tuple[int, ...], torch.Tensor]] = []
+        groups: dict[Group, list[torch.Tensor]] = defaultdict(list)
+        sizes: dict[Group, int] = defaultdict(int)
+        entries: list[tuple[Key, str, tuple[int, ...], Group, int, int]] = []  # key, kind, shape, group, offset, count
         for key, tensor in pending:
             try:
-                flat, kind = _as_int64(tensor)
+                flat, kind = _flat(tensor)
             except Exception as exc:  # noqa: BLE001 - one plugin's odd tensor must not cost the others their values
                 if on_error is not None:
                     on_error(key[0], exc)
                 continue
-            packed.append((key, kind, tuple(tensor.shape), flat))
-        if packed:
-            host_parts = [p for *_, p in packed if p.device.type == "cpu"]
-            device_parts = [p for *_, p in packed if p.device.type != "cpu"]
-            on_device = torch.cat(device_parts).cpu().numpy() if device_parts else None  # the one device-to-host copy
-            on_host = torch.cat(host_parts).numpy() if host_parts else None  # born on the host: no device involved
+            group = (flat.device.type == "cpu", kind == "float")
+            count = flat.numel()
+            entries.append((key, kind, tuple(tensor.shape), group, sizes[group], count))
+            groups[group].append(flat)
+            sizes[group] += count
+        values: dict[Key, list[Any]] = defaultdict(list)
+        if entries:
+            arrays: dict[Group, np.ndarray] = {}
+            for on_host in (False, True):
+                kinds = [floating for floating in (True, False) if groups.get((on_host, floating))]
+                if not kinds:
+                    continue
+                parts = [_as_int64(groups[(on_host, floating)], floating) for floating in kinds]
+                joined = torch.cat(parts) if len(parts) > 1 else parts[0]
+                array = joined.numpy() if on_host else joined.cpu().numpy()  # the one device-to-host copy
+                start = 0
+                for floating in kinds:
+                    arrays[(on_host, floating)] = array[start : start + sizes[(on_host, floating)]]
+                    start += sizes[(on_host, floating)]
             self.reads += 1
-            offsets = {"device": 0, "host": 0}
-            for key, kind, shape, flat in packed:
-                where = "host" if flat.device.type == "cpu" else "device"
-                source = on_host if where == "host" else on_device
-                count = flat.numel()
-                chunk = source[offsets[where] : offsets[where] + count]  # type: ignore[index]
-                offsets[where] += count
-                values[key].append(_unpack(chunk, kind, shape))
+            for key, kind, shape, group, offset, count in entries:
+                values[key].append(_unpack(arrays[group][offset : offset + count], kind, shape))
         self._values = dict(values)
 
     def values(self, owner: str, key: str) -> list[Any]:
@@ -86,7 +99,8 @@ class DeferredReads:
         self._values = {}
 
 
-def _as_int64(tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
+def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """The tensor as one flat view and its kind ("float", "bool", "int"); raises for what cannot be packed."""
     if tensor.is_complex() or tensor.device.type == "meta":
         raise TypeError(f"ctx.defer cannot read a {tensor.dtype} tensor on {tensor.device}: defer real tensors with data")
     if hasattr(tensor, "to_local"):  # a DTensor (FSDP2, tensor parallel): its local part is what this rank holds
@@ -95,10 +109,16 @@ def _as_int64(tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
         tensor = tensor.cpu()  # MPS has no float64
     flat = tensor.reshape(-1)
     if flat.dtype == torch.bool:
-        return flat.to(torch.int64), "bool"
-    if flat.is_floating_point():
-        return flat.to(torch.float64).view(torch.int64), "float"
-    return flat.to(torch.int64), "int"
+        return flat, "bool"
+    return flat, "float" if flat.is_floating_point() else "int"
+
+
+def _as_int64(flats: list[torch.Tensor], floating: bool) -> torch.Tensor:
+    """Flat tensors of one kind on one device as one int64 tensor: floats by their float64 bit pattern (exact)."""
+    joined = torch.cat(flats) if len(flats) > 1 else flats[0]  # cat promotes to the widest dtype: exact for both kinds
+    if floating:
+        return joined.to(torch.float64).view(torch.int64)
+    return joined.to(torch.int64)
 
 
 def _unpack(chunk: np.ndarray, kind: str, shape: tuple[int, ...]) -> Any:

@@ -54,10 +54,12 @@ class Hooks:
         self._manager.call("on_loss", ctx=ctx, loss=loss, batch=batch, step=step, micro_step=micro_step)
 
     def on_before_optimizer_step(
-        self, ctx: "PluginContext", step: int, model: Any, optimizer: Any, grad_norm: float | None, loss: float | None
+        self, ctx: "PluginContext", step: int, model: Any, optimizer: Any, grad_norm: float | None, loss: float | None,
+        micro_losses: list[float] | None = None,
     ) -> None:
         self._manager.call(
-            "on_before_optimizer_step", ctx=ctx, step=step, model=model, optimizer=optimizer, grad_norm=grad_norm, loss=loss
+            "on_before_optimizer_step", ctx=ctx, step=step, model=model, optimizer=optimizer, grad_norm=grad_norm, loss=loss,
+            micro_losses=micro_losses if micro_losses is not None else [],
         )
 
     def on_step_agreed(self, ctx: "PluginContext", step: int, action: Any, model: Any, optimizer: Any) -> None:

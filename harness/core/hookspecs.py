@@ -13,7 +13,8 @@ One optimizer step, in the order the hooks fire (every rank; ``ctx`` is a
     │    clip ─> grad_norm
     │    ┌ step guard ───────────────────────────────────────────────────────────────────┐
     │    │ read   every tensor queued with ctx.defer(...), in ONE device-to-host copy   │
-    │    │ on_before_optimizer_step(step, model, optimizer, grad_norm, loss)  host floats│
+    │    │ on_before_optimizer_step(step, model, optimizer, grad_norm, loss,             │
+    │    │                          micro_losses)                       host floats      │
     │    │ agree  ONE all-gather: strongest action, findings queued, plugin switch-offs,│
     │    │        payloads of ctx.share(...)  ─> ctx.shared(...) on every rank          │
     │    │ on_step_agreed(step, action, model, optimizer)   every rank, same shared view │
@@ -221,6 +222,7 @@ def on_before_optimizer_step(
     optimizer: Any,
     grad_norm: "float | None",
     loss: "float | None",
+    micro_losses: "list[float]",
 ) -> None:
     """Gradients are reduced (and clipped) and the optimizer is about to update.
 
@@ -233,7 +235,10 @@ def on_before_optimizer_step(
     loss of the step as a host float: its micro-batch losses combined the way
     the Trainer combines them for logging (both read in the guard's one
     transfer, with every tensor plugins queued with ``ctx.defer``, whose
-    values ``ctx.deferred`` returns from here on). The parameters are still those that
+    values ``ctx.deferred`` returns from here on). ``micro_losses`` are the
+    losses ``on_loss`` saw this step, one host float per micro-batch in
+    order, read in the same transfer (NaN and Inf kept as they are), so
+    that no plugin needs to queue a copy of its own. The parameters are still those that
     produced it, so a forward pass here reproduces the step's losses.
     """
 

@@ -46,6 +46,10 @@ BUILTIN_PLUGINS: dict[str, BuiltinPlugin] = {
     "run_card": BuiltinPlugin("harness.plugins.run_card:RunCard", True),
     "dpo_health": BuiltinPlugin("harness.plugins.dpo_health:DpoHealth", True),
     "oom": BuiltinPlugin("harness.plugins.oom:OomForensics", True),
+    "watchdog": BuiltinPlugin("harness.plugins.watchdog:Watchdog", True),
+    "rank_rng": BuiltinPlugin("harness.plugins.rank_rng:RankRng", True),
+    "checkpoint_proof": BuiltinPlugin("harness.plugins.checkpoint_proof:CheckpointProof", True),
+    "preemption": BuiltinPlugin("harness.plugins.preemption:Preemption", True),
     "layer_stats": BuiltinPlugin("harness.plugins.layer_stats:LayerStats", False),
     "mlflow": BuiltinPlugin("harness.plugins.mlflow.tracker:MlflowTracker", False),
 }

@@ -49,7 +49,8 @@ class ActionExecutor:
         self.stopped, self.notice, self.attempt = False, None, None
         self._since = len(self.ctx.findings)
 
-    def apply(self, action: Action, control: Any) -> None:
+    def apply(self, action: Action, control: Any, cause: Finding | None = None) -> None:
+        """Make the agreed ``action`` the Trainer's control flags; ``cause``: the finding behind a stop asked for directly."""
         if action is Action.ROLLBACK and self.rollback is not None:
             control.should_training_stop = True  # the runner resumes from the last good checkpoint
             causes = [f for f in self.ctx.findings if f.action == Action.ROLLBACK.value]
@@ -59,17 +60,17 @@ class ActionExecutor:
         if action in (Action.SAVE_AND_STOP, Action.ROLLBACK):
             control.should_save = True
             control.should_training_stop = True
-            self._stopped(Action.SAVE_AND_STOP)
+            self._stopped(Action.SAVE_AND_STOP, cause)
         elif action is Action.STOP:
             control.should_training_stop = True
-            self._stopped(Action.STOP)
+            self._stopped(Action.STOP, cause)
 
-    def _stopped(self, action: Action) -> None:
+    def _stopped(self, action: Action, cause: Finding | None = None) -> None:
         """The first stop of this call: the banner (rank 0) and the marker for ``harness wrap`` (every rank)."""
         self.stopped = True
         if self.notice is not None:
             return
-        causes = self.causes(self.ctx.step)
+        causes = self.causes(self.ctx.step) or ([cause] if cause is not None else [])
         self.notice = notice = StopNotice(
             step=self.ctx.step, action=action.value, output_dir=str(self.ctx.run_dir.parent),
             codes=tuple(f.code for f in causes), messages=tuple(f.message for f in causes),
@@ -126,14 +127,18 @@ class ActionExecutor:
         self.record(action, step)
         return action
 
-    def record(self, action: Action, step: int) -> None:
-        """The ``ACTION_TAKEN`` finding: what the harness did at ``step`` and the finding that caused it."""
+    def record(self, action: Action, step: int, updated: bool = False, cause: Finding | None = None) -> None:
+        """The ``ACTION_TAKEN`` finding: what the harness did at ``step`` and the finding that caused it.
+
+        ``updated``: the stop came after the step's update (``ctx.stop_after_update``), which was applied.
+        """
         ctx = self.ctx
-        cause = self._decider(self._candidates(action), step)
+        cause = cause or self._decider(self._candidates(action), step)
         because = f" after {cause.code} from plugin '{cause.plugin}' on rank {cause.rank}" if cause else ""
         what = {
             Action.SKIP_STEP: "skipped the optimizer update",
-            Action.SAVE_AND_STOP: "skipped the optimizer update, saved a checkpoint and stopped",
+            Action.SAVE_AND_STOP: "applied the update, saved a checkpoint and stopped" if updated
+            else "skipped the optimizer update, saved a checkpoint and stopped",
             Action.STOP: "stopped training",
             Action.ROLLBACK: "skipped the update and stopped to roll back to the last good checkpoint"
             if self.rollback is not None
@@ -143,6 +148,6 @@ class ActionExecutor:
             ACTION_TAKEN.code,
             f"harness {what} at step {step}{because}.",
             step=step,
-            evidence={"action": action.value, "cause": cause.id if cause else None},
+            evidence={"action": action.value, "cause": cause.id if cause else None, "update_applied": updated},
             plugin="harness",
         )

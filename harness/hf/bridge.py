@@ -118,7 +118,21 @@ class Bridge:
         ctx.step = step
         ctx.manager.hooks.on_step_end(ctx, step, metrics)
         late = self.actions.late_stop(step)  # one process: a stop asked in on_step_end stops at this step
-        self.actions.apply(late if late is not None else record.agreed, control)
+        action = late if late is not None else record.agreed
+        after, cause = ctx.take_after_update()  # a stop asked for after the update (preemption): this step is kept
+        if after.stops_training and not action.stops_training:
+            if ctx.is_main:
+                self.actions.record(after, step, updated=action is Action.CONTINUE, cause=cause)
+            action = after
+        elif after is Action.SAVE_AND_STOP and action in (Action.ROLLBACK, Action.STOP):
+            # the same step also agreed a stop without a save, or a rollback (the runner would restart in this process and
+            # train on past the preemption): the save is what the preemption needs (the update was not applied)
+            if ctx.is_main:
+                self.actions.record(after, step, cause=cause)
+            action = after
+        else:
+            cause = None
+        self.actions.apply(action, control, cause)
         return control
 
     def log(self, state: Any, logs: dict[str, float]) -> None:

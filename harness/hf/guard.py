@@ -50,7 +50,7 @@ class StepGuard:
     def _guard(self, model: Any, optimizer: Any) -> Action:
         ctx, record = self.ctx, self._record()
         self.read_step_values(record)
-        ctx.manager.hooks.on_before_optimizer_step(ctx, ctx.step, model, optimizer, record.grad_norm, record.step_loss)
+        ctx.manager.hooks.on_before_optimizer_step(ctx, ctx.step, model, optimizer, record.grad_norm, record.step_loss, record.micro_losses)
         record.lr = self._current_lr()  # the LR this update uses, before the scheduler moves
         action = ctx.agree()
         ctx.manager.hooks.on_step_agreed(ctx, ctx.step, action, model, optimizer)  # every rank, the shared view alike
@@ -77,7 +77,13 @@ class StepGuard:
                            ("loss_sum", record.loss_sum if sum_complete else None)):
             if _is_tensor(value):
                 ctx.defer(key, value, owner=HARNESS)
+        micro = record.micro_losses
+        if micro and all(_is_tensor(m) for m in micro):
+            ctx.defer("micro_losses", _stack(micro), owner=HARNESS)
         ctx.read_deferred()
+        if micro:
+            read = ctx.deferred("micro_losses", owner=HARNESS)
+            record.micro_losses = [float(v) for v in read[-1]] if read else [float(m) for m in micro]
         record.step_loss = _host(ctx.deferred("step_loss", owner=HARNESS), record.step_loss)
         record.grad_norm = _host(ctx.deferred("grad_norm", owner=HARNESS), record.grad_norm)
         if sum_complete:
@@ -105,6 +111,14 @@ class StepGuard:
 
 def _is_tensor(value: Any) -> bool:
     return value is not None and hasattr(value, "detach")
+
+
+def _stack(losses: list[Any]) -> Any:
+    """The step's micro-batch losses as one float tensor: one entry in the step's read (devices differ only under device_map)."""
+    import torch
+
+    device = losses[0].device
+    return torch.stack([m.float().to(device) for m in losses])
 
 
 def _host(read: list[Any], value: Any) -> float | None:

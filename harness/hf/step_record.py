@@ -9,7 +9,7 @@ begin (see :class:`harness.hf.tap.MicroBatchTap`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from harness.core.actions import Action
@@ -23,6 +23,7 @@ class StepRecord:
     loss_sum: Any = None  # sum of training_step's returned losses (device tensor), the fallback step loss
     step_loss: Any = None  # the step loss as the Trainer logs it (device tensor until read, then a host float)
     micro_batches: int = 0
+    micro_losses: list[Any] = field(default_factory=list)  # compute_loss's loss per micro-batch (tensors until read, then floats)
     tokens: int = 0  # token positions fed to the model in this step
     logged_loss: float | None = None  # loss_sum as a host float: the step loss the Trainer logs (on_step_end's "loss")
     grad_norm: Any = None  # the Trainer's clipped-gradient norm (device tensor until read, then a host float)
@@ -38,9 +39,10 @@ class StepRecord:
         self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
         self.micro_batches += 1
 
-    def add_step_loss_part(self, part: Any) -> None:
-        """compute_loss's share of the step loss (already divided as the Trainer divides it)."""
+    def add_step_loss_part(self, part: Any, loss: Any) -> None:
+        """compute_loss's share of the step loss (already divided as the Trainer divides it), and its own ``loss``."""
         self.step_loss = part if self.step_loss is None else self.step_loss + part
+        self.micro_losses.append(loss)
 
     def metrics(self, step_time: float | None) -> dict[str, Any]:
         """The ``on_step_end`` metrics; loss and grad norm are host floats once ``values_read``."""

@@ -110,7 +110,7 @@ class MicroBatchTap:
                 if loss.dim() > 0:
                     loss = loss.mean()  # DataParallel over several GPUs: one loss per replica, as the Trainer averages
                 part = loss if self._loss_scaled_for_ga(kwargs.get("num_items_in_batch")) else loss / self._ga_steps()
-                self._record().add_step_loss_part(part)
+                self._record().add_step_loss_part(part, loss)
                 hooks.on_loss(ctx, loss, seen, ctx.step, ctx.micro_step)
             return result
 

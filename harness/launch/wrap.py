@@ -4,8 +4,15 @@ The config travels by environment (``HARNESS_CONFIG``, ``HARNESS_PLUGINS``,
 ``HARNESS_WRAP=1``, ``PYTHONPATH``) to every process the command starts,
 including those spawned by torchrun, deepspeed and accelerate launch (and
 once more inside ``PYTHON_HARNESS_SETTINGS``, which DeepSpeed's multi-node
-launcher forwards to remote nodes). SIGTERM is passed on, Ctrl-C reaches it
-through the terminal.
+launcher forwards to remote nodes). The command runs in its own process
+group; SIGINT and SIGTERM sent to wrap (Ctrl-C, a scheduler's preemption
+notice) are passed on to the command (torchrun and accelerate pass them on to
+their workers), and wrap then waits for the command to end: the
+``preemption`` plugin turns the SIGTERM into a checkpoint and a stop. When
+the command ends of it while processes of its group still run (a shell script
+that ran python as a child), the signal goes on to that group, and wrap waits
+for it too. Data-loader workers are never signalled by wrap: under ``spawn``
+or ``forkserver`` they would die of it and crash the training they serve.
 
 The command's exit status is returned unchanged, except when the harness
 stopped training: the processes leave a marker in a private directory named
@@ -22,14 +29,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from harness.launch.autoattach import CARRIER_ENV, SITE_DIR, WRAP_ENV
 from harness.core.config import CONFIG_ENV, PLUGINS_ENV, Catalog, load_config
 from harness.core.errors import HarnessError
 from harness.launch.light_imports import heavy_imports_deferred
 from harness.lib.stops import STOP_DIR_ENV, read_markers, wrap_summary, wrapped_exit_status
+
+
+GROUP_DRAIN_S = 600.0  # after a forwarded signal, how long wrap waits for the rest of the command's process group
 
 
 def wrap_environment(
@@ -79,21 +90,82 @@ def run_wrapped(command: Sequence[str], config: str | None = None, plugins: Sequ
 
 
 def _run(command: Sequence[str], env: dict[str, str]) -> int:
-    """Start the command, pass SIGTERM on, wait; its exit status (128+N when killed by signal N)."""
+    """Start the command in its own process group, pass SIGINT/SIGTERM on to that group, wait; its exit status.
+
+    128+N when killed by signal N. The group is the command's own
+    (``start_new_session``), so a signal forwarded to it never comes back to
+    wrap, and Ctrl-C reaches the command once, through wrap, not twice. On
+    Linux the command is killed when wrap dies (``kill -9`` of wrap, as of
+    wrap's old group, still ends the command rather than orphaning it).
+    """
     try:
-        child = subprocess.Popen(list(command), env=env)
+        child = subprocess.Popen(list(command), env=env, start_new_session=True,
+                                 preexec_fn=_die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None)
     except FileNotFoundError:
         raise HarnessError(f"harness wrap: command not found: '{command[0]}'. Fix: check the command after '--' and your PATH.") from None
 
+    forwarded: list[int] = []
+
     def forward(signum: int, _frame: object) -> None:
+        forwarded.append(signum)
         child.send_signal(signum)
 
-    # Ctrl-C already reaches the child through the shared process group: forwarding it too would
-    # interrupt the child's own clean-up (on_run_end). SIGTERM, sent to us alone, is passed on.
-    previous = {signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: None), signal.SIGTERM: signal.signal(signal.SIGTERM, forward)}
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = child.wait()
+        if forwarded and _group_alive(child.pid):  # a shell the signal ended left its python child running: tell it, wait
+            try:
+                os.killpg(child.pid, forwarded[-1])
+            except (ProcessLookupError, PermissionError):  # gone already, or a member we may not signal
+                pass
+            _wait_for_group(child.pid, GROUP_DRAIN_S)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 128 - code if code < 0 else code
+
+
+def _wait_for_group(pgid: int, timeout: float) -> None:
+    """Until no process is left in the process group ``pgid`` (the command's), at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _group_alive(pgid):
+        time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies, which a container's init may never reap, do not count)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[0] != "Z" and fields[2] == str(pgid):
+            return True
+    return False
+
+
+def _die_with_parent(parent: int) -> "Callable[[], None]":
+    """For the child, between fork and exec: SIGKILL when wrap ends (``PR_SET_PDEATHSIG``); best effort."""
+
+    def arm() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        except Exception:  # noqa: BLE001 - without it the command merely outlives a killed wrap
+            return
+        if os.getppid() != parent:  # wrap died before the request took effect
+            os._exit(128 + int(signal.SIGKILL))
+
+    return arm

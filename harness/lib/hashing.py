@@ -25,11 +25,10 @@ def _position_weights(device: torch.device, length: int) -> torch.Tensor:
     draw of n. Dynamic padding thus costs O(longest row) memory, not one
     tensor per distinct length.
     """
-    key = str(device)
-    cached = _weights.get(key)
+    cached = _weights.get(device)
     if cached is None or cached.shape[0] < length:
         cached = _draw_weights(max(64, 1 << (max(length, 1) - 1).bit_length())).to(device)
-        _weights[key] = cached
+        _weights[device] = cached
     return cached[: max(length, 1)]
 
 
@@ -55,10 +54,10 @@ def device_row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> to
     """
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
-    values = ids.to(torch.int64) + 1
+    values = (ids if ids.dtype == torch.int64 else ids.to(torch.int64)) + 1  # a new tensor: the products below go in place
     if mask is not None and mask.shape == ids.shape:
-        values = values * mask.to(torch.int64)
-    return (values * _position_weights(ids.device, ids.shape[1])[: ids.shape[1]]).sum(dim=1)
+        values.mul_(mask if mask.dtype == torch.int64 else mask.to(torch.int64))
+    return values.mul_(_position_weights(ids.device, ids.shape[1])).sum(dim=1)
 
 
 def combine_row_hashes(hashes: list[int]) -> int:

@@ -20,7 +20,11 @@ from harness.core.findings import FindingCode, Severity
 from harness.lib.fingerprints import optimizer_tensors, param_tensors
 from harness.testing.module_faults import ModuleFaults
 from harness.testing.oom_fault import OomRaiser
+from harness.testing.checkpoint_fault import truncate_weights
 from harness.testing.rerun_faults import NanBatch, RankNan
+from harness.testing.rng_fault import reseed_sampler
+from harness.testing.signal_fault import send_signal_once
+from harness.testing.hang_fault import hang_train_data
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 
@@ -94,6 +98,13 @@ class FaultOptions(BaseModel):
         "DeepSpeed ZeRO-1/2: the rank's reduced partition, just before the update)."
     )
     grad_scale: float = Field(1.5, description="Factor of scale_grad_at_step.")
+    sampler_seed_on_rank: int | None = Field(
+        None, description="At run start, give this rank's train sampler the seed sampler_seed (the ranks then shard different "
+        "shuffled orders; the global RNG is left alone).")
+    sampler_seed: int = Field(1234, description="The seed sampler_seed_on_rank's train sampler gets.")
+    truncate_checkpoint_at_step: int | None = Field(
+        None, description="Right after the save of this step (rank 0, before the harness marks the save complete), cut the "
+        "checkpoint's weights file to half its size (a truncated write).")
     snapshot_steps: list[int] = Field(
         default_factory=list, description="Record whether params and optimizer state changed across these steps."
     )
@@ -105,6 +116,16 @@ class FaultOptions(BaseModel):
     oom_at_step: int | None = Field(
         None, description="Raise torch.OutOfMemoryError from the forward of the model's first decoder layer in this step's first "
         "micro-batch (an OOM inside a real forward pass).")
+    signal_at_step: int | None = Field(
+        None, description="Send signal_name to this process in inspect_batch of this step's first micro-batch (a preemption "
+        "notice in the middle of a step; once per run directory).")
+    signal_on_rank: int | None = Field(None, description="With signal_at_step: only this rank signals itself (default: every rank).")
+    signal_name: str = Field("SIGTERM", description="The signal of signal_at_step (SIGTERM, SIGUSR1, ...).")
+    hang_data_at_step: int | None = Field(
+        None, description="The train dataset's __getitem__ blocks (on a threading.Event) when the Trainer fetches this step's "
+        "batches: a stuck data source, inside the data loader's __next__.")
+    hang_on_rank: int | None = Field(None, description="With hang_data_at_step: only this rank's dataset blocks (default: every rank).")
+    hang_data_s: float | None = Field(None, gt=0, description="With hang_data_at_step: block this many seconds (default: forever).")
 
 
 def advance_scheduler(trainer: Any) -> None:
@@ -291,10 +312,14 @@ class FaultInjector(Plugin):
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         o = self.options
         self._break_methods(ctx)
+        if o.sampler_seed_on_rank == ctx.rank:
+            ctx.path(f"sampler_seed.rank-{ctx.rank}.txt").write_text(reseed_sampler(trainer, o.sampler_seed), encoding="utf-8")
         if o.scale_grad_at_step is not None and ctx.rank == o.fault_rank:
             scale_reduced_gradients(trainer, o.scale_grad_at_step, o.grad_scale)
         if o.overflow_module or o.inf_grad_target:
             self._module_faults = ModuleFaults(trainer.model, o.overflow_module, o.inf_grad_target)
+        if o.hang_data_at_step is not None and o.hang_on_rank in (None, ctx.rank):
+            hang_train_data(trainer, o.hang_data_at_step, o.hang_data_s, ctx.run_dir / f"hanging-data.rank-{ctx.rank}")
         if o.oom_at_step is not None:
             self._oom = OomRaiser(trainer.model)
         if o.nan_batch_at_steps or o.nan_batch_on_rank_at_steps:
@@ -328,6 +353,8 @@ class FaultInjector(Plugin):
             self._maybe_report(ctx, "inspect_batch", step)
         if micro_step == 0 and step in self.options.corrupt_at_steps:
             corrupt_batch(batch, self.options.corrupt_rows, seed=step)
+        if micro_step == 0 and step == self.options.signal_at_step and self.options.signal_on_rank in (None, ctx.rank):
+            send_signal_once(ctx.run_dir, ctx.rank, self.options.signal_name)
         marker = ctx.run_dir / f"killed.rank-{ctx.rank}"
         if self.options.kill_at_step == step and not marker.exists():
             import os
@@ -350,6 +377,12 @@ class FaultInjector(Plugin):
     @hookimpl
     def on_log(self, ctx: Any, step: int) -> None:
         self._maybe_report(ctx, "on_log", step)
+
+    @hookimpl
+    def on_checkpoint_save(self, ctx: Any, step: int, checkpoint_dir: Any) -> None:
+        if self.options.truncate_checkpoint_at_step == step and ctx.is_main:
+            cut = truncate_weights(checkpoint_dir)
+            ctx.path("truncated.txt").write_text(str(cut), encoding="utf-8")
 
     @hookimpl
     def decide_action(self, ctx: Any, finding: Any) -> str | None:

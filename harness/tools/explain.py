@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 from harness.core.errors import HarnessError, did_you_mean
+from harness.lib.hang_summary import RANK_HANG_CODE, hang_summary
 from harness.lib.playbook import find_section, load_library
 from harness.report.rundirs import scan_run_dirs
 
@@ -60,6 +61,8 @@ def print_explain(path: Path, width: int = 100) -> int:
             print()
             head = f"[{group.severity.value}] {group.code} x{group.count} (step {group.step_range}): {group.message}"
             print(textwrap.fill(head, width, subsequent_indent="    "))
+            if group.code == RANK_HANG_CODE and group.code not in explained:  # the ranks' watchdogs: which one stopped first
+                print(_fill(f"stalled first: {hang_summary(group.findings)}", width))
             if group.code in explained:
                 print("  next: as above")
                 continue

@@ -17,7 +17,7 @@ from harness.lib.ngrams import EvalExample, NgramIndex
 from harness.lib.overlap import FrontEnd, ScanOptions, Tally, judge
 from harness.lib.overlap_ledger import Bits, MatchLedger, example_keys, tally_from_bits
 
-from .checker import Checker, Found, Job
+from .checker import Checker, Found, Job, JobBuffer
 from .options import CONTAMINATION, CONTAMINATION_UNCHECKED, EVAL_SPLIT_OVERLAP, ContaminationOptions
 from .sightings import Sighting, finding, remember
 from .sources import configured_examples, trainer_eval_examples
@@ -43,6 +43,7 @@ class Contamination(Plugin):
         self.options = ContaminationOptions()
         self.index: NgramIndex | None = None
         self.checker: Checker | None = None
+        self._buffer: JobBuffer | None = None
         self.ledger: MatchLedger | None = None
         self._tallies: dict[int, Tally] = {}  # this rank's training rows per example (documents and locations)
         self._sightings: dict[int, list[Sighting]] = {}
@@ -62,7 +63,7 @@ class Contamination(Plugin):
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
-        self.index, self.checker, self.ledger = None, None, None  # a second train() call starts from nothing
+        self.index, self.checker, self.ledger, self._buffer = None, None, None, None  # a second train() call starts from nothing
         self._tallies, self._sightings, self._exchanged, self._worker_error_reported = {}, {}, None, False
         self._max_steps = int(getattr(getattr(trainer, "state", None), "max_steps", 0) or 0)
         watching = bool(self.options.eval_sets) or (self.options.trainer_eval and getattr(trainer, "eval_dataset", None) is not None)
@@ -88,6 +89,7 @@ class Contamination(Plugin):
         self.ledger = MatchLedger(example_keys((e.eval_set, e.example_id) for e in examples))
         self.ledger.reported |= self._reported_before(ctx)
         self.checker = Checker(self.index)
+        self._buffer = JobBuffer(self.checker)
 
     def _reported_before(self, ctx: Any) -> set[int]:
         """Examples an earlier attempt in this run directory already reported (its findings are on disk at once)."""
@@ -125,7 +127,6 @@ class Contamination(Plugin):
         self._micro_batches += 1
         if (self._micro_batches - 1) % self.options.sample_every:
             return
-        self._drain()
         if not self.checker.alive:
             self._raise_worker_error()  # once: an INTERNAL_PLUGIN_ERROR with the worker's traceback; then nothing is queued
             return
@@ -133,7 +134,14 @@ class Contamination(Plugin):
         ready = torch.cuda.Event() if ids.is_cuda else None
         if ready is not None:
             ready.record()
-        if not self.checker.put(Job(step, micro_step, ctx.rank, sample_ids(batch), host, ready)):
+        assert self._buffer is not None
+        self._buffer.add(Job(step, micro_step, ctx.rank, sample_ids(batch), host, ready))
+
+    @hookimpl
+    def on_loss(self) -> None:
+        """A full group goes to the checker here, as backward begins: the training thread then runs without the
+        interpreter lock for a while, so the lookup does not hold up the training thread's Python."""
+        if self._buffer is not None and self._buffer.full and not self._buffer.flush():
             self._raise_worker_error()
 
     def _raise_worker_error(self) -> None:
@@ -148,12 +156,17 @@ class Contamination(Plugin):
             f"eval sets after {self.checked_tokens} tokens. The run-end summary covers only those."
         ) from error
 
-    def _drain(self) -> None:
-        """Take in what the checker found (on the training thread): this rank's matched windows and sightings."""
+    def _drain(self) -> bool:
+        """Take in what the checker found (on the training thread): this rank's matched windows and sightings.
+
+        Returns whether there was anything (some micro-batch matched).
+        """
         if self.checker is None:
-            return
-        for found in self.checker.found():
-            self._absorb(found)
+            return False
+        found = self.checker.found()
+        for one in found:
+            self._absorb(one)
+        return bool(found)
 
     def _absorb(self, found: Found) -> None:
         assert self.ledger is not None
@@ -189,11 +202,13 @@ class Contamination(Plugin):
     def on_step_end(self, ctx: Any, step: int) -> None:
         if self.ledger is None:
             return
-        if not self._shared:  # one process: agree with itself
+        if self._buffer is not None and self._buffer.full and not self._buffer.flush():
+            self._raise_worker_error()  # a training_step that never calls compute_loss has no on_loss: flushed here
+        if not self._shared:  # one process: agree with itself, when the checker brought something
             if self._max_steps and step >= self._max_steps:
                 self._wait_for_checker()
-            self._drain()
-            self._settle(ctx, [self.ledger.outgoing(None)])
+            if self._drain():
+                self._settle(ctx, [self.ledger.outgoing(None)])
             return
         self._drain()
         if self._exchanged == step:
@@ -201,6 +216,8 @@ class Contamination(Plugin):
             self._settle(ctx, ctx.shared(SLOT, owner=self.name) or [])
 
     def _wait_for_checker(self) -> None:
+        if self._buffer is not None and self.checker is not None and self.checker.alive:
+            self._buffer.flush(timeout=LAST_STEP_WAIT_S)
         if self.checker is not None and self.checker.alive and not self.checker.wait_idle(LAST_STEP_WAIT_S):
             log.warning("contamination: the background checker did not finish the last step's batches within %.0f s; "
                         "what it finds later is judged by this rank alone at run end.", LAST_STEP_WAIT_S)
@@ -272,6 +289,8 @@ class Contamination(Plugin):
     def on_run_end(self, ctx: Any) -> None:
         if self.index is None or self.checker is None or self.ledger is None:
             return
+        if self._buffer is not None:
+            self._buffer.flush(timeout=RUN_END_WAIT_S)
         finished = self.checker.finish(RUN_END_WAIT_S)  # a dead worker is not waited for, a stuck one not for long
         self._drain()
         for example in self.ledger.dirty_here_only(self._is_dirty):  # matched after the last exchange: no collective now

@@ -51,7 +51,7 @@ def test_action_taken_names_the_cause_and_what_was_done(tmp_path: Path, with_han
     cause = ctx.report("PROBE_FAULT", "bad batch", plugin="probe")
     ActionExecutor(ctx, Handler() if with_handler else None).record(Action.ROLLBACK, 3)
     taken = ctx.findings[-1]
-    assert taken.code == "ACTION_TAKEN" and taken.step == 3 and taken.evidence == {"action": "rollback", "cause": cause.id}
+    assert taken.code == "ACTION_TAKEN" and taken.step == 3 and taken.evidence == {"action": "rollback", "cause": cause.id, "update_applied": False}
     assert "after PROBE_FAULT from plugin 'probe' on rank 0" in taken.message
     assert ("roll back to the last good checkpoint" in taken.message) is with_handler
     assert ("rollback needs a stage runner" in taken.message) is not with_handler

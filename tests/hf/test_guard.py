@@ -1,6 +1,7 @@
 """The step guard on a real run context (catalog, config, plugin manager): agreement, rollback, the one read. No Trainer."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -69,8 +70,8 @@ def test_a_skip_asked_after_the_guard_is_forgotten_at_the_next_step_but_a_stop_i
 def test_one_read_per_step_hands_host_floats_to_the_plugins(tmp_path: Path) -> None:
     guard, record, ctx, probe = _guard(tmp_path, current_lr=lambda: 0.125)
     ctx.step = 7
-    record.add_step_loss_part(torch.tensor(1.5))
-    record.add_step_loss_part(torch.tensor(0.25))
+    record.add_step_loss_part(torch.tensor(1.5), torch.tensor(3.0))  # each micro-batch's share of the step loss, and its own loss
+    record.add_step_loss_part(torch.tensor(0.25), torch.tensor(float("nan")))
     record.grad_norm = torch.tensor(3.0)
     probe.queue(ctx, torch.tensor([1, 2]))  # a plugin's deferred device tensor rides the same transfer
     reads = ctx.reads.reads
@@ -81,6 +82,8 @@ def test_one_read_per_step_hands_host_floats_to_the_plugins(tmp_path: Path) -> N
     assert reads_then == reads + 1  # read before on_before_optimizer_step
     assert probe.deferred_seen == [[[1, 2]]]
     assert record.values_read and record.step_loss == 1.75 and record.grad_norm == 3.0 and record.lr == 0.125
+    assert record.micro_losses[0] == 3.0 and math.isnan(record.micro_losses[1])  # the micro-batch losses, in the same read
+    assert all(type(v) is float for v in record.micro_losses)
     guard.read_step_values(record)  # step end: already read, no second transfer
     assert ctx.reads.reads == reads + 1
 

@@ -17,7 +17,7 @@ from unit_context import run_context
 def _used(record: StepRecord) -> StepRecord:
     """A record as a step leaves it: every field set."""
     record.add_micro_batch_loss(torch.tensor(1.0))
-    record.add_step_loss_part(torch.tensor(0.5))
+    record.add_step_loss_part(torch.tensor(0.5), torch.tensor(1.0))
     record.tokens, record.grad_norm, record.lr, record.logged_loss = 64, 2.0, 0.1, 1.0
     record.agreed, record.values_read, record.optimizer_skipped = Action.SKIP_STEP, True, True
     record.model_time, record.guard_time = 0.3, 0.01
@@ -62,10 +62,11 @@ def test_losses_are_summed_on_the_device_and_micro_batches_counted() -> None:
     record = StepRecord()
     record.add_micro_batch_loss(torch.tensor(1.0))
     record.add_micro_batch_loss(torch.tensor(2.0))
-    record.add_step_loss_part(torch.tensor(0.5))
-    record.add_step_loss_part(torch.tensor(1.0))
+    record.add_step_loss_part(torch.tensor(0.5), torch.tensor(1.0))
+    record.add_step_loss_part(torch.tensor(1.0), torch.tensor(2.0))
     assert torch.is_tensor(record.loss_sum) and float(record.loss_sum) == 3.0
     assert float(record.step_loss) == 1.5 and record.micro_batches == 2
+    assert [float(m) for m in record.micro_losses] == [1.0, 2.0]  # each micro-batch's own loss, still on the device
 
 
 def test_metrics_say_what_the_step_did() -> None:

@@ -47,7 +47,7 @@ def warmup_curve(steps: int, seed: int = 0, noise: float = 0.01, tau: float = 12
 def _feed(plugin: SpikeCapture, ctx: Findings, losses: list[float], norms: list[float] | None = None) -> None:
     for step, loss in enumerate(losses, 1):
         norm = norms[step - 1] if norms else 1.0
-        plugin.on_before_optimizer_step(ctx, step, norm, loss)
+        plugin.on_before_optimizer_step(ctx, step, norm, loss, [loss])
         plugin.on_step_end(ctx, step, {"grad_norm": norm})
 
 
@@ -89,7 +89,7 @@ def test_the_level_follows_the_fall_so_a_spike_in_the_warm_up_is_not_swallowed()
 
 def _feed_from(plugin: SpikeCapture, ctx: Findings, losses: list[float], first: int) -> None:
     for step in range(first, len(losses) + 1):
-        plugin.on_before_optimizer_step(ctx, step, 1.0, losses[step - 1])
+        plugin.on_before_optimizer_step(ctx, step, 1.0, losses[step - 1], [losses[step - 1]])
 
 
 def test_a_grad_spike_never_says_the_loss_was_unmoved_when_it_moved() -> None:

@@ -1,0 +1,83 @@
+"""``harness_proven``: the marker of a checkpoint whose files were read back and checked, and rotation that keeps one.
+
+``checkpoint_proof`` writes ``<checkpoint>/harness_proven`` (JSON: step, the
+reference loss at save and from disk, the checks passed, seconds) once a
+checkpoint passed every check that could run. ``newest_proven`` is what
+``harness resume-point`` prints. ``rotate`` is transformers' ``save_total_limit``
+rotation (oldest step first, the newest always kept) with more folders kept
+(the last proven one, those still being checked), so that the only
+checkpoint known to be good is never the one deleted.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from harness.lib.checkpoints import checkpoint_step, list_checkpoints, trainer_missing
+from harness.lib.safe_paths import safe_rmtree, safe_target, safe_write_text
+
+MARKER = "harness_proven"
+FORMAT = "train-harness-proven/1"
+
+
+def write_proven(output_dir: Path, checkpoint: Path, record: dict[str, Any]) -> Path:
+    """Write the marker atomically (temp name + rename), never through a link, never outside ``output_dir``."""
+    body = {"format": FORMAT, **record}
+    return safe_write_text(Path(output_dir), Path(checkpoint) / MARKER, json.dumps(body, indent=1, sort_keys=True))
+
+
+def forget_proof(output_dir: Path, checkpoint: Path) -> None:
+    """Remove ``checkpoint``'s marker before a new save into the same folder (a resume that saves that step again),
+    so that a torn or corrupt second save is never taken for the proven first one. Never through a link."""
+    path = Path(checkpoint) / MARKER
+    if path.is_symlink() or not path.is_file():
+        return
+    try:
+        safe_target(Path(output_dir), path).unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def read_proven(checkpoint: Path) -> dict[str, Any] | None:
+    """The marker of ``checkpoint`` when it is a regular file of this format naming the folder's step; else None."""
+    path = Path(checkpoint) / MARKER
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("format") != FORMAT or record.get("step") != checkpoint_step(Path(checkpoint)):
+        return None
+    return record
+
+
+def newest_proven(output_dir: Path) -> Path | None:
+    """The highest-step ``checkpoint-<N>`` of ``output_dir`` with a valid marker whose Trainer files are still there."""
+    for checkpoint in list_checkpoints(Path(output_dir)):
+        if read_proven(checkpoint) is not None and not trainer_missing(checkpoint):
+            return checkpoint
+    return None
+
+
+def rotate(output_dir: Path, limit: int | None, keep: Iterable[Path]) -> list[Path]:
+    """Delete the oldest ``checkpoint-<N>`` folders beyond ``limit``, never the newest nor any in ``keep``; the deleted."""
+    if not limit or limit <= 0:
+        return []
+    checkpoints = list(reversed(list_checkpoints(Path(output_dir))))  # oldest first, by step (not mtime: no clock games)
+    if len(checkpoints) <= limit:
+        return []
+    existing = {str(c.resolve()) for c in checkpoints}
+    protected = {str(Path(p).resolve()) for p in keep if p is not None} & existing
+    protected.add(str(checkpoints[-1].resolve()))
+    remaining, deleted = len(checkpoints), []
+    for checkpoint in checkpoints:
+        if remaining <= max(limit, len(protected)):
+            break
+        if str(checkpoint.resolve()) in protected:
+            continue
+        safe_rmtree(Path(output_dir), checkpoint)
+        deleted.append(checkpoint)
+        remaining -= 1
+    return deleted

@@ -1,0 +1,36 @@
+"""``harness resume-point <output_dir>``: the newest proven checkpoint, for scripts that restart a job.
+
+A checkpoint is proven when ``checkpoint_proof`` read it back after its save
+(complete, weights load and are finite, the reference loss matches) and wrote
+``harness_proven`` into it. The newest such folder, with its Trainer files
+still there, is printed alone on stdout (exit 0), so that a launcher can do
+``--resume_from_checkpoint "$(harness resume-point out)"``; with none, one line
+on stderr says so and what the newer folders are (exit 1).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from harness.lib.checkpoints import list_checkpoints
+from harness.lib.proven import MARKER, newest_proven
+
+EXIT_NONE = 1
+
+
+def print_resume_point(output_dir: Path) -> int:
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        sys.stderr.write(f"harness resume-point: {output_dir} is not a folder (give the training run's output_dir).\n")
+        return 2
+    chosen = newest_proven(output_dir)
+    if chosen is not None:
+        print(chosen)
+        return 0
+    found = [p.name for p in list_checkpoints(output_dir)]
+    sys.stderr.write(
+        f"harness resume-point: no proven checkpoint in {output_dir} (none holds a valid {MARKER} marker; checkpoint folders: "
+        f"{', '.join(found[:10]) or 'none'}). A checkpoint is proven by the checkpoint_proof plugin after its save; see "
+        "`harness explain` for CHECKPOINT_CORRUPT / CHECKPOINT_UNVERIFIED findings.\n"
+    )
+    return EXIT_NONE

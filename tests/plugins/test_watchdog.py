@@ -1,0 +1,66 @@
+"""watchdog: a data loader that blocks at step 5 of a real Trainer run is RANK_HANG at step 5, named; a clean run is silent."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import harness
+from conftest import FAULTS, findings_of
+from harness.cli import main as harness_main
+
+FAST = {"floor_s": 2.0, "factor": 3}  # short enough for a test, long enough for a loaded 2-core machine
+
+
+def test_a_blocked_data_loader_is_found_at_its_step_and_named(make_trainer: Any, capsys: Any) -> None:
+    trainer = make_trainer(max_steps=7)
+    ctx = harness.attach(trainer, config={"plugins": ["watchdog", "metrics_log", FAULTS], "watchdog": FAST,
+                                          "fault_injector": {"hang_data_at_step": 5, "hang_data_s": 6.0}})
+    started = time.monotonic()
+    trainer.train()
+    assert trainer.state.global_step == 7 and time.monotonic() - started >= 6.0  # it blocked, then recovered (hang_action: report)
+    hangs = findings_of(trainer.args.output_dir, "RANK_HANG")
+    assert len(hangs) == 1, [(f["step"], f["message"]) for f in hangs]  # once per hang
+    finding = hangs[0]
+    evidence = finding["evidence"]
+    assert finding["severity"] == "critical" and finding["step"] == 5 and finding["rank"] == 0 and finding["plugin"] == "watchdog"
+    assert evidence["phase"] == "data" and evidence["last_progress"] == "step 4 ended" and evidence["progress"] == [4, 0]
+    assert evidence["where_kind"] == "data" and evidence["where"].startswith("in the data loader's __next__ (in the dataset's __getitem")
+    assert "hang_fault.py" in evidence["where"] and "fetching the step's batches" in evidence["where"]
+    assert 2.0 <= evidence["threshold_s"] <= 4.0 and evidence["threshold_s"] < evidence["seconds_stalled"] < 6.0
+    assert evidence["innermost_frames"][0].startswith("wait (") and evidence["stack_dump"] == "traceback"
+    assert "in the data loader's __next__" in finding["message"] and "step 5" in finding["message"]
+    stacks = Path(evidence["stack_file"])
+    assert stacks == ctx.run_dir / "hangs" / "rank-0-step-5.txt"
+    text = stacks.read_text(encoding="utf-8")
+    assert text.startswith("RANK_HANG: rank 0") and "the training thread" in text and "__getitem" in text and "_next_data" in text
+    assert "harness-watchdog-rank-0" in text  # every thread, the watchdog's own included
+    report = (ctx.run_dir / "report.md").read_text(encoding="utf-8")
+    assert "RANK_HANG" in report and "rank 0 stalled first, at step 5" in report and "hangs/rank-0-step-5.txt" in report
+    assert harness_main(["explain", str(trainer.args.output_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "[critical] RANK_HANG" in out and "stalled first: rank 0 stalled first, at step 5" in " ".join(out.split())
+    plugin = ctx.manager.plugin("watchdog")
+    assert plugin._thread is None and len(plugin.fired) == 1  # stopped at run end
+
+
+def test_a_clean_run_with_an_evaluation_and_a_slow_first_save_is_silent(make_trainer: Any, lm_rows: Any) -> None:
+    trainer = make_trainer(max_steps=8, eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=4,
+                           eval_dataset=lm_rows.select(range(16)))
+    save = trainer._save_checkpoint
+
+    def slow_save(*args: Any, **kwargs: Any) -> Any:  # cold storage: each save takes longer than the floor
+        time.sleep(2.5)
+        return save(*args, **kwargs)
+
+    trainer._save_checkpoint = slow_save
+    ctx = harness.attach(trainer, config={"plugins": ["defaults"], "disable": ["contamination"], "watchdog": FAST})  # eval rows are train rows
+    trainer.train()
+    assert trainer.state.global_step == 8
+    loud = [f for f in findings_of(trainer.args.output_dir) if f["severity"] in ("warning", "error", "critical")]
+    assert loud == [], loud
+    plugin = ctx.manager.plugin("watchdog")
+    times = plugin._clock.times
+    assert plugin.fired == [] and times.count["save"] == 2 and times.count["eval"] == 3 and times.count["compute"] == 8
+    assert times.typical("save") >= 2.5 and times.typical("data") < 2.0  # the saves were timed as saves, not as waits for data
+    assert not (ctx.run_dir / "hangs").exists()
