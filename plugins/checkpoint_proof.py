@@ -27,7 +27,7 @@ from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.lib.checkpoint_verify import Layout
 
-CRASH_WAIT_S = 10.0  # after a crash the run end waits at most this long for checks still running
+CRASH_WAIT_S = 10.0  # after a crash or a preemption the run end waits at most this long for checks still running
 
 CHECKPOINT_CORRUPT = FindingCode(
     "CHECKPOINT_CORRUPT", Severity.ERROR,
@@ -63,7 +63,7 @@ class CheckpointProofOptions(BaseModel):
         "which keeps the best checkpoint only.",
     )
     rank_wait_s: float = Field(120.0, gt=0, description="Seconds the check waits for every rank's part of a save before it gives up (unverified).")
-    wait_at_end_s: float = Field(120.0, ge=0, description="Seconds the run end waits for checks still running, so their findings reach the report.")
+    wait_at_end_s: float = Field(120.0, ge=0, description="Seconds the run end waits for checks still running, so their findings reach the report (10 s at most after a crash or a preemption).")
     max_reports: int = Field(10, ge=1, description="Findings per code per run.")
 
 
@@ -166,7 +166,11 @@ class CheckpointProof(Plugin):
         worker, self._worker = self._worker, None
         if worker is None:
             return
-        waited = min(self.options.wait_at_end_s, CRASH_WAIT_S) if status == "crashed" else self.options.wait_at_end_s
+        # after a crash or a preemption (a scheduler's grace period is short) the wait is short too: the checkpoint itself is
+        # on disk either way, only its proof is left unfinished
+        preempted = any(f.code == "PREEMPTED" for f in ctx.findings)
+        short = status == "crashed" or preempted
+        waited = min(self.options.wait_at_end_s, CRASH_WAIT_S) if short else self.options.wait_at_end_s
         finished = worker.wait(waited)  # bounded: the findings reach the report, a crash's traceback is not held up long
         self._take_outcomes(ctx, worker)
         for checkpoint in [] if finished else worker.pending():

@@ -42,6 +42,7 @@ from harness.lib.oom_causes import OomFacts, message_numbers, oom_error, phase_o
 from harness.lib.oom_snapshot import start_history, stop_history, summarise_snapshot, take_snapshot
 
 log = logging.getLogger("harness.oom")
+CPU_RSS_EVERY = 10  # on CPU the RSS is read at every step up to this one, then every this many steps
 
 OUT_OF_MEMORY = FindingCode(
     "OUT_OF_MEMORY",
@@ -113,7 +114,10 @@ class OomForensics(Plugin):
                 self._lengths.append(self._step_length)
                 self._longest = max(self._longest or 0, self._step_length)
             self._step_length = 0
-            self._previous, self._before = self._before, memory_counters(self._device, peak=False)
+            if self._device.type != "cpu" or step <= CPU_RSS_EVERY or step % CPU_RSS_EVERY == 0:
+                # CUDA: the allocator's host counters, every step; CPU: the RSS is a read of /proc, slow and slowly moving:
+                # every step for the first CPU_RSS_EVERY steps, then every CPU_RSS_EVERY-th (the last read stands for the step)
+                self._previous, self._before = self._before, memory_counters(self._device, peak=False)
             self._batches = []
         self._step, self._micro, self._in_step = step, micro_step, True
         self._batches.append((micro_step, batch))

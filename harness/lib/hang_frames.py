@@ -84,6 +84,9 @@ def _operation(frames: list[FrameRow], world_size: int) -> tuple[int, str, str] 
             if world_size > 1:
                 return i, "in backward (the autograd engine, where DDP's gradient all-reduce waits for every rank)", "collective"
             return i, "in backward (the autograd engine)", "compute"
+        if world_size > 1 and path.endswith("harness/core/deferred.py") and function == "read":
+            # the step's one device-to-host copy: on a GPU it waits for every queued kernel, NCCL's all-reduce among them
+            return i, "in the step guard's device read (on a GPU it waits for the queued kernels: the gradient all-reduce)", "collective"
     return None
 
 

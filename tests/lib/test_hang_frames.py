@@ -50,6 +50,16 @@ def test_backward_waits_for_other_ranks_only_with_several() -> None:
     assert alone.words == "in backward (the autograd engine) in the training step" and alone.kind == "compute"
 
 
+def test_the_step_read_waits_for_the_other_ranks_only_with_several() -> None:
+    """On a GPU a rank stuck outside DDP's all-reduce shows up on the others in the step guard's device read (it waits for
+    the queued kernels, the NCCL all-reduce among them), not in a torch.distributed frame."""
+    read = [(f"{SITE}/harness/hf/guard.py", 80, "read_step_values"), (f"{SITE}/harness/core/context.py", 120, "read_deferred"),
+            (f"{SITE}/harness/core/deferred.py", 75, "read")]
+    waiting = name_frames(TRAINER + read, world_size=2)
+    assert waiting.kind == "collective" and waiting.words.startswith("in the step guard's device read")
+    assert name_frames(TRAINER + read, world_size=1).kind != "collective"
+
+
 def test_a_plain_wait_and_an_unknown_frame_are_named_by_the_innermost_frames() -> None:
     lock = name_frames(TRAINER + [("/work/app.py", 12, "worker_loop"), ("/usr/lib/python3.11/threading.py", 320, "wait")])
     assert lock.kind == "wait" and lock.words == "in threading's Event/Condition wait, called from worker_loop (work/app.py:12)"
