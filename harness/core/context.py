@@ -11,7 +11,7 @@ from harness.core.deferred import DeferredReads
 from harness.core.errors import HarnessError
 from harness.core.distributed import DistInfo, all_reduce_max, exchange_rows, gather_to_main
 from harness.core.exchange import StepExchange
-from harness.core.findings import Finding, FindingCode, FindingsFile, Severity
+from harness.core.findings import Finding, FindingCode, FindingsFile, Severity, findings_path
 from harness.core.manager import HarnessPluginManager
 from harness.core.options import ResolvedConfig
 from harness.core.protocols import PluginContext  # noqa: F401 - re-exported: it was defined here
@@ -30,10 +30,7 @@ class FindingsHub:
 
     def __init__(self, run_dir: Path, dist: DistInfo) -> None:
         self.dist = dist
-        if dist.is_main:
-            self.file = FindingsFile(run_dir / "findings.jsonl")
-        else:
-            self.file = FindingsFile(run_dir / "ranks" / f"findings.rank-{dist.rank}.jsonl")
+        self.file = FindingsFile(findings_path(run_dir, 0 if dist.is_main else dist.rank))
         self.outbox: list[str] = []
 
     def record(self, finding: Finding) -> None:

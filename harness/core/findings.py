@@ -191,10 +191,16 @@ def iter_findings(path: Path, skipped: dict[str, int] | None = None) -> Iterator
         yield finding
 
 
+def findings_path(run_dir: Path, rank: int) -> Path:
+    """The file a rank's findings are written to as they are made: ``findings.jsonl`` on rank 0, its spill file elsewhere."""
+    run_dir = Path(run_dir)
+    return run_dir / "findings.jsonl" if rank == 0 else run_dir / "ranks" / f"findings.rank-{rank}.jsonl"
+
+
 def read_run_findings(run_dir: Path, skipped: dict[str, int] | None = None) -> list[Finding]:
     """All findings of a run: rank 0's file plus any not yet merged from other ranks' spill files."""
     run_dir = Path(run_dir)
-    main = read_findings(run_dir / "findings.jsonl", skipped)
+    main = read_findings(findings_path(run_dir, 0), skipped)
     seen = {f.id for f in main}
     extra = [
         f

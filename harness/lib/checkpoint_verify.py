@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"  # transformers.trainer_jit_checkpoint's sentinel
+from harness.lib.checkpoints import INCOMPLETE_MARKER
+
 SAFE_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
 _ZERO_RANK = re.compile(r"zero_pp_rank_(\d+)_")
 WEIGHT_CANDIDATES = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin")

@@ -33,6 +33,7 @@ from pathlib import Path
 
 STATE_DIR = "harness_state"
 TRAINER_STATE = "trainer_state.json"
+INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint: there until its save finished
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 WEIGHT_FILE_RE = re.compile(r"^(model|pytorch_model|adapter_model|consolidated)([-._].*)?\.(safetensors|bin|pt)$|^.*\.safetensors(\.index\.json)?$|^pytorch_model\.bin\.index\.json$")
 WEIGHT_DIR_RE = re.compile(r"^(global_step\d+|pytorch_model_fsdp_\d+|model_\d+)$")  # DeepSpeed, FSDP sharded
@@ -112,6 +113,8 @@ def harness_tracked(output_dir: Path) -> bool:
 def trainer_missing(checkpoint: Path) -> list[str]:
     """What the Trainer needs to resume that ``checkpoint`` lacks."""
     missing = []
+    if (Path(checkpoint) / INCOMPLETE_MARKER).exists():  # HF's own get_last_checkpoint passes over it: a resume must not
+        missing.append(f"the end of its save ({INCOMPLETE_MARKER} is still there)")
     if not (Path(checkpoint) / TRAINER_STATE).is_file():
         missing.append(TRAINER_STATE)
     # a harness marker is written after the Trainer's save returned, weights included, in whatever format (a Trainer

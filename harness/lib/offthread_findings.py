@@ -16,14 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.core.findings import Finding, FindingCode, FindingsFile, Severity
+from harness.core.findings import Finding, FindingCode, FindingsFile, Severity, findings_path
 from harness.lib.safe_paths import safe_target
-
-
-def findings_path(run_dir: Path, rank: int) -> Path:
-    """The file a rank's findings are written to as they are made."""
-    run_dir = Path(run_dir)
-    return run_dir / "findings.jsonl" if rank == 0 else run_dir / "ranks" / f"findings.rank-{rank}.jsonl"
 
 
 def record_offthread(ctx: Any, code: FindingCode, message: str, *, step: int, evidence: dict[str, Any], plugin: str,

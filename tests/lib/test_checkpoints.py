@@ -234,3 +234,19 @@ def test_weights_are_recognised_in_every_format(tmp_path: Path, files: list[str]
         target.parent.mkdir(parents=True, exist_ok=True)
         target.mkdir() if name.endswith("/") else target.write_text("x")
     assert (trainer_missing(checkpoint) == []) is complete
+
+
+def test_a_checkpoint_still_marked_incomplete_by_hf_is_passed_over(tmp_path: Path) -> None:
+    """transformers' JIT checkpoint leaves ``checkpoint-is-incomplete.txt`` until its save ended; its own get_last_checkpoint
+    ignores it, ``resolve_last`` (``resume_from_checkpoint=True``) must not."""
+    from harness.lib.checkpoints import INCOMPLETE_MARKER
+
+    for step in (5, 10):
+        checkpoint = tmp_path / f"checkpoint-{step}"
+        checkpoint.mkdir()
+        (checkpoint / "trainer_state.json").write_text("{}")
+        (checkpoint / "model.safetensors").write_text("x")
+    (tmp_path / "checkpoint-10" / INCOMPLETE_MARKER).write_text("in progress")
+    resolution = resolve_last(tmp_path)
+    assert resolution.chosen == tmp_path / "checkpoint-5"
+    assert [(p.name, INCOMPLETE_MARKER in " ".join(why)) for p, why in resolution.skipped] == [("checkpoint-10", True)]
