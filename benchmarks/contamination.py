@@ -1,11 +1,13 @@
-"""Contamination check throughput: the harness n-gram index vs a plain Python set of n-gram tuples.
+"""Contamination check throughput: the harness n-gram index vs the janitor algorithm on token ids.
 
 Both sides get the same generated data: an eval set of token-id examples
 and training batches of token ids, a few eval examples planted in them.
 The harness side is what the ``contamination`` plugin runs per micro-batch
 (``NgramIndex.query_rows``: rolling hashes, bitmap prefilter, binary search,
-exact confirmation); the baseline is the straightforward version, every
-window as a tuple looked up in a set. Both run on one core, and both must
+exact confirmation); the baseline is the janitor algorithm lm-evaluation-harness
+uses (``lm_eval/decontamination/janitor.py``), with token ids for words: a
+Python set of the eval set's n-gram keys (the n units joined by spaces), and
+every training window's key looked up. Both run on one core, and both must
 find the same planted examples. Prints tokens/s of each and their ratio.
 
     python benchmarks/contamination.py [--tokens N] [--baseline-tokens N] [--n 13]
@@ -49,18 +51,19 @@ def harness_side(index: NgramIndex, batches: np.ndarray) -> tuple[float, set[int
 
 
 def baseline_side(evals: list[np.ndarray], batches: np.ndarray, n: int) -> tuple[float, set[int]]:
-    """The straightforward implementation: a set of n-gram tuples, every training window looked up."""
-    grams: dict[tuple[int, ...], int] = {}
+    """The janitor algorithm on token ids: a set of n-gram keys (ids joined by spaces), every training window's key looked up."""
+    grams: dict[str, int] = {}
     for e, units in enumerate(evals):
-        values = units.tolist()
-        for i in range(len(values) - n + 1):
-            grams.setdefault(tuple(values[i : i + n]), e)
+        words = [str(u) for u in units.tolist()]
+        for i in range(len(words) - n + 1):
+            grams.setdefault(" ".join(words[i : i + n]), e)
     found: set[int] = set()
     began = time.perf_counter()
     for batch in batches:
         for row in batch.tolist():
-            for i in range(len(row) - n + 1):
-                e = grams.get(tuple(row[i : i + n]))
+            words = [str(u) for u in row]
+            for i in range(len(words) - n + 1):
+                e = grams.get(" ".join(words[i : i + n]))
                 if e is not None:
                     found.add(e)
     return time.perf_counter() - began, found
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     assert found & in_base == base_found & in_base, "the two sides disagree on the planted examples"
     print(f"eval index: {args.examples} examples, {index.windows:,} {args.n}-grams; batches of {BATCH} x {ROW} tokens, one core")
     print(f"harness n-gram index: {tokens:,} tokens in {seconds:.2f} s = {rate / 1e6:.1f} M tokens/s")
-    print(f"python set baseline:  {base_batches.size:,} tokens in {base_seconds:.2f} s = {base_rate / 1e6:.2f} M tokens/s")
+    print(f"janitor baseline:     {base_batches.size:,} tokens in {base_seconds:.2f} s = {base_rate / 1e6:.2f} M tokens/s")
     print(f"speed-up (harness/baseline tokens per second): {rate / base_rate:.1f}x")
     return 0
 

@@ -33,10 +33,9 @@ from typing import Any
 
 # Offline before anything from the HF stack is imported; the harness must come
 # up with its defaults only, so no config or plugin list leaks in from the shell.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-for _var in ("HARNESS_CONFIG", "HARNESS_PLUGINS"):
-    os.environ.pop(_var, None)
+from bench_env import offline_defaults  # noqa: E402 - beside this script
+
+offline_defaults()
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -183,7 +182,8 @@ def run_once(tokenizer: Any, dataset: Any, steps: int, warmup: int, with_harness
     return timer
 
 
-PER_STEP_HOOKS = {"inspect_batch", "on_loss", "on_before_optimizer_step", "on_step_end", "on_log", "on_metrics", "on_finding"}
+PER_STEP_HOOKS = {"inspect_batch", "on_loss", "on_before_optimizer_step", "on_step_agreed", "on_step_end", "on_log", "on_metrics",
+                  "on_finding"}
 
 
 def _time_hooks(manager: Any, timer: StepTimer, warmup: int, steps: int) -> None:
@@ -203,12 +203,12 @@ def _time_hooks(manager: Any, timer: StepTimer, warmup: int, steps: int) -> None
         try:
             return call_one(hook, plugin_name, function, argnames, kwargs)
         finally:
+            spent = time.perf_counter() - began  # first: the bookkeeping below is the benchmark's, not the hook's
             # run start/end work (the dataset index, opening the ledger) is in no step's time: not counted per step
             step = getattr(kwargs.get("ctx"), "step", None)
             if hook in PER_STEP_HOOKS and step is not None and step >= steps:
-                timer.last_step_seconds += time.perf_counter() - began
+                timer.last_step_seconds += spent
             elif hook in PER_STEP_HOOKS and (step is None or step > warmup):
-                spent = time.perf_counter() - began
                 timer.hook_seconds += spent
                 key = f"{plugin_name}.{hook}" if os.environ.get("HARNESS_BENCH_BY_HOOK") else plugin_name
                 timer.by_plugin[key] = timer.by_plugin.get(key, 0.0) + spent

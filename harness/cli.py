@@ -70,7 +70,28 @@ def _cmd_scan(args: argparse.Namespace) -> int:
     options = ScanOptions(n=args.n, dirty_fraction=args.dirty_fraction, partial_fraction=args.partial_fraction,
                           template_min_examples=args.template_min_examples, near_dup=args.near_dup,
                           near_dup_threshold=args.near_dup_threshold)
-    return print_scan(args.train, args.eval, args.field, args.tokenizer, args.out, args.workers, options, args.id_field, args.eval_field)
+    clean = None
+    from harness.lib.documents import ScanError
+
+    given = [flag for flag, on in (("--mask-spans", args.mask_spans), ("--force", args.force),
+                                   ("--mask-margin", args.mask_margin is not None), ("--max-spans", args.max_spans is not None)) if on]
+    if given and not args.write_clean:
+        raise ScanError(f"harness scan: {', '.join(given)} only apply with --write-clean DIR, which was not given. "
+                        "Fix: add --write-clean DIR, or drop those options.")
+    for flag, value in (("--mask-margin", args.mask_margin), ("--max-spans", args.max_spans)):
+        if value is not None and value < 0:
+            raise ScanError(f"harness scan: {flag} {value} is negative. Fix: pass a count of 0 or more.")
+    args.mask_margin = 200 if args.mask_margin is None else args.mask_margin
+    args.max_spans = 10 if args.max_spans is None else args.max_spans
+    if args.write_clean:
+        from pathlib import Path
+
+        from harness.tools.decontaminate import CleanOptions
+
+        clean = CleanOptions(Path(args.write_clean), mask_spans=args.mask_spans, margin=args.mask_margin,
+                             max_spans=args.max_spans, force=args.force)
+    return print_scan(args.train, args.eval, args.field, args.tokenizer, args.out, args.workers, options, args.id_field,
+                      args.eval_field, clean=clean)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -184,6 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument("--template-min-examples", type=int, default=10, help="leave out n-grams shared by this many eval examples (templates; default 10, 0 keeps all)")
     scan.add_argument("--near-dup", action="store_true", help="also find training documents that are lightly edited copies of an eval example (MinHash LSH over word 5-grams, confirmed by exact Jaccard)")
     scan.add_argument("--near-dup-threshold", type=float, default=0.8, help="Jaccard similarity of a near duplicate (default: 0.8)")
+    scan.add_argument("--write-clean", metavar="DIR", default=None,
+                      help="also write the training data without the documents that match a dirty eval example to DIR/train "
+                      "(same formats and layout; `datasets` folders as JSON lines), each eval set split into DIR/eval/<name>.clean.<ext> "
+                      "and .dirty.<ext>, and what was removed to DIR/decontamination.md/.json")
+    scan.add_argument("--mask-spans", action="store_true",
+                      help="with --write-clean: cut the matched spans out of a document (with --mask-margin) instead of dropping it")
+    scan.add_argument("--mask-margin", type=int, default=None, metavar="N",
+                      help="characters cut on each side of a matched span, widened to whole words (default: 200, as lm-eval's janitor)")
+    scan.add_argument("--max-spans", type=int, default=None, metavar="N",
+                      help="with --mask-spans: a document needing more cuts than this is dropped whole (default: 10)")
+    scan.add_argument("--force", action="store_true", help="write into a non-empty --write-clean DIR (its train/ and eval/ are replaced)")
     scan.set_defaults(func=_cmd_scan)
 
     report = sub.add_parser(

@@ -94,6 +94,7 @@ class CheckpointProof(Plugin):
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         self._batch, self._expected, self._unverified_said = None, None, set()
+        self.idle_hooks("on_step_end")  # polled only while a checkpoint's proof is pending
         if not ctx.is_main:
             return  # rank 0 writes the weights and rotates; it checks for every rank
         from harness.lib.proof_worker import ProofWorker
@@ -122,6 +123,7 @@ class CheckpointProof(Plugin):
         self._take_reference(ctx, trainer, job)
         job.save_cost_s = time.perf_counter() - started
         self._worker.submit(job)
+        self.idle_hooks("on_step_end", idle=False)
 
     def _take_reference(self, ctx: Any, trainer: Any, job: Any) -> None:
         """On the training thread: the model's shapes (once) and the reference loss with the model in memory."""
@@ -158,8 +160,13 @@ class CheckpointProof(Plugin):
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int) -> None:
-        if self._worker is not None and self._worker.has_outcomes():
+        if self._worker is None:
+            return
+        done = not self._worker.pending()  # the worker queues an outcome before it clears the pending entry
+        if self._worker.has_outcomes():
             self._take_outcomes(ctx)
+        if done:
+            self.idle_hooks("on_step_end")  # nothing left to poll until the next save
 
     @hookimpl
     def on_run_end(self, ctx: Any, status: str) -> None:

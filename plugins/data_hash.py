@@ -146,6 +146,7 @@ class DataHash(Plugin):
         self._writer.start(trainer.state.global_step, ctx.world_size, resumed)
         self._epoch = self._current_epoch(trainer)
         self._pending, self._read, self._shared_step = [], None, None
+        self.idle_hooks("on_before_optimizer_step", idle=not self._capacity)  # one process: the step end reads the hashes
         self._position, self._padding = 0, self._epoch_padding(ctx, trainer)
 
     @hookimpl
@@ -191,11 +192,12 @@ class DataHash(Plugin):
             return
         mask = batch.get(MASK_KEYS[key])
         rows = device_row_hashes(batch[key], mask if torch.is_tensor(mask) else None)
+        count = int(rows.shape[0])
         ids = sample_ids(batch)
         if micro_step == 0:
             self._step_epoch = self._current_epoch(ctx.trainer)  # before the Trainer advances state.epoch at step end
         self.defer("hashes", rows)  # read with every plugin's tensors in the guard's one transfer
-        self._pending.append((micro_step, int(rows.shape[0]), ids))
+        self._pending.append((micro_step, count, ids))
 
     # -- per optimizer step: the guard's read and exchange, the ledger, the checks -------------------------
 
@@ -204,7 +206,7 @@ class DataHash(Plugin):
         read = self.deferred("hashes")
         if len(read) != count:
             raise RuntimeError(f"data_hash: {count} micro-batches were hashed this step but {len(read)} were read back")
-        return [list(h) for h in read]
+        return read  # fresh lists from the read: nobody else holds them
 
     @hookimpl
     def on_before_optimizer_step(self, ctx: Any, step: int) -> None:
@@ -232,13 +234,10 @@ class DataHash(Plugin):
             self._epoch, self._seen, self._position = epoch, self._seen.clear(), 0
         records = []
         for (micro, _, ids), hashes in zip(pending, read):
-            records.append(
-                {"step": step, "micro_batch": micro, "epoch": epoch, "batch_hash": hex64(combine_row_hashes(hashes)),
-                 "sample_hashes": [hex64(h) for h in hashes], "sample_ids": ids}
-            )
+            records.append((micro, hex64(combine_row_hashes(hashes)), list(map(hex64, hashes)), ids))
             self._check_samples(ctx, step, hashes, ids)
         if self._writer is not None:
-            self._writer.write_step(records)
+            self._writer.write_hashes(step, epoch, records)
 
     def _epoch_padding(self, ctx: Any, trainer: Any) -> EpochPadding | None:
         """How the distributed sampler pads this run's epochs (None: one process, or a dataset without a length)."""

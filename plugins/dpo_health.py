@@ -23,6 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from harness.core.findings import FindingCode, Severity
+from harness.lib.early_late import EarlyLateMedians
 from harness.lib.hashing import dataset_rows
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
@@ -72,6 +73,7 @@ class DpoHealth(Plugin):
         self.options = DpoHealthOptions()
         self._kind: str | None = None
         self._history: list[tuple[int, dict[str, float]]] = []
+        self._trend = _ChosenTrend()  # the points that carry rewards/chosen and rewards/margins, their thirds kept sorted
         self._max_steps = 0
         self._checked_batches = 0
         self._label_checks: list[tuple[int, int]] = []  # (step, micro_step) of the counts deferred this step
@@ -80,7 +82,11 @@ class DpoHealth(Plugin):
     def on_run_start(self, trainer: Any) -> None:
         names = {cls.__name__ for cls in type(trainer).__mro__}
         self._kind = "dpo" if "DPOTrainer" in names else "sft" if "SFTTrainer" in names else None
+        # outside TRL's trainers: no per-step call; the SFT label check needs its batches, the DPO check its logs
+        self.idle_hooks("inspect_batch", "on_before_optimizer_step", idle=self._kind != "sft")
+        self.idle_hooks("on_log", idle=self._kind != "dpo")
         self._history = []
+        self._trend = _ChosenTrend()
         self._checked_batches = 0
         self._label_checks = []
         self._max_steps = int(trainer.state.max_steps or trainer.args.max_steps or 0)
@@ -128,6 +134,9 @@ class DpoHealth(Plugin):
                               step, {"values": {k: str(v) for k, v in bad.items()}})
             return
         self._history.append((step, values))
+        if len(self._history) > 2 * self.options.saturated_logs:  # the saturation check reads the last saturated_logs points only
+            del self._history[:-self.options.saturated_logs]
+        self._trend.add(step, values)
         self._check_saturation(ctx, step)
         self._check_chosen_logps(ctx, step)
 
@@ -151,26 +160,21 @@ class DpoHealth(Plugin):
     def _check_chosen_logps(self, ctx: Any, step: int) -> None:
         """rewards/chosen, not logps/chosen: the reward compares the same samples with the reference, so batch-to-batch
         differences in answer length cancel out."""
-        points = [(s, v) for s, v in self._history if "rewards/chosen" in v and "rewards/margins" in v]
-        if len(points) < self.options.min_logs:
+        trend = self._trend  # medians of the first and last third of the points, kept sorted: O(log n) per log, not O(n log n)
+        if len(trend.chosen) < self.options.min_logs:
             return
-        third = max(2, len(points) // 3)
-
-        def median(key: str, part: list[tuple[int, dict[str, float]]]) -> float:
-            return statistics.median(v.get(key, 0.0) for _, v in part)
-
-        early, late = points[:third], points[-third:]
-        chosen_early, chosen_late = median("rewards/chosen", early), median("rewards/chosen", late)
-        margin_early, margin_late = median("rewards/margins", early), median("rewards/margins", late)
+        chosen_early, chosen_late = trend.chosen.early(), trend.chosen.late()
+        margin_early, margin_late = trend.margins.early(), trend.margins.late()
         if chosen_late < -self.options.chosen_reward_drop and chosen_late < chosen_early and margin_late > margin_early:
-            logps = [v["logps/chosen"] for _, v in points if "logps/chosen" in v]
+            logps = trend.logps_first_last
             self._report_once(
                 ctx, DPO_CHOSEN_LOGPS_FALLING,
                 f"the chosen answers lost probability against the reference: rewards/chosen fell from a median {chosen_early:.3g} to "
-                f"{chosen_late:.3g} (steps {points[0][0]}-{step}) while the reward margin grew {margin_early:.3g} -> {margin_late:.3g}: "
+                f"{chosen_late:.3g} (steps {trend.first_step}-{step}) while the reward margin grew "
+                f"{margin_early:.3g} -> {margin_late:.3g}: "
                 "the model pushes the rejected answers down faster than it keeps the chosen ones up, and can drift from both.",
                 step, {"early_rewards_chosen": chosen_early, "late_rewards_chosen": chosen_late, "early_margin": margin_early,
-                       "late_margin": margin_late, "logps_chosen_first_last": [logps[0], logps[-1]] if logps else None},
+                       "late_margin": margin_late, "logps_chosen_first_last": logps},
             )
 
     # -- SFT -----------------------------------------------------------------------------------------------------------
@@ -204,6 +208,26 @@ class DpoHealth(Plugin):
                 "the loss learns from a sliver of each batch (prompts far longer than completions, or masking wider than intended).",
                 step, {"labelled_tokens": labelled, "tokens": tokens, "fraction": round(labelled / tokens, 4), "micro_batch": micro_step},
             )
+
+
+class _ChosenTrend:
+    """What the chosen-logps check needs of the logged points that carry rewards/chosen and rewards/margins."""
+
+    def __init__(self) -> None:
+        self.chosen = EarlyLateMedians()
+        self.margins = EarlyLateMedians()
+        self.first_step: int | None = None
+        self.logps_first_last: list[float] | None = None  # logps/chosen of the first and the latest point that logged it
+
+    def add(self, step: int, values: dict[str, float]) -> None:
+        if "rewards/chosen" not in values or "rewards/margins" not in values:
+            return
+        self.chosen.add(values["rewards/chosen"])
+        self.margins.add(values["rewards/margins"])
+        self.first_step = step if self.first_step is None else self.first_step
+        if "logps/chosen" in values:
+            first = self.logps_first_last[0] if self.logps_first_last else values["logps/chosen"]
+            self.logps_first_last = [first, values["logps/chosen"]]
 
 
 __all__ = ["DpoHealth", "DpoHealthOptions"]

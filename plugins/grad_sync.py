@@ -74,6 +74,8 @@ GRAD_SYNC_UNSUPPORTED = FindingCode(
 DESYNC_CODES = (GRAD_DESYNC.code, PARAM_DESYNC.code)
 
 
+PER_STEP_HOOKS = ("inspect_batch", "on_before_optimizer_step", "on_step_end")
+
 class GradSyncOptions(BaseModel):
     """Options of the ``grad_sync`` plugin."""
 
@@ -152,6 +154,8 @@ class GradSync(Plugin):
         if self._zero is not None:
             self._zero.disarm()  # a second train() call: no stale hooks
         self._zero = None
+        # one process (or no replicas to compare): no per-step call at all
+        self.idle_hooks(*PER_STEP_HOOKS, idle=not found.active)
         if self.mode == "sharded" and found.engine == "fsdp2" and self.options.check_grads:
             self._zero = fsdp2_slices(_module(trainer.model_wrapped), self._params, ctx.rank)  # no collective: layout from shapes
         if self.mode == "unsupported" and ctx.is_main:

@@ -100,6 +100,8 @@ class LossBaseline(Plugin):
         vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None)
         self._vocab = int(vocab) if vocab else None
         self._trainer, self._ga_step, self._ga, self._copy = trainer, None, None, None
+        # the accumulation check looks at one micro-batch per train() call: no per-micro-batch call before or after it
+        self.idle_hooks("on_loss", idle=not self.options.check_ga_scaling or _accumulation(trainer) < 2)
         model = getattr(trainer, "model", None)
         self._weights, self._loaded_from = weights_state(model), loaded_from(model)
         # a resumed run is past its first steps; a preference loss (DPO: ln 2 at the start) is not a token loss
@@ -123,6 +125,7 @@ class LossBaseline(Plugin):
         if self._ga_step is not None or micro_step != 0 or not self.options.check_ga_scaling or _accumulation(self._trainer) < 2:
             return
         self._ga_step = step  # once per train() call, whatever happens below
+        self.idle_hooks("on_loss")
         if not ctx.is_main:
             return  # the job's loss code is the same on every rank: one forward pass and one finding, on rank 0
         if can_recompute(self._trainer) is not None:

@@ -46,7 +46,7 @@ class MetricsLog(Plugin):
         self.options = MetricsLogOptions()
         self._logged: IO[str] | None = None
         self._steps: IO[str] | None = None
-        self._pending: list[dict[str, Any]] = []
+        self._pending: list[tuple[Any, ...]] = []  # per step, until the next flush
         self._tokens = 0  # token positions processed by all ranks (rank 0's count x world size), restored at resume
 
     @hookimpl
@@ -66,21 +66,13 @@ class MetricsLog(Plugin):
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
         if self._steps is None:
             return
-        step_tokens = int(metrics.get("tokens") or 0) * ctx.world_size
+        get = metrics.get
+        step_tokens = int(get("tokens") or 0) * ctx.world_size
         self._tokens += step_tokens
-        self._pending.append({
-            "step": step,
-            "tokens": self._tokens,
-            "step_tokens": step_tokens,
-            "loss": metrics.get("loss"),
-            "grad_norm": metrics.get("grad_norm"),
-            "lr": metrics.get("lr"),
-            "skipped": bool(metrics.get("skipped")),
-            "optimizer_skipped": bool(metrics.get("optimizer_skipped")),
-            "step_time": metrics.get("step_time"),
-            "data_time": metrics.get("data_time"),
-            "time": round(time.time(), 3),  # places a finding on the right record when a resume replays steps
-        })
+        # a tuple per step (the record is built at the flush, off the per-step path); the wall time places a finding on
+        # the right record when a resume replays steps
+        self._pending.append((step, self._tokens, step_tokens, get("loss"), get("grad_norm"), get("lr"), get("skipped"),
+                              get("optimizer_skipped"), get("step_time"), get("data_time"), time.time()))
         if len(self._pending) >= self.options.flush_every:
             self._flush()
 
@@ -107,10 +99,18 @@ class MetricsLog(Plugin):
     def _flush(self) -> None:
         if self._steps is None or not self._pending:
             return
-        lines = [json.dumps({k: _host(v) for k, v in record.items()}) for record in self._pending]
+        lines = [json.dumps({k: _host(v) for k, v in _record(pending).items()}) for pending in self._pending]
         self._pending = []
         self._steps.write("\n".join(lines) + "\n")
         self._steps.flush()
+
+
+def _record(pending: tuple[Any, ...]) -> dict[str, Any]:
+    """One line of steps.jsonl from the tuple ``on_step_end`` queued."""
+    step, tokens, step_tokens, loss, grad_norm, lr, skipped, optimizer_skipped, step_time, data_time, wall = pending
+    return {"step": step, "tokens": tokens, "step_tokens": step_tokens, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+            "skipped": bool(skipped), "optimizer_skipped": bool(optimizer_skipped), "step_time": step_time,
+            "data_time": data_time, "time": round(wall, 3)}
 
 
 def _host(value: Any) -> Any:

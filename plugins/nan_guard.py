@@ -34,7 +34,6 @@ from harness.lib.capture import sample_ids, write_capture
 from harness.lib.first_bad import nonfinite_names
 from harness.lib.first_bad_trainer import trainer_grad_scan, trainer_locate
 from harness.core.findings import Finding, FindingCode, Severity
-from harness.lib.fingerprints import scheduler_state
 from harness.lib.sharding import local_tensor
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
@@ -105,7 +104,6 @@ class NanGuard(Plugin):
 
     def __init__(self) -> None:
         self.options = NanGuardOptions()
-        self._batches: list[dict[str, Any]] = []
         self._consecutive = 0
         self._log_filter = False
         self._fp16 = False
@@ -122,7 +120,6 @@ class NanGuard(Plugin):
         engine_fp16 = getattr(getattr(trainer, "model_wrapped", None), "fp16_enabled", None)
         self._fp16 = bool(getattr(trainer.args, "fp16", False)) or bool(callable(engine_fp16) and engine_fp16())
         self._optimizer_skips_in_a_row = 0
-        self._batches = []
         self.skipped_steps, self.optimizer_skips, self.scheduler_moved = [], [], []
         self._params_reported = False
 
@@ -144,10 +141,6 @@ class NanGuard(Plugin):
         self.optimizer_skips = [int(s) for s in state.get("optimizer_skips", [])]
         self.scheduler_moved = [int(s) for s in state.get("scheduler_moved", [])]
 
-    @hookimpl
-    def on_loss(self, batch: dict[str, Any]) -> None:
-        self._batches.append(batch)  # the losses come read, one per micro-batch, with on_before_optimizer_step
-
     def _grads_finite(self, model: Any, grad_norm: float | None) -> bool | None:
         if grad_norm is not None:
             return math.isfinite(grad_norm)
@@ -161,12 +154,11 @@ class NanGuard(Plugin):
     @hookimpl
     def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, grad_norm: float | None, micro_losses: list[float]) -> None:
         self._schedule_position = _scheduler_position(ctx.trainer)
-        batches, self._batches = self._batches, []
         losses = micro_losses
         bad = [i for i, value in enumerate(losses) if not math.isfinite(value)]
         if bad:
             self._consecutive += 1
-            self._report_loss(ctx, step, bad, batches, losses)
+            self._report_loss(ctx, step, bad, [batch for _, batch in ctx.step_batches], losses)  # batches kept by the loop
             return
         grad_ok: bool | None = None  # under fp16 a loss scaler owns gradient overflows: it skips and lowers its scale
         if self.options.check_grads and not self._fp16:
@@ -174,6 +166,7 @@ class NanGuard(Plugin):
         if grad_ok is False:
             self._consecutive += 1
             norm = _as_float(grad_norm)
+            batches = [batch for _, batch in ctx.step_batches]  # the step's micro-batches, kept by the loop
             scan = trainer_grad_scan(ctx.trainer, ctx.rank, norm, batches)  # this step only: one read, or a rerun of backward
             self.report(
                 NONFINITE_GRAD.code,
@@ -231,7 +224,6 @@ class NanGuard(Plugin):
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
-        self._batches = []  # a step without a guard: its deferred flags are gone, so are its batches
         every = self.options.check_params_every
         if every and step % every == 0 and not self._params_reported:
             self._check_params(ctx, step)
@@ -295,8 +287,9 @@ class NanGuard(Plugin):
 
 def _scheduler_position(trainer: Any) -> int | None:
     """The scheduler's step counter: it must not move on a skipped step."""
-    state = scheduler_state(getattr(trainer, "lr_scheduler", None))
-    return state["last_epoch"] if state else None
+    scheduler = getattr(trainer, "lr_scheduler", None)  # every step: the counter alone (scheduler_state's test, without its LR)
+    position = getattr(scheduler, "last_epoch", None)
+    return position if isinstance(position, int) and callable(getattr(scheduler, "get_last_lr", None)) else None
 
 
 def _as_float(value: Any) -> float | None:

@@ -196,6 +196,7 @@ class PackingCheck(Plugin):
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         self._unable = can_recompute(trainer)
         self._looked, self._experiment = [], None
+        self.idle_hooks("on_before_optimizer_step", "on_step_end", idle=False)
 
     @hookimpl
     def inspect_batch(self, ctx: Any, batch: Any, step: int, micro_step: int) -> None:
@@ -225,6 +226,8 @@ class PackingCheck(Plugin):
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
         self._analyse(ctx)  # a step whose optimizer never ran: the step end read the deferred values
         self._run_experiment(ctx)
+        if not self._looked and self._experiment is None:
+            self.idle_hooks("on_before_optimizer_step", "on_step_end")  # nothing queued until the next scheduled look
 
     # -- the step's one read and the host-side analysis ----------------------------------------------------
 
@@ -249,6 +252,7 @@ class PackingCheck(Plugin):
         for name, tensor in reads.items():
             self.defer(f"batch/{look.index}/{name}", tensor)
         self._looked.append(look)
+        self.idle_hooks("on_before_optimizer_step", "on_step_end", idle=False)  # analysed at the guard, measured at step end
 
     def _host(self, look: _Looked) -> _Host:
         values: dict[str, Any] = {}

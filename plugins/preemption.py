@@ -78,7 +78,12 @@ class Preemption(Plugin):
         self._restore()  # a second train() call: fresh handlers, fresh flag
         self._acted = False
         ctx.reserve(SLOT, 1, owner=self.name)  # first, on every rank alike
-        self.flag = SignalFlag(step=lambda: ctx.step, active=lambda: not ctx.manager.is_disabled(self.name))
+        # no per-step call until a signal arrives: the handler wakes the hooks that act on it; with several ranks every
+        # rank reads the agreement each step, as a signal that reached another rank alone stops this one too
+        self.idle_hooks("on_before_optimizer_step")
+        self.idle_hooks("on_step_agreed", idle=ctx.world_size == 1)
+        self.flag = SignalFlag(step=lambda: ctx.step, active=lambda: not ctx.manager.is_disabled(self.name),
+                               on_receive=lambda: self.idle_hooks("on_before_optimizer_step", "on_step_agreed", idle=False))
         why_not = self.flag.install(signal_number(name) for name in self.options.signals)
         if why_not:
             log.warning("harness preemption: signals %s are not watched on rank %s: %s", self.options.signals, ctx.rank, why_not)

@@ -90,6 +90,7 @@ class RankRng(Plugin):
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
+        self.idle_hooks("inspect_batch", "on_step_agreed", idle=ctx.world_size <= 1)  # one process: no per-step call
         if ctx.world_size <= 1:
             return
         ctx.reserve(SLOT, WIDTH)  # every rank, first: the exchange's layout must be the same everywhere
@@ -126,6 +127,7 @@ class RankRng(Plugin):
         if not rows:
             return
         self._active = False  # judged once: nothing more on any later step
+        self.idle_hooks("inspect_batch", "on_step_agreed")
         if ctx.rank == 0:
             self._judge(ctx, step, rows)
 

@@ -94,7 +94,6 @@ class Rerun(Plugin):
         self._calibrating: tuple[int, PendingRecompute, list[float], float | None] | None = None  # read with the next step
         self._off: str | None = None
         self._rng: dict[str, Any] | None = None
-        self._batches: list[dict[str, Any]] = []
         self._findings_seen = 0
         self._pending: dict[str, Any] | None = None  # this step's local rerun, judged at on_step_agreed
 
@@ -128,26 +127,22 @@ class Rerun(Plugin):
     def inspect_batch(self, ctx: Any, step: int, micro_step: int) -> None:
         if micro_step == 0 and not self._off:
             self._rng = capture_rng()  # host copies of the generator states: no device sync
-            self._batches = []
             if self._calibrating is not None:  # the calibration's numbers ride this step's one read
                 self.defer("calibration", self._calibrating[1].values)
-
-    @hookimpl
-    def on_loss(self, batch: dict[str, Any]) -> None:
-        if self._off:
-            return
-        self._batches.append(batch)  # by reference; its loss comes read with on_before_optimizer_step
 
     # -- the step: local rerun after the detectors, verdict after the agreement --------------------------
 
     def _flags(self, ctx: Any, step: int) -> list[str]:
+        if len(ctx.findings) == self._findings_seen:
+            return []  # the common step: no finding at all since the last look
         new, self._findings_seen = ctx.findings[self._findings_seen:], len(ctx.findings)
         wanted = set(self.options.trigger_codes)
         return sorted({f.code for f in new if f.step == step and f.rank == ctx.rank and f.code in wanted and f.severity >= Severity.WARNING})
 
     @hookimpl(trylast=True)  # after nan_guard and spike_capture have reported this step
     def on_before_optimizer_step(self, ctx: Any, step: int, grad_norm: float | None, micro_losses: list[float]) -> None:
-        batches, rng, self._batches = self._batches, self._rng, []
+        # the step's micro-batches by reference, kept by the loop (their losses come read with this hook)
+        batches, rng = [batch for _, batch in ctx.step_batches], self._rng
         self._pending = None
         flags = self._flags(ctx, step)
         outcome: Outcome | None = None

@@ -130,6 +130,7 @@ class ResumeCheck(Plugin):
         self._pending_rng, self._position_reported, self._band_checked = False, False, 0
         self._config_changed = None
         self._reshard = self._reshard_optimizer = False  # resumed with another world size and sharded state: not comparable
+        self.idle_hooks("inspect_batch", "on_before_optimizer_step", idle=False)  # called until the reference and the resume's checks are done
 
     @hookimpl
     def decide_action(self, ctx: Any, finding: Finding) -> str | None:
@@ -148,12 +149,16 @@ class ResumeCheck(Plugin):
                 self.defer(f"reference/{k}", tensor)
         if self._resume_step is not None and step <= self._resume_step + self.options.first_steps:
             self._check_after_resume(ctx, batch, step, micro_step)
+        elif self._reference is not None:
+            self.idle_hooks("inspect_batch")  # the reference is taken and no resume is being checked: nothing per batch
 
     @hookimpl
     def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, optimizer: Any, grad_norm: Any, loss: Any) -> None:
         self._take_reference()
         if self._config_changed is not None:
             self._report_config_changed(ctx, optimizer, step)
+        if self._reference is not None and not self._reference_pending and self._config_changed is None:
+            self.idle_hooks("on_before_optimizer_step")
 
     @hookimpl
     def on_run_end(self, ctx: Any) -> None:
@@ -224,6 +229,7 @@ class ResumeCheck(Plugin):
     @hookimpl
     def on_resume(self, ctx: Any, checkpoint_dir: Any, state: dict[str, Any] | None) -> None:
         self._resume_step = ctx.step
+        self.idle_hooks("inspect_batch", "on_before_optimizer_step", idle=False)  # the first batches after it are checked
         self._saved = state
         if "data_hash" in self.missing and ctx.is_main and not self._expected_batches(ctx):
             # no ledger of what the interrupted run trained next (an earlier attempt with data_hash on would have one)

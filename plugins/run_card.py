@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ class RunCard(Plugin):
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         self._samples = []
+        self.idle_hooks("inspect_batch", "on_step_end", idle=not ctx.is_main)  # rank 0 writes the card; called until it is done
         if not ctx.is_main:
             return
         facts = run_facts(trainer, ctx.world_size, ctx.stage)
@@ -103,6 +105,7 @@ class RunCard(Plugin):
     @hookimpl
     def inspect_batch(self, batch: Any, micro_step: int) -> None:
         if self._path is None or self.card.get("sequence_length") is not None:
+            self.idle_hooks("inspect_batch")
             return  # the plan needs the first batch's shape only
         if micro_step == 0:
             ids = batch.get("input_ids") if hasattr(batch, "get") else None
@@ -120,7 +123,10 @@ class RunCard(Plugin):
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
         tokens = int(metrics.get("tokens") or 0)
-        if self._path is None or self.card.get("measured") is not None or not metrics.get("step_time"):
+        if self._path is None or self.card.get("measured") is not None:
+            self.idle_hooks("on_step_end")  # measured once per run
+            return
+        if not metrics.get("step_time"):
             return
         self._samples.append((float(metrics["step_time"]), tokens * ctx.world_size))
         if len(self._samples) < self.options.measure_after:
@@ -134,7 +140,16 @@ class RunCard(Plugin):
             "estimated_total_s": step_s * (self.card["planned_steps"] or step), "estimated_remaining_s": step_s * remaining,
             "mfu": (6.0 * self.card["parameters"] * tokens_per_s / (ctx.world_size * self.card["peak_tflops"] * 1e12)) if self.card["peak_tflops"] else None,
         }
-        self._write()
+        # the estimate's file is written off the training thread (the one write inside the run's steps); not a daemon: it
+        # finishes before the process exits, and the run end waits for it (the report reads the card)
+        self._writer = threading.Thread(target=self._write, name="harness-run-card")
+        self._writer.start()
+
+    @hookimpl(tryfirst=True)
+    def on_run_end(self) -> None:
+        writer, self._writer = getattr(self, "_writer", None), None
+        if writer is not None:
+            writer.join(timeout=30)
 
     def _write(self) -> None:
         if self._path is None:

@@ -122,7 +122,7 @@ class SpikeCapture(Plugin):
         self.grad_outlier_run = 0  # grad norms in a row outside their baseline (a new level after divergence_patience)
         self.captures = 0
         self.resumed_at: int | None = None
-        self._current: list[tuple[int, dict[str, Any]]] = []
+        self._copies: list[tuple[int, dict[str, Any]]] = []  # with copy_batches: this step's micro-batches, copied
         self._ring: deque[tuple[int, int, dict[str, Any]]] = deque(maxlen=o.ring_size)
         self._grad_pending: tuple[int, list[Micro], CaptureResult | None] | None = None
         self._loss_seen: tuple[int, Judgement | None, bool, bool] | None = None  # (step, judgement, spike, elevated) of the last loss
@@ -133,6 +133,7 @@ class SpikeCapture(Plugin):
     @hookimpl
     def on_run_start(self, ctx: Any) -> None:
         self._reset()  # a rollback trains again with the same plugin: start from the checkpoint's state, not this run's
+        self.idle_hooks("on_loss", idle=not self.options.copy_batches)  # by reference, the loop's ctx.step_batches serve
 
     # -- state across checkpoints ------------------------------------------------------------------
 
@@ -165,15 +166,16 @@ class SpikeCapture(Plugin):
 
     @hookimpl
     def on_loss(self, batch: dict[str, Any], step: int, micro_step: int) -> None:
-        kept = _detach(batch, self.options.copy_batches)  # its loss comes read with on_before_optimizer_step
-        self._current.append((micro_step, kept))
-        self._ring.append((step, micro_step, kept))
+        """Only with ``copy_batches`` (idle otherwise): a copy per micro-batch, before the collator reuses its tensors."""
+        self._copies.append((micro_step, _detach(batch, True)))
 
     # -- per optimizer step ---------------------------------------------------------------------------
 
     @hookimpl
     def on_before_optimizer_step(self, ctx: Any, step: int, grad_norm: float | None, loss: float | None, micro_losses: list[float]) -> None:
-        kept, self._current = self._current, []
+        # the step's micro-batches, kept by the loop by reference (or this plugin's copies), with their losses
+        kept, self._copies = (self._copies if self.options.copy_batches else ctx.step_batches), []
+        self._ring.extend((step, m, b) for m, b in kept)
         losses = micro_losses
         current = [(m, b, losses[i] if i < len(losses) else math.nan) for i, (m, b) in enumerate(kept)]
         if loss is None:
@@ -182,7 +184,7 @@ class SpikeCapture(Plugin):
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
-        self._current = []  # a step without a guard: its deferred losses are gone, so are its batches
+        self._copies = []  # a step without a guard: its deferred losses are gone, so are its batches
         pending, self._grad_pending = self._grad_pending, None
         if pending is None or pending[0] != step or metrics.get("grad_norm") is None:
             return

@@ -78,6 +78,10 @@ class RunContext:
         self.micro_step = 0
         self.resumed_from: Path | None = None
         self.recent_batches: deque[tuple[int, int, dict[str, Any]]] = deque(maxlen=config.model.recent_batches)
+        # this optimizer step's micro-batches as the loss saw them, (micro_step, batch) in order: one list kept by the
+        # loop for every plugin that needs them at the guard (nan_guard, spike_capture, rerun), instead of one on_loss
+        # call per plugin per micro-batch; emptied when the next step begins
+        self.step_batches: list[tuple[int, dict[str, Any]]] = []
         self.findings: list[Finding] = []
         self.pending_action = Action.CONTINUE
         self.after_update = Action.CONTINUE  # save_and_stop / stop asked for after this step's update (stop_after_update)
@@ -126,6 +130,7 @@ class RunContext:
         """A new optimizer step begins: tensors queued and payloads shared for a step that died half-way are dropped."""
         self.reads.drop_pending()
         self.exchange.drop_outgoing()
+        self.step_batches = []
 
     def reserve(self, key: str, capacity: int, *, owner: str | None = None) -> None:
         """A fixed slot of ``capacity`` int64s in every step's exchange (in ``on_run_start``, on every rank)."""

@@ -7,6 +7,7 @@ code that imported them from this module.
 from __future__ import annotations
 
 import inspect
+import operator
 import traceback
 from typing import Any, Callable, Iterable
 
@@ -32,6 +33,26 @@ HOOK_NAMES: tuple[str, ...] = tuple(
 )
 
 
+class ArgNames(tuple):
+    """A hook implementation's argument names, with ``pick(kwargs)``: its arguments in order, in C (``itemgetter``).
+
+    Every hook call on the training thread goes through here; a list built in
+    Python per call is a measurable part of the harness's time per step.
+    """
+
+    pick: Callable[[dict[str, Any]], tuple[Any, ...]]
+
+    def __new__(cls, names: Iterable[str]) -> "ArgNames":
+        self = super().__new__(cls, tuple(names))
+        if len(self) > 1:
+            self.pick = operator.itemgetter(*self)
+        elif len(self) == 1:
+            self.pick = lambda kwargs, name=self[0]: (kwargs[name],)
+        else:
+            self.pick = lambda kwargs: ()
+        return self
+
+
 class HookCallError(Exception):
     """Carries an exception raised inside one plugin's hook implementation."""
 
@@ -54,6 +75,8 @@ class HarnessPluginManager:
         self._impls: dict[str, list[tuple[str, Callable[..., Any], tuple[str, ...]]]] = {}
         self._error_counts: dict[str, int] = {}
         self._disabled: set[str] = set()
+        self._idle: set[tuple[str, str]] = set()  # (plugin, hook) pairs not called for now: nothing to do in this run
+        self._version = 0  # bumped by every change to what is called: a list built across a change is not kept
         self._wants_disabling: set[str] = set()  # past the error limit, waiting for the ranks to agree (several processes)
         self.max_errors_per_plugin = max_errors_per_plugin
         self.defer_disabling = False  # set when several processes train: a plugin is switched off on every rank together
@@ -77,8 +100,13 @@ class HarnessPluginManager:
             ) from exc
         self._refuse_wrappers(entry, plugin)
         self._entries[entry.name] = entry
+        try:
+            plugin.registered_name = entry.name  # an entry point may register a class under another name than its own
+        except AttributeError:  # a plugin object with __slots__: set_idle then needs its registered name from the caller
+            pass
         self._check_unknown_hooks(entry)
         self._impls.clear()
+        self._version += 1
         return plugin
 
     def _refuse_wrappers(self, entry: PluginEntry, plugin: Any) -> None:
@@ -128,14 +156,35 @@ class HarnessPluginManager:
     def _implementations(self, hook: str) -> list[tuple[str, Callable[..., Any], tuple[str, ...]]]:
         impls = self._impls.get(hook)
         if impls is None:
+            version = self._version
             caller = getattr(self._pm.hook, hook)
             impls = [
-                (impl.plugin_name, impl.function, tuple(impl.argnames))
+                (impl.plugin_name, impl.function, ArgNames(impl.argnames))
                 for impl in reversed(caller.get_hookimpls())
-                if impl.plugin_name not in self._disabled
+                if impl.plugin_name not in self._disabled and (impl.plugin_name, hook) not in self._idle
             ]
-            self._impls[hook] = impls
+            if version == self._version:  # else a signal handler woke a hook while this list was built: build it anew next call
+                self._impls[hook] = impls
         return impls
+
+    def set_idle(self, plugin_name: str, hooks: Iterable[str], idle: bool = True) -> None:
+        """Stop (``idle``) or resume calling one plugin's implementations of ``hooks``.
+
+        A plugin with nothing to do in a run (a check across ranks in one
+        process, a DPO check outside DPO, a poll with nothing pending) then
+        costs no call per step: every call is paid on the training thread.
+        """
+        for hook in hooks:
+            if hook not in HOOK_NAMES:
+                raise PluginError(f"plugin '{plugin_name}' asked to idle unknown hook '{hook}'.{did_you_mean(hook, HOOK_NAMES)}")
+            pair = (plugin_name, hook)
+            if (pair in self._idle) != idle:
+                (self._idle.add if idle else self._idle.discard)(pair)
+                self._version += 1
+                self._impls.pop(hook, None)
+
+    def is_idle(self, plugin_name: str, hook: str) -> bool:
+        return (plugin_name, hook) in self._idle
 
     def has_impl(self, hook: str) -> bool:
         return bool(self._implementations(hook))
@@ -172,11 +221,11 @@ class HarnessPluginManager:
         return None
 
     def _call_one(
-        self, hook: str, plugin_name: str, function: Callable[..., Any], argnames: tuple[str, ...], kwargs: dict[str, Any]
+        self, hook: str, plugin_name: str, function: Callable[..., Any], argnames: ArgNames, kwargs: dict[str, Any]
     ) -> Any:
         caller, self.current_plugin = self.current_plugin, plugin_name  # hooks nest (report -> decide_action)
         try:
-            return function(*[kwargs[a] for a in argnames])
+            return function(*argnames.pick(kwargs))
         except HarnessStop as stop:
             if self.on_stop is None:
                 raise
@@ -206,6 +255,7 @@ class HarnessPluginManager:
             else:
                 self._disabled.add(plugin_name)
                 self._impls.clear()
+                self._version += 1
         if self.on_error is not None:
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             self.on_error(plugin_name, hook, exc, tb)
@@ -231,6 +281,7 @@ class HarnessPluginManager:
         if names:
             self._disabled.update(names)
             self._impls.clear()
+            self._version += 1
         return names
 
     # -- declarations ------------------------------------------------------------------------

@@ -73,6 +73,13 @@ class Plugin:
     def setup(self, ctx: "PluginContext") -> None:
         """Per-run set-up after ``self.options`` and ``self.ctx`` are set (override; the default does nothing)."""
 
+    def idle_hooks(self, *hooks: str, idle: bool = True) -> None:
+        """Have the manager skip (``idle=True``) or call again this plugin's ``hooks``: decided per run, usually in
+        ``on_run_start``, so a plugin with nothing to do in this run costs no call per step."""
+        manager = getattr(getattr(self, "ctx", None), "manager", None)
+        if manager is not None and hasattr(manager, "set_idle"):
+            manager.set_idle(getattr(self, "registered_name", self.name), hooks, idle)
+
     # -- reporting --------------------------------------------------------------------------
 
     def report(self, code: str, message: str, *, limit: int | None = None, say_limit: bool = True, **kwargs: Any) -> Finding | None:

@@ -32,6 +32,7 @@ class PluginContext(Protocol):
     trainer: Any
     resumed_from: Path | None
     recent_batches: deque[tuple[int, int, dict[str, Any]]]
+    step_batches: list[tuple[int, dict[str, Any]]]
     stage: str | None
 
     def path(self, *parts: str) -> Path: ...

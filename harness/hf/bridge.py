@@ -145,4 +145,5 @@ class Bridge:
         self.checkpoint_state.save(state.global_step)
 
     def train_end(self) -> None:
+        self.ctx.step_batches = []  # the last step's batches (device tensors, by reference) do not outlive train()
         self.ctx.flush_findings()

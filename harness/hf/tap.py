@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import UserDict
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
@@ -75,7 +76,9 @@ class MicroBatchTap:
             if ctx.recent_batches.maxlen:
                 ctx.recent_batches.append((ctx.step, ctx.micro_step, inputs))
             self._batch_indices = self.indices.take(batch_rows(inputs))  # one list per micro-batch, in the loader's order
-            hooks.inspect_batch(ctx, inputs, ctx.step, ctx.micro_step)
+            # a BatchEncoding (the HF padding collators) is a UserDict: its ``get`` of an absent key raises and catches a
+            # KeyError, and plugins ask for many optional keys per micro-batch; they read the plain dict under it
+            hooks.inspect_batch(ctx, inputs.data if isinstance(inputs, UserDict) else inputs, ctx.step, ctx.micro_step)
             record = self._record()
             record.tokens += token_positions(inputs)
             self.in_training_step = True
@@ -111,6 +114,7 @@ class MicroBatchTap:
                     loss = loss.mean()  # DataParallel over several GPUs: one loss per replica, as the Trainer averages
                 part = loss if self._loss_scaled_for_ga(kwargs.get("num_items_in_batch")) else loss / self._ga_steps()
                 self._record().add_step_loss_part(part, loss)
+                ctx.step_batches.append((ctx.micro_step, seen))
                 hooks.on_loss(ctx, loss, seen, ctx.step, ctx.micro_step)
             return result
 

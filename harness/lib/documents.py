@@ -71,11 +71,17 @@ def _text_lines(file: Path) -> Iterator[tuple[int, str]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise ScanError(
-                    f"harness scan: {file} line {line_number} is not valid UTF-8 (byte {raw[exc.start]:#04x} at column "
-                    f"{exc.start + 1}). Fix: convert the file to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or remove that line."
-                ) from None
+                raise not_utf8(file, line_number, raw[exc.start], exc.start + 1) from None
             yield line_number, line.rstrip("\r\n")
+
+
+def not_utf8(file: Path | str, line: int, byte: int, column: int) -> ScanError:
+    return ScanError(f"harness scan: {file} line {line} is not valid UTF-8 (byte {byte:#04x} at column {column}). "
+                     "Fix: convert the file to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or remove that line.")
+
+
+def not_json(file: Path | str, line: int, message: str) -> ScanError:
+    return ScanError(f"harness scan: {file} line {line} is not JSON ({message}). Fix: one JSON object per line.")
 
 
 def _missing(file: Path, field: str, keys: list[str]) -> ScanError:
@@ -90,7 +96,7 @@ def _read_jsonl(file: Path, field: str, id_field: str) -> Iterator[tuple[str, st
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ScanError(f"harness scan: {file} line {line_number} is not JSON ({exc.msg}). Fix: one JSON object per line.") from exc
+            raise not_json(file, line_number, exc.msg) from exc
         if not isinstance(record, dict) or field not in record:
             raise _missing(file, field, list(record) if isinstance(record, dict) else [])
         text = record[field]

@@ -13,16 +13,14 @@ are indexed as one window of their own length.
 """
 from __future__ import annotations
 
-import re
-import unicodedata
 from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
+
+from harness.lib.word_scan import find_words, normalise_words, word_hashes  # noqa: F401 - normalise_words re-exported
 
 BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplication by it is a bijection mod 2^64
 _THREE, _SEVEN = np.uint64(3), np.uint64(7)
-_PUNCTUATION = re.compile(r"[\W_]+", re.UNICODE)
 
 
 _CHUNK = 1 << 20  # units hashed per pass: bounds the temporaries (a few arrays of 8 MB)
@@ -40,7 +38,7 @@ def _inverse(odd: int) -> int:
 def _powers(length: int) -> tuple[np.ndarray, np.ndarray]:
     """BASE^m and BASE^-m for m < length (mod 2^64), cached and grown on demand."""
     if "forward" not in _POWERS or len(_POWERS["forward"]) < length:
-        size = max(length, _CHUNK + 64)
+        size = min(max(1 << (length - 1).bit_length(), 1 << 16), max(length, _CHUNK + 64))  # doubled as needed
         with np.errstate(over="ignore"):
             forward = np.cumprod(np.full(size, BASE, dtype=np.uint64))
             backward = np.cumprod(np.full(size, np.uint64(_inverse(int(BASE))), dtype=np.uint64))
@@ -80,14 +78,36 @@ def window_hashes(units: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def normalise_words(text: str) -> list[str]:
-    """Unicode-normalised (NFKC), lower-cased words with punctuation stripped and whitespace collapsed."""
-    return _PUNCTUATION.sub(" ", unicodedata.normalize("NFKC", text).lower()).split()
+def _hashes_by_length(units: np.ndarray, lengths: list[int]) -> dict[int, np.ndarray]:
+    """``window_hashes(units, n)`` for several ``n`` at once, from one prefix sum per piece (the same values)."""
+    total = len(units)
+    out = {n: np.empty(max(total - n + 1, 0), dtype=np.uint64) for n in lengths}
+    if not lengths or total < min(lengths):
+        return out
+    longest = max(lengths)
+    for start in range(0, total, _CHUNK):
+        piece = units[start : min(start + _CHUNK + longest - 1, total)]
+        values = np.add(piece.view(np.uint64) if piece.dtype == np.int64 else piece.astype(np.uint64), np.uint64(1))
+        forward, backward = _powers(len(values))
+        prefix = np.zeros(len(values) + 1, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            np.multiply(values, backward[: len(values)], out=values)
+            np.cumsum(values, out=prefix[1:])
+            for n in lengths:
+                count = min(_CHUNK, total - n + 1 - start)
+                if count <= 0:
+                    continue
+                target = out[n][start : start + count]
+                np.subtract(prefix[n : n + count], prefix[:count], out=target)
+                np.multiply(target, forward[n - 1 : n - 1 + count], out=target)
+    return out
 
 
 def word_units(words: list[str]) -> np.ndarray:
-    """Each word as a fixed 64-bit hash (xxh3), the text front end's units."""
-    return np.fromiter((xxhash.xxh3_64_intdigest(w.encode()) for w in words), dtype=np.uint64, count=len(words))
+    """Each word as a fixed 64-bit hash of its UTF-8 bytes, the text front end's units (the chunked scan's hash)."""
+    buffer = " ".join(words).encode("utf-8")
+    starts, ends = find_words(buffer)
+    return word_hashes(buffer, starts, ends)
 
 
 @dataclass
@@ -177,6 +197,17 @@ class NgramIndex:
         bits = self._bitmap[slots >> _THREE] >> (slots & _SEVEN).astype(np.uint8)
         return np.flatnonzero(bits & 1)
 
+    def _maybe_many(self, hashes: np.ndarray) -> np.ndarray:
+        """``_maybe`` for long inputs: up to 2^24 slots the bitmap unpacked to one byte per slot (made once, the
+        bitmap is fixed after ``build``), one gather instead of four passes; slots as int64, so no index cast."""
+        slots = (hashes >> np.uint64(64 - self.bitmap_bits)).view(np.int64)
+        if self.bitmap_bits > 24:
+            return np.flatnonzero((self._bitmap[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1)
+        bytemap = self.__dict__.get("_bytemap")
+        if bytemap is None:
+            bytemap = self.__dict__["_bytemap"] = np.unpackbits(self._bitmap, bitorder="little").view(np.bool_)
+        return np.flatnonzero(bytemap[slots])
+
     @property
     def windows(self) -> int:
         return sum(len(t.hashes) for t in self.tables.values())
@@ -216,6 +247,41 @@ class NgramIndex:
                     source = self.examples[example].variants[variant][offset : offset + length]
                     if np.array_equal(window, source):  # a hash collision stops here
                         hits.append(Hit(example, variant, offset, length, start % width, start // width))
+        return hits
+
+    def query_segments(self, units: np.ndarray, bounds: np.ndarray) -> list[Hit]:
+        """``query`` for many documents laid end to end in ``units``; ``bounds``: each one's first index, ascending from 0.
+
+        Windows never span two documents; ``Hit.row`` is the document's index
+        and ``Hit.position`` the window's start within it. Hits come document
+        by document, each document's in ``query``'s order, so a chunk gives
+        what one ``query`` per document would.
+        """
+        hits: list[Hit] = []
+        lengths = [length for length in self.tables if length <= len(units)]
+        if not lengths:
+            return hits
+        units = np.ascontiguousarray(units)
+        for length, hashes in _hashes_by_length(units, lengths).items():
+            table = self.tables[length]
+            candidates = self._maybe_many(hashes)
+            if not len(candidates):
+                continue
+            rows = np.searchsorted(bounds, candidates, side="right") - 1
+            inside = rows == np.searchsorted(bounds, candidates + (length - 1), side="right") - 1
+            candidates, rows = candidates[inside], rows[inside]
+            wanted = hashes[candidates]
+            left = np.searchsorted(table.hashes, wanted, side="left")
+            found = table.hashes[np.minimum(left, len(table.hashes) - 1)] == wanted  # one search; the other end only for hits
+            wanted, left = wanted[found], left[found]
+            right = np.searchsorted(table.hashes, wanted, side="right")
+            for start, row, lo, hi in zip(candidates[found].tolist(), rows[found].tolist(), left.tolist(), right.tolist()):
+                window = units[start : start + length]
+                for k in range(lo, hi):
+                    example, variant, offset = int(table.examples[k]), int(table.variants[k]), int(table.offsets[k])
+                    if np.array_equal(window, self.examples[example].variants[variant][offset : offset + length]):
+                        hits.append(Hit(example, variant, offset, length, start - int(bounds[row]), row))
+        hits.sort(key=lambda hit: hit.row)  # stable: within a document, table by table and position by position
         return hits
 
 

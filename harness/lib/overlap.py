@@ -14,6 +14,7 @@ import numpy as np
 
 from harness.lib.documents import ScanError, iter_documents
 from harness.lib.ngrams import EvalExample, Hit, NgramIndex, normalise_words, word_units
+from harness.lib.word_scan import WordChunk, documents_buffer
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,13 @@ class FrontEnd:
         spaced = self._ids(" " + text.lstrip())
         return [plain] if np.array_equal(plain, spaced) else [plain, spaced]
 
+    def eval_variants_many(self, texts: list[str]) -> list[list[np.ndarray]]:
+        """``eval_variants`` of many texts; words: all hashed in one chunk (the same units, without a call per text)."""
+        if self.tokenizer is not None or not texts:
+            return [self.eval_variants(text) for text in texts]
+        chunk = WordChunk.of(documents_buffer(texts))
+        return [[units] for units in np.split(chunk.units, chunk.bounds[1:])]
+
     def document(self, text: str) -> tuple[np.ndarray, list[str] | None]:
         if self.tokenizer is None:
             words = normalise_words(text)
@@ -67,8 +75,9 @@ def load_eval_examples(paths: list[str], field: str, front: FrontEnd, id_field: 
     for path in paths:
         before = len(examples)
         name = Path(path).stem
-        for example_id, text in iter_documents(path, field, id_field):
-            examples.append(EvalExample(name, example_id, text, front.eval_variants(text)))
+        found = list(iter_documents(path, field, id_field))
+        variants = front.eval_variants_many([text for _, text in found])
+        examples += [EvalExample(name, example_id, text, units) for (example_id, text), units in zip(found, variants)]
         if len(examples) == before:
             raise ScanError(f"harness scan: the eval set {path} has no example with text in field '{field}'. "
                             "Fix: check the file and --field.")

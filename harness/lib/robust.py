@@ -18,7 +18,9 @@ it would swallow a spike.
 from __future__ import annotations
 
 import math
+import operator
 import statistics
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -78,24 +80,70 @@ def judge(value: float, window: Sequence[float], min_history: int, level_steps: 
     diffs = [b - a for a, b in zip(values, values[1:])]
     centre = statistics.median(diffs)
     mad = statistics.median(abs(d - centre) for d in diffs)
+    return _judged(value, recent, median, mad, trend, len(window))
+
+
+def _judged(value: float, recent: list[float], median: float, mad: float, trend: bool, size: int,
+            slope: float | None = None) -> Judgement:
+    """The judgement from the window's level and MAD of differences: the spread, then the trend's level (see ``judge``);
+    ``slope``: the Theil-Sen slope of ``recent`` when the caller keeps it."""
     sd = max(MAD_TO_SIGMA * mad / math.sqrt(2), 1e-3 * abs(median), 1e-12)
     if trend and len(recent) >= MIN_VALUES:
-        slope = min(0.0, theil_sen_slope(recent))
+        slope = min(0.0, theil_sen_slope(recent) if slope is None else slope)
         if -slope * (len(recent) + 1) / 2 > TREND_SDS * sd:  # the median lags a real fall (not a noise slope): follow the line
             projected = statistics.median(v - slope * i for i, v in enumerate(recent)) + slope * len(recent)
             median = max(projected, min(recent))  # never below what the curve reached: a fall that stops cannot lock the level out
             sd = max(sd, 1e-3 * abs(median))
-    return Judgement(value, median, sd, (value - median) / sd, len(window))
+    return Judgement(value, median, sd, (value - median) / sd, size)
+
+
+def _median_of_sorted(data: list[float]) -> float:
+    """``statistics.median`` of a sorted list, with its arithmetic (the same float)."""
+    n = len(data)
+    return data[n // 2] if n % 2 else (data[n // 2 - 1] + data[n // 2]) / 2
+
+
+def _median_abs_deviation(diffs: list[float], centre: float) -> float:
+    """``statistics.median(abs(d - centre) for d in diffs)`` for sorted ``diffs`` without sorting the deviations: they
+    grow outwards from ``centre`` on both sides, so the middle ones come from merging two sorted runs (half the list)."""
+    n = len(diffs)
+    right = bisect_left(diffs, centre)
+    left = right - 1
+    wanted = n // 2  # the deviations of rank wanted (and wanted - 1 when n is even) are the median's
+    previous = current = 0.0
+    for _ in range(wanted + 1):
+        previous = current
+        if left >= 0 and (right >= n or centre - diffs[left] <= diffs[right] - centre):
+            current = centre - diffs[left]  # = abs(diffs[left] - centre) exactly: IEEE subtraction is sign-symmetric
+            left -= 1
+        else:
+            current = diffs[right] - centre
+            right += 1
+    return current if n % 2 else (previous + current) / 2
 
 
 class Baseline:
-    """The last ``size`` normal values of a curve; outliers (as the caller defines them) are never admitted."""
+    """The last ``size`` normal values of a curve; outliers (as the caller defines them) are never admitted.
+
+    Judged every step, so the sorted lists that :func:`judge` would build from
+    the window are kept up to date as values come and go instead: the
+    step-to-step differences (for the spread) and, with ``trend``, the
+    pairwise slopes of the recent values (for Theil-Sen). Each judgement is
+    bit for bit the one :func:`judge` gives for the same window (the same
+    subtractions and divisions of the same values). A window changed from
+    outside (``values.extend`` of a restored state) is noticed and the lists
+    rebuilt; a non-finite value makes the window judged the plain way until it
+    has left.
+    """
 
     def __init__(self, size: int, min_history: int, level_steps: int, trend: bool = False, values: Iterable[float] = ()) -> None:
         self.values: deque[float] = deque(values, maxlen=size)
         self.min_history = min_history
         self.level_steps = level_steps
         self.trend = trend
+        self._diffs: list[float] | None = None  # sorted differences of consecutive values; None: not kept (non-finite)
+        self._slopes: list[float] = []  # sorted pairwise slopes of the last level_steps values (with trend)
+        self._synced: tuple[int, float | None] = (-1, None)  # (len, last value) the lists describe
 
     def __len__(self) -> int:
         return len(self.values)
@@ -106,13 +154,63 @@ class Baseline:
 
     def judge(self, value: float) -> Judgement | None:
         """``value`` against what the window holds now (from MIN_VALUES values on, whether or not it is ready)."""
-        return judge(value, self.values, MIN_VALUES, self.level_steps, self.trend)
+        values = self.values
+        if len(values) < max(MIN_VALUES, 2):
+            return None
+        if not self._in_sync():
+            self._rebuild()
+        diffs = self._diffs
+        if diffs is None:
+            return judge(value, values, MIN_VALUES, self.level_steps, self.trend)
+        recent = list(values)[-self.level_steps:]
+        mad = _median_abs_deviation(diffs, _median_of_sorted(diffs))
+        slope = _median_of_sorted(self._slopes) if self.trend and self._slopes else None
+        return _judged(value, recent, _median_of_sorted(sorted(recent)), mad, self.trend, len(values), slope)
+
+    def _in_sync(self) -> bool:
+        values, (length, last) = self.values, self._synced
+        return length == len(values) and (not values or last is values[-1])
+
+    def _rebuild(self) -> None:
+        window = list(self.values)
+        diffs = sorted(map(operator.sub, window[1:], window))
+        recent = window[-self.level_steps:]
+        slopes = sorted((recent[j] - recent[i]) / (j - i) for i in range(len(recent)) for j in range(i + 1, len(recent))) if self.trend else []
+        finite = all(map(math.isfinite, window))
+        self._diffs, self._slopes = (diffs, slopes) if finite else (None, [])
+        self._synced = (len(window), window[-1] if window else None)
 
     def admit(self, value: float) -> None:
-        self.values.append(value)
+        values = self.values
+        if self._diffs is None or not values or not self._in_sync() or not math.isfinite(value):
+            values.append(value)  # the lists are rebuilt at the next judge
+            return
+        diffs, full = self._diffs, len(values) == values.maxlen
+        if full and len(values) >= 2:
+            del diffs[bisect_left(diffs, values[1] - values[0])]  # the oldest difference leaves with the oldest value
+        if not (full and len(values) < 2):  # a window of one value keeps no difference
+            insort(diffs, value - values[-1])
+        if self.trend:
+            self._shift_slopes(value)
+        values.append(value)
+        self._synced = (len(values), value)
+
+    def _shift_slopes(self, value: float) -> None:
+        """The recent values before ``value`` joins them: the oldest one's slopes leave when the recent window is full."""
+        values, slopes, level = self.values, self._slopes, self.level_steps
+        recent = list(values)[-level:]
+        keeps = min(level, values.maxlen or level)  # how many recent values there are once the window is full
+        if len(recent) >= keeps:  # the oldest recent value leaves (out of the last level_steps, or out of the window)
+            oldest = recent[0]
+            for k in range(1, len(recent)):
+                del slopes[bisect_left(slopes, (recent[k] - oldest) / k)]
+            recent = recent[1:]
+        for i, earlier in enumerate(recent):
+            insort(slopes, (value - earlier) / (len(recent) - i))
 
     def clear(self) -> None:
         self.values.clear()
+        self._diffs, self._slopes, self._synced = [], [], (0, None)
 
     def median(self) -> float | None:
         return statistics.median(self.values) if self.values else None

@@ -8,9 +8,12 @@ be a symlink, and the resolved path must stay inside the root.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from harness.core.errors import HarnessError
 
@@ -65,28 +68,40 @@ def safe_rmtree(root: Path, path: Path) -> None:
 
 def safe_write_bytes(root: Path, path: Path, data: bytes) -> Path:
     """Write ``path`` atomically: a new temporary file (never an existing one, never a link) renamed over it."""
-    path = safe_target(root, path)
-    safe_target(root, path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
-    try:
-        if tmp.is_symlink() or tmp.exists():
-            tmp.unlink()  # a leftover (or planted) temporary name: unlinking a link removes the link, not its target
-        fd = os.open(tmp, flags, 0o644)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)  # replaces the name itself; checked above that it is not a link
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    return path
+    with safe_open_write(root, path, make_parent=False) as handle:
+        handle.write(data)
+    return safe_target(root, path)
 
 
 def safe_write_text(root: Path, path: Path, text: str) -> Path:
     return safe_write_bytes(root, path, text.encode("utf-8"))
 
 
-__all__ = ["UnsafePathError", "safe_mkdir", "safe_rmtree", "safe_target", "safe_write_bytes", "safe_write_text"]
+@contextlib.contextmanager
+def safe_open_write(root: Path, path: Path, make_parent: bool = True) -> Iterator[BinaryIO]:
+    """Write ``path`` atomically, streamed: a new temporary file (never an existing one, never a link) renamed over
+    ``path`` at the end; its folder is made first (``make_parent``) or must exist and be no link."""
+    path = safe_target(root, path)
+    if make_parent:
+        safe_mkdir(root, path.parent)
+    else:
+        safe_target(root, path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    try:
+        with os.fdopen(os.open(tmp, flags, 0o644), "wb") as handle:
+            yield handle
+        safe_target(root, path)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+
+
+__all__ = ["UnsafePathError", "safe_mkdir", "safe_open_write", "safe_rmtree", "safe_target", "safe_write_bytes",
+           "safe_write_text"]

@@ -64,9 +64,11 @@ class Received:
 class SignalFlag:
     """Installs flag-setting handlers for some signals on the main thread; remembers the first arrival."""
 
-    def __init__(self, step: Callable[[], int] = lambda: 0, active: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, step: Callable[[], int] = lambda: 0, active: Callable[[], bool] = lambda: True,
+                 on_receive: Callable[[], None] = lambda: None) -> None:
         self._step = step
         self._active = active  # False once nobody will act on the flag (the plugin was switched off): hand the signal back
+        self._on_receive = on_receive  # called once, at the first arrival (the plugin starts polling the flag then)
         self.received: Received | None = None
         self._previous: dict[int, Any] = {}
 
@@ -91,6 +93,10 @@ class SignalFlag:
             return
         if self.received is None:
             self.received = Received(signum, time.time(), time.monotonic(), self._safe_step())
+            try:
+                self._on_receive()
+            except Exception:  # noqa: BLE001 - a handler must never raise into the interrupted frame
+                pass
         else:
             self.received.count += 1
         previous = self._previous.get(signum)

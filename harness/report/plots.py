@@ -70,7 +70,24 @@ def _segments(run: RunRecord) -> list[list[dict[str, Any]]]:
 def record_of(run: RunRecord, finding: Any) -> dict[str, Any] | None:
     """The step record a finding was made at: same step, the first one written after the finding (a resume
     or rollback replays steps, and the replayed record must not take the original's marker)."""
-    candidates = [r for r in run.steps if r.get("step") == finding.step]
+    return _first_after([r for r in run.steps if r.get("step") == finding.step], finding)
+
+
+def records_of(run: RunRecord, findings: list[Any]) -> list[dict[str, Any]]:
+    """:func:`record_of` for each finding, in one pass over the steps: O(steps + findings), not their product."""
+    if not findings:
+        return []
+    wanted = {f.step for f in findings if isinstance(f.step, int)}
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for record in run.steps:
+        step = record.get("step")
+        if isinstance(step, int) and step in wanted:
+            by_step.setdefault(step, []).append(record)
+    picked = (_first_after(by_step.get(f.step, []) if isinstance(f.step, int) else [], f) for f in findings)
+    return [record for record in picked if record is not None]
+
+
+def _first_after(candidates: list[dict[str, Any]], finding: Any) -> dict[str, Any] | None:
     if not candidates:
         return None
     after = [r for r in candidates if (as_float(r.get("time")) or float("inf")) >= finding.time - 1.0]
@@ -100,7 +117,7 @@ def _draw_loss(run: RunRecord, axes: Any) -> bool:
     skipped = [as_float(r.get(key)) for r in run.steps if r.get("skipped") or r.get("optimizer_skipped")]
     for j, x in enumerate(v for v in skipped if v is not None):
         axes.axvline(x, color="tab:orange", alpha=0.5, linewidth=1, label="skipped step" if j == 0 else None)
-    spikes = [record for f in run.findings if f.code in SPIKE_CODES and (record := record_of(run, f)) is not None]
+    spikes = records_of(run, [f for f in run.findings if f.code in SPIKE_CODES])
     points = [(as_float(r.get(key)), as_float(r.get("loss"))) for r in spikes]
     points = [(x, y) for x, y in points if x is not None and y is not None and math.isfinite(y)]
     if points:
@@ -134,7 +151,7 @@ def _draw_grad_norm(run: RunRecord, axes: Any) -> bool:
     steps, norms = [p[0] for p in drawn], [p[1] for p in drawn]
     if all(v > 0 for v in norms):
         axes.set_yscale("log")
-    spiked = [record for f in run.findings if f.code == "GRAD_NORM_SPIKE" and (record := record_of(run, f)) is not None]
+    spiked = records_of(run, [f for f in run.findings if f.code == "GRAD_NORM_SPIKE"])
     marked = [(r["step"], v) for r in spiked if (v := as_float(r.get("grad_norm"))) is not None and math.isfinite(v)]
     if marked:
         axes.scatter([s for s, _ in marked], [v for _, v in marked], marker="x", color="tab:red", s=50, zorder=5, label="spike")

@@ -1,8 +1,10 @@
 """`harness scan`: which eval examples appear in the training data, found before training starts.
 
 Eval examples are indexed once (``harness.lib.ngrams``); the training data is
-streamed, in chunks of documents, through worker processes that each hold
-the index, so memory grows with the eval sets, not with the training data.
+streamed through worker processes that each hold the index, so memory grows
+with the eval sets, not with the training data. Text and JSON-lines files go
+to the workers as newline-aligned byte ranges that each worker reads and
+normalises whole (``harness.tools.scan_work``); only the matches come back.
 Every eval example gets: the fraction of its n-grams found in training data,
 the fraction of its units covered by them, the longest matched span, how many
 training documents contain a match (with the first few locations and
@@ -16,15 +18,15 @@ import json
 import multiprocessing
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from harness.lib.documents import TEXT_SUFFIXES, ScanError, document_files, iter_documents  # noqa: F401 - re-exported
 from harness.lib.ngrams import EvalExample, Hit, NgramIndex, normalise_words, word_units  # noqa: F401
 from harness.lib.overlap import FrontEnd, ScanOptions, Tally, judge, load_eval_examples  # noqa: F401 - re-exported
+from harness.lib.text_ranges import LINE_FILES, RANGE_BYTES, byte_ranges
+from harness.tools.scan_work import Done, Scanner, Work
 
 # -- near duplicates: MinHash LSH, confirmed by exact Jaccard ------------------------------------------------------
 
@@ -77,58 +79,35 @@ class NearDuplicates:
 
 # -- the scan ------------------------------------------------------------------------------------------------
 
-_WORKER: dict[str, Any] = {}
+_WORKER: dict[str, Scanner] = {}
 
 
-def _init_worker(index: NgramIndex, front: FrontEnd, options: ScanOptions, near: NearDuplicates | None = None) -> None:
-    _WORKER.update(index=index, front=front, options=options, near=near)
+def _init_worker(scanner: Scanner) -> None:
+    _WORKER["scanner"] = scanner
 
 
-Found = tuple[list[tuple[int, Hit, str, str]], list[tuple[int, str, float]]]
+def _run_work(work: Work) -> Done:
+    return _WORKER["scanner"].run(work)
 
 
-def _scan_chunk(documents: list[tuple[str, str]]) -> tuple[int, int, Found]:
-    """Documents and units scanned, n-gram hits (example, hit, document id, snippet) and near duplicates
-    (example, document id, Jaccard similarity) of one chunk of training documents."""
-    index: NgramIndex = _WORKER["index"]
-    front: FrontEnd = _WORKER["front"]
-    options: ScanOptions = _WORKER["options"]
-    near: NearDuplicates | None = _WORKER.get("near")
-    units_scanned, found, near_found = 0, [], []
-    for document_id, text in documents:
-        units, words = front.document(text)
-        units_scanned += len(units)
-        for hit in index.query(units):
-            found.append((hit.example, hit, document_id, _snippet(front, units, words, hit, options.snippet_chars)))
-        near_found += [(example, document_id, jaccard) for example, jaccard in (near.query(text) if near is not None else [])]
-    return len(documents), units_scanned, (found, near_found)
-
-
-def _snippet(front: FrontEnd, units: np.ndarray, words: list[str] | None, hit: Hit, chars: int) -> str:
-    if words is not None:
-        text = " ".join(words[hit.position : hit.position + hit.length])
-    else:
-        text = front.tokenizer.decode(units[hit.position : hit.position + hit.length].tolist())
-    return text[:chars]
-
-
-def _chunks(paths: list[str], field: str, id_field: str, size: int) -> Iterator[list[tuple[str, str]]]:
-    """Chunks of training documents; a training path without one document is an error (it would make every example clean)."""
-    chunk: list[tuple[str, str]] = []
-    for path in paths:
-        read = 0
-        for document in iter_documents(path, field, id_field):
-            read += 1
-            chunk.append(document)
-            if len(chunk) >= size:
-                yield chunk
-                chunk = []
-        if not read:
-            raise ScanError(f"harness scan: the training input {path} has no document with text in field '{field}' "
-                            "(0 documents read), so nothing could be checked against the eval sets. "
-                            "Fix: check the path, its files and --field.")
-    if chunk:
-        yield chunk
+def _works(paths: list[str], field: str, id_field: str, size: int, range_bytes: int) -> Iterator[Work]:
+    """The training inputs as work: newline-aligned byte ranges of .txt/.jsonl files (read by the worker), batches of
+    ``size`` documents of the other formats, and an end marker after each path."""
+    for p, path in enumerate(paths):
+        for file in document_files(Path(path)):
+            kind = LINE_FILES.get(file.suffix.lower()) if file.is_file() else None
+            if kind is not None:
+                yield from (Work(p, str(file), kind, start, stop) for start, stop in byte_ranges(file, range_bytes))
+                continue
+            batch: list[tuple[str, str]] = []
+            for document in iter_documents(file, field, id_field):
+                batch.append(document)
+                if len(batch) >= size:
+                    yield Work(p, str(file), "docs", documents=batch)
+                    batch = []
+            if batch:
+                yield Work(p, str(file), "docs", documents=batch)
+        yield Work(p, path, "end")
 
 
 @dataclass
@@ -147,9 +126,13 @@ class ScanResult:
 
 
 def scan(train: list[str], evals: list[str], field: str = "text", tokenizer: Any = None, workers: int = 1,
-         options: ScanOptions | None = None, id_field: str = "id", chunk_size: int = 256, progress: bool = True,
-         eval_field: str | None = None) -> ScanResult:
-    """Scan every training document (text in ``field``) against every eval example (in ``eval_field``, default ``field``)."""
+         options: ScanOptions | None = None, id_field: str = "id", chunk_size: int = 1024, progress: bool = True,
+         eval_field: str | None = None, range_bytes: int = RANGE_BYTES) -> ScanResult:
+    """Scan every training document (text in ``field``) against every eval example (in ``eval_field``, default ``field``).
+
+    .txt/.jsonl files go to the workers as byte ranges of about ``range_bytes``; other formats as batches of
+    ``chunk_size`` documents. Results are merged in input order, so they do not depend on ``workers``.
+    """
     options = options or ScanOptions()
     front = FrontEnd(tokenizer)
     for path in train:
@@ -157,47 +140,84 @@ def scan(train: list[str], evals: list[str], field: str = "text", tokenizer: Any
     examples = load_eval_examples(evals, eval_field or field, front, id_field)
     index = NgramIndex.build(examples, options.n, options.template_min_examples, options.min_length)
     near = NearDuplicates(examples, options) if options.near_dup else None
-    tallies: dict[int, Tally] = {}
-    documents = units = 0
-    chunks = _chunks(train, field, id_field, chunk_size)
+    scanner = Scanner(index, front, field, id_field, options.snippet_chars, near)
+    merged = _Merged(train, field, options)
+    works = _works(train, field, id_field, chunk_size, range_bytes)
     with _progress(progress) as bar:
         task = bar.add_task("scanning training documents", total=None)
         if workers > 1:
             context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-            with context.Pool(workers, initializer=_init_worker, initargs=(index, front, options, near)) as pool:
-                for counted, scanned, found in _bounded(pool, chunks, ahead=4 * workers):
-                    documents, units = _merge(tallies, found, options, documents + counted, units + scanned)
-                    bar.update(task, completed=documents, description=f"scanning training documents ({units:,} units)")
+            with context.Pool(workers, initializer=_init_worker, initargs=(scanner,)) as pool:
+                for done in _bounded(pool, works, ahead=4 * workers):
+                    merged.add(done)
+                    bar.update(task, completed=merged.documents, description=f"scanning training documents ({merged.units:,} units)")
         else:
-            _init_worker(index, front, options, near)
-            for chunk in chunks:
-                counted, scanned, found = _scan_chunk(chunk)
-                documents, units = _merge(tallies, found, options, documents + counted, units + scanned)
-                bar.update(task, completed=documents, description=f"scanning training documents ({units:,} units)")
-    rows = [judge(index, e, tallies.get(e), options) for e in range(len(examples))]
-    return ScanResult(rows, documents, units, index.windows, index.templates_dropped, front.kind)
+            for work in works:
+                merged.add(scanner.run(work))
+                bar.update(task, completed=merged.documents, description=f"scanning training documents ({merged.units:,} units)")
+    rows = [judge(index, e, merged.tallies.get(e), options) for e in range(len(examples))]
+    return ScanResult(rows, merged.documents, merged.units, index.windows, index.templates_dropped, front.kind)
 
 
-def _bounded(pool: Any, chunks: Iterator[list[tuple[str, str]]], ahead: int) -> Iterator[tuple[int, int, Found]]:
-    """Results in order, with at most ``ahead`` chunks read and in flight (``Pool.imap`` would read the whole input)."""
+def _bounded(pool: Any, works: Iterator[Work], ahead: int) -> Iterator[Done]:
+    """Results in input order, with at most ``ahead`` works in flight (``Pool.imap`` would read the whole input).
+
+    A reading error of the parent (a Parquet file without the field ...) is raised after the works before it are merged,
+    so the first problem in input order is the one reported.
+    """
     from collections import deque
 
     pending: deque[Any] = deque()
-    for chunk in chunks:
-        pending.append(pool.apply_async(_scan_chunk, (chunk,)))
-        if len(pending) >= ahead:
-            yield pending.popleft().get()
+    try:
+        for work in works:
+            pending.append(pool.apply_async(_run_work, (work,)) if work.kind != "end" else Done(work))
+            if len(pending) >= ahead:
+                yield _result(pending.popleft())
+    except ScanError:
+        while pending:
+            yield _result(pending.popleft())
+        raise
     while pending:
-        yield pending.popleft().get()
+        yield _result(pending.popleft())
 
 
-def _merge(tallies: dict[int, Tally], found: Found, options: ScanOptions, documents: int, units: int) -> tuple[int, int]:
-    hits, near = found
-    for example, hit, document, snippet in hits:
-        tallies.setdefault(example, Tally()).add(hit, document, snippet, options.max_locations)
-    for example, document, jaccard in near:
-        tallies.setdefault(example, Tally()).near.append({"document": document, "jaccard": jaccard})
-    return documents, units
+def _result(item: Any) -> Done:
+    return item if isinstance(item, Done) else item.get()
+
+
+class _Merged:
+    """The tallies so far; turns local line numbers into ``file:line`` ids, raises a range's problem, checks every
+    training path had a document."""
+
+    def __init__(self, paths: list[str], field: str, options: ScanOptions) -> None:
+        self.paths, self.field, self.options = paths, field, options
+        self.tallies: dict[int, Tally] = {}
+        self.documents = self.units = 0
+        self._lines: dict[tuple[int, str], int] = {}  # (training input, file) -> lines read so far (a file may be in two inputs)
+        self._per_path: dict[int, int] = {}
+
+    def add(self, done: Done) -> None:
+        work = done.work
+        if work.kind == "end":
+            if not self._per_path.get(work.path):
+                raise ScanError(f"harness scan: the training input {work.file} has no document with text in field '{self.field}' "
+                                "(0 documents read), so nothing could be checked against the eval sets. "
+                                "Fix: check the path, its files and --field.")
+            return
+        base = self._lines.get((work.path, work.file), 0)
+        if done.failure is not None:
+            raise done.failure.error(work.file, self.field, base)
+        name = Path(work.file).name
+        for example, hit, ref, snippet in done.hits:
+            document = ref if isinstance(ref, str) else f"{name}:{base + ref}"
+            self.tallies.setdefault(example, Tally()).add(hit, document, snippet, self.options.max_locations)
+        for example, ref, jaccard in done.near:
+            document = ref if isinstance(ref, str) else f"{name}:{base + ref}"
+            self.tallies.setdefault(example, Tally()).near.append({"document": document, "jaccard": jaccard})
+        self._lines[(work.path, work.file)] = base + done.lines
+        self._per_path[work.path] = self._per_path.get(work.path, 0) + done.documents
+        self.documents += done.documents
+        self.units += done.units
 
 
 def _progress(enabled: bool) -> Any:
@@ -241,8 +261,15 @@ def markdown_table(frame: Any) -> str:
 
 
 def print_scan(train: list[str], evals: list[str], field: str, tokenizer_dir: str | None, out: str, workers: int,
-               options: ScanOptions, id_field: str = "id", eval_field: str | None = None) -> int:
-    """`harness scan`: run, write the outputs, print the per-set summary; exit 1 when an eval example is dirty."""
+               options: ScanOptions, id_field: str = "id", eval_field: str | None = None, clean: Any = None) -> int:
+    """`harness scan`: run, write the outputs, print the per-set summary; exit 1 when an eval example is dirty.
+
+    ``clean`` (a ``decontaminate.CleanOptions``): also write the training data without the dirty examples, eval sets split.
+    """
+    from harness.tools import decontaminate
+
+    if clean is not None:
+        decontaminate.check_clean_dir(clean, train + evals, out)  # before the scan's work, not after it
     from rich.console import Console
     from rich.table import Table
 
@@ -265,4 +292,8 @@ def print_scan(train: list[str], evals: list[str], field: str, tokenizer_dir: st
     console = Console()
     console.print(table)
     console.print(f"report: {paths['markdown']}  table: {paths['csv']}  clean ids: {paths['clean']}  dirty ids: {paths['dirty']}")
+    if clean is not None:
+        written = decontaminate.write_clean(result, train, evals, field, eval_field, id_field, tokenizer, options, clean,
+                                            near_factory=NearDuplicates, checked=True, workers=workers)
+        console.print(decontaminate.summary_line(written))
     return 1 if (frame["status"] == "dirty").any() else 0

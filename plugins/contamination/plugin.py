@@ -68,6 +68,9 @@ class Contamination(Plugin):
         self._max_steps = int(getattr(getattr(trainer, "state", None), "max_steps", 0) or 0)
         watching = bool(self.options.eval_sets) or (self.options.trainer_eval and getattr(trainer, "eval_dataset", None) is not None)
         self._shared = ctx.world_size > 1 and watching
+        self.idle_hooks("on_before_optimizer_step", idle=not self._shared)  # one process: agreed with itself at step end
+        self.idle_hooks("inspect_batch", "on_step_end", idle=not watching)
+        self.idle_hooks("on_loss")  # called only while a full group waits for its hand-over
         if self._shared:  # first, before anything that may fail on one rank only: the same slot on every rank
             ctx.reserve(SLOT, EXCHANGE_INTS, owner=self.name)
         tokenizer = getattr(trainer, "processing_class", None)
@@ -127,7 +130,7 @@ class Contamination(Plugin):
         self._micro_batches += 1
         if (self._micro_batches - 1) % self.options.sample_every:
             return
-        if not self.checker.alive:
+        if self.checker.error is not None or self._worker_error_reported:  # a dead thread is found at the group's hand-over
             self._raise_worker_error()  # once: an INTERNAL_PLUGIN_ERROR with the worker's traceback; then nothing is queued
             return
         host = ids.detach().to("cpu", non_blocking=True) if ids.is_cuda else ids.detach().clone()
@@ -136,11 +139,15 @@ class Contamination(Plugin):
             ready.record()
         assert self._buffer is not None
         self._buffer.add(Job(step, micro_step, ctx.rank, sample_ids(batch), host, ready))
+        if self._buffer.full:
+            self.idle_hooks("on_loss", idle=False)
 
-    @hookimpl
+    @hookimpl(trylast=True)
     def on_loss(self) -> None:
         """A full group goes to the checker here, as backward begins: the training thread then runs without the
-        interpreter lock for a while, so the lookup does not hold up the training thread's Python."""
+        interpreter lock for a while, so the lookup does not hold up the training thread's Python. Last of the
+        ``on_loss`` hooks: the woken checker wants the lock at once, and every hook after the hand-over would wait for it."""
+        self.idle_hooks("on_loss")
         if self._buffer is not None and self._buffer.full and not self._buffer.flush():
             self._raise_worker_error()
 

@@ -152,3 +152,18 @@ def test_python_floats_stay_exact_and_a_dead_step_s_queue_is_dropped() -> None:
     reads.drop_pending()
     reads.read()
     assert reads.values("p", "x") == [] and reads.pending == 0
+
+
+def test_host_values_come_back_as_they_are_in_order_with_tensors_and_cost_no_read() -> None:
+    """A value computed on the host (from CPU data) is queued without a tensor op and returned unchanged, in its place."""
+    reads = DeferredReads()
+    reads.defer("p", "k", [1, 2, -3])
+    reads.defer("p", "k", torch.tensor([4, 5]))
+    reads.defer("p", "k", True)
+    reads.defer("p", "x", 0.1)
+    reads.read()
+    assert reads.values("p", "k") == [[1, 2, -3], [4, 5], True] and reads.values("p", "x") == [0.1]
+    assert reads.reads == 1
+    reads.defer("p", "k", [7])
+    reads.read()
+    assert reads.values("p", "k") == [[7]] and reads.reads == 1  # host values alone: no transfer

@@ -168,3 +168,36 @@ def test_wrapper_hookimpl_is_refused(kind: str) -> None:
     manager.register(_entry(Plain(), "wrapping"))  # the name is free again, and a plain hookimpl runs
     manager.call("on_step_end", ctx=None, step=7, metrics={})
     assert ran == [7]
+
+
+def test_an_idle_hook_is_not_called_until_it_is_woken() -> None:
+    """set_idle drops one plugin's implementations of the named hooks from the calls (other hooks and plugins untouched)."""
+    seen: list[str] = []
+
+    class Quiet:
+        @hookimpl
+        def on_step_end(self, step: int) -> None:
+            seen.append(f"quiet:{step}")
+
+        @hookimpl
+        def on_log(self, step: int) -> None:
+            seen.append(f"quiet-log:{step}")
+
+    class Busy:
+        @hookimpl
+        def on_step_end(self, step: int) -> None:
+            seen.append(f"busy:{step}")
+
+    manager = HarnessPluginManager()
+    manager.register(_entry(Quiet(), "quiet"))
+    manager.register(_entry(Busy(), "busy"))
+    manager.call("on_step_end", ctx=None, step=1, metrics={})
+    manager.set_idle("quiet", ["on_step_end"])
+    assert manager.is_idle("quiet", "on_step_end") and not manager.is_idle("quiet", "on_log")
+    manager.call("on_step_end", ctx=None, step=2, metrics={})
+    manager.call("on_log", ctx=None, step=2, logs={})
+    manager.set_idle("quiet", ["on_step_end"], idle=False)
+    manager.call("on_step_end", ctx=None, step=3, metrics={})
+    assert seen == ["busy:1", "quiet:1", "busy:2", "quiet-log:2", "busy:3", "quiet:3"]  # pluggy: the last registered first
+    with pytest.raises(PluginError, match="on_step_ends"):
+        manager.set_idle("quiet", ["on_step_ends"])

@@ -204,23 +204,40 @@ def test_plugin_failure_on_one_rank_does_not_hang(tmp_path: Path) -> None:
     print(f"2-rank run with a plugin failing on rank 1 took {seconds:.0f} s")
 
 
+@pytest.fixture(scope="module")
+def both_fail_on_rank_1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 2-rank run for the two tests below: at step 3, on rank 1 only, data_hash's hash read and grad_sync's comparison raise.
+
+    data_hash raises in on_before_optimizer_step and again in on_step_end, before its rank-overlap gather (the error
+    limit is not reached); grad_sync raises in its comparison after a replica drifted (rank 1, after step 2). Each
+    plugin's failure is judged on its own findings, ledger or checks below.
+    """
+    tmp_path = tmp_path_factory.mktemp("both_fail")
+    result, _ = _run_two_ranks(tmp_path, {
+        "plugins": ["data_hash", "grad_sync", FAULTS],
+        "grad_sync": {"every": 1, "on_desync": "rebroadcast"},
+        "fault_injector": {"perturb_param_at_step": 2, "break_methods": ["data_hash._read_hashes", "grad_sync._compare"],
+                           "break_on_rank": 1, "break_at_step": 3},
+    })
+    assert result.returncode == 0, result.stderr[-4000:]
+    return tmp_path / "run"
+
+
+def _errors_of(out: Path, plugin: str) -> list[tuple[str, int, int, str]]:
+    return [(f["plugin"], f["rank"], f["step"], f["evidence"]["hook"]) for f in findings_of(out, "INTERNAL_PLUGIN_ERROR") if f["plugin"] == plugin]
+
+
 @pytest.mark.slow
-def test_plugin_raising_before_its_gather_on_one_rank_does_not_hang(tmp_path: Path) -> None:
+def test_plugin_raising_before_its_gather_on_one_rank_does_not_hang(both_fail_on_rank_1: Path) -> None:
     """data_hash raises on rank 1 in on_step_end before its rank-overlap gather (limit not reached): the gather still meets.
 
     Reading the step's hashes fails on rank 1 at step 3, first in on_before_optimizer_step
     (no collective), then again in on_step_end, inside the guarded computation of the
     gather: rank 1 joins with a failure marker instead of leaving rank 0 waiting there.
     """
-    result, _ = _run_two_ranks(tmp_path, {
-        "plugins": ["data_hash", FAULTS],
-        "fault_injector": {"break_methods": ["data_hash._read_hashes"], "break_on_rank": 1, "break_at_step": 3},
-    })
-    assert result.returncode == 0, result.stderr[-4000:]
-    out = tmp_path / "run"
-    errors = findings_of(out, "INTERNAL_PLUGIN_ERROR")
-    assert [(f["plugin"], f["rank"], f["step"], f["evidence"]["hook"]) for f in errors] == [
-        ("data_hash", 1, 3, "on_before_optimizer_step"), ("data_hash", 1, 3, "on_step_end")]
+    out = both_fail_on_rank_1
+    assert _errors_of(out, "data_hash") == [("data_hash", 1, 3, "on_before_optimizer_step"), ("data_hash", 1, 3, "on_step_end")]
+    errors = [f for f in findings_of(out, "INTERNAL_PLUGIN_ERROR") if f["plugin"] == "data_hash"]
     assert "injected fault in data_hash._read_hashes" in errors[1]["evidence"]["traceback"]
     assert findings_of(out, "PLUGIN_DISABLED") == [] and findings_of(out, "RANK_DATA_OVERLAP") == []
     for rank, missing in ((0, set()), (1, {3})):  # rank 1 lost step 3's ledger lines only, and went on
@@ -229,23 +246,15 @@ def test_plugin_raising_before_its_gather_on_one_rank_does_not_hang(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_grad_sync_comparison_failing_on_one_rank_still_meets_the_rebroadcast(tmp_path: Path) -> None:
+def test_grad_sync_comparison_failing_on_one_rank_still_meets_the_rebroadcast(both_fail_on_rank_1: Path) -> None:
     """A replica drifts (rank 1, after step 2); at step 3 grad_sync's comparison raises on rank 1 only.
 
     Rank 0 finds PARAM_DESYNC and asks for the rebroadcast; rank 1 never decided one.
     Before: rank 0 broadcast alone and the ranks' collectives crossed. Now every rank
     joins the rebroadcast's agreement, so rank 0's weights still reach rank 1.
     """
-    result, _ = _run_two_ranks(tmp_path, {
-        "plugins": ["grad_sync", FAULTS],
-        "grad_sync": {"every": 1, "on_desync": "rebroadcast"},
-        "fault_injector": {"perturb_param_at_step": 2, "break_methods": ["grad_sync._compare"], "break_on_rank": 1,
-                           "break_at_step": 3},
-    })
-    assert result.returncode == 0, result.stderr[-4000:]
-    out = tmp_path / "run"
-    (error,) = findings_of(out, "INTERNAL_PLUGIN_ERROR")
-    assert (error["plugin"], error["rank"], error["step"], error["evidence"]["hook"]) == ("grad_sync", 1, 3, "on_before_optimizer_step")
+    out = both_fail_on_rank_1
+    assert _errors_of(out, "grad_sync") == [("grad_sync", 1, 3, "on_before_optimizer_step")]
     assert [(f["step"], f["evidence"]["ranks"]) for f in findings_of(out, "PARAM_DESYNC")] == [(3, [1])]
     checks = read_jsonl(out / "harness" / "grad_sync.jsonl")
     assert [(c["step"], c["in_sync"]) for c in checks] == [(1, True), (2, True), (3, False), (4, True), (5, True), (6, True)]

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from cli_in_process import harness_in_process
 from conftest import EXAMPLE, FAULTS, harness_cli, read_jsonl, torchrun, write_yaml
 from harness.lib.hang_watch import HANG_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 
 
-def test_a_rank_stuck_in_its_data_loader_is_named_and_the_job_exits_with_the_watchdog_code(tmp_path: Path) -> None:
+def test_a_rank_stuck_in_its_data_loader_is_named_and_the_job_exits_with_the_watchdog_code(
+    tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "run"
     config = write_yaml(tmp_path / "h.yaml", {
         "plugins": ["defaults", FAULTS], "watchdog": {"floor_s": 3.0, "factor": 3, "hang_action": "abort"},
@@ -45,10 +49,10 @@ def test_a_rank_stuck_in_its_data_loader_is_named_and_the_job_exits_with_the_wat
         assert rank_0["rank"] == 0 and rank_0["evidence"]["where_kind"] in ("collective", "wait"), rank_0["evidence"]["where"]
 
     (run_dir / "report.md").unlink(missing_ok=True)  # the job was killed: no report of its own; rebuilt from the files alone
-    rebuilt = harness_cli("report", str(out))
+    rebuilt = harness_in_process(capsys, monkeypatch, "report", str(out))  # the CLI's entry point, in this process
     assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
     report = (run_dir / "report.md").read_text(encoding="utf-8")
     hangs = report[report.index("## Hangs"):]
     assert "RANK_HANG" in report and "rank 1 stalled first, at step 5: in the data loader's __next__" in hangs, hangs[:2000]
-    explained = harness_cli("explain", str(out))
+    explained = harness_in_process(capsys, monkeypatch, "explain", str(out))
     assert explained.returncode == 0 and "stalled first: rank 1 stalled first, at step 5" in " ".join(explained.stdout.split())

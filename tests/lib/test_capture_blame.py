@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 import harness
-from conftest import FAULTS, findings_of, harness_cli
+from cli_in_process import harness_in_process
+from conftest import FAULTS, findings_of
 from harness.lib.capture_summary import CaptureResult, markdown, rank_suspects
 
 STEP = 14  # the poisoned step; spike_capture's baseline is ready by then with min_history 5
@@ -85,9 +86,9 @@ def test_the_poisoned_row_ranks_first_by_its_grad_norm(make_trainer: Any, repeti
     assert "| grad norm |" in (Path(spike["evidence"]["capture"]).parent / "summary.rank-0.md").read_text()
 
 
-@pytest.mark.slow  # two runs and a replay through the CLI (a subprocess): CI runs it, the quick subset does not
+@pytest.mark.slow  # two runs and a replay through the CLI: CI runs it, the quick subset does not
 def test_blame_leaves_training_as_it_was_and_replay_prints_the_grad_norms(
-    make_trainer: Any, repetitive_rows: Any, tokenizer: Any, tmp_path: Path
+    make_trainer: Any, repetitive_rows: Any, tokenizer: Any, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     steps = STEP + 4  # the steps after the capture show any change to p.grad, the RNG or the modes
     blamed = _run(make_trainer, repetitive_rows, tokenizer, output_dir=tmp_path / "blamed", max_steps=steps,
@@ -103,7 +104,8 @@ def test_blame_leaves_training_as_it_was_and_replay_prints_the_grad_norms(
 
     capture_dir = tmp_path / "blamed" / "harness" / "captures" / f"step-{STEP}"
     captured = {(s["micro_batch"], s["row"]): s["grad_norm"] for s in json.loads((capture_dir / "capture.rank-0.json").read_text())["samples"]}
-    result = harness_cli("replay", str(capture_dir), env={"COLUMNS": "200"})  # wide enough for every column on one line
+    monkeypatch.setenv("COLUMNS", "200")  # wide enough for every column on one line
+    result = harness_in_process(capsys, monkeypatch, "replay", str(capture_dir))
     assert result.returncode == 0 and "reproduced" in result.stdout, result.stdout + result.stderr[-3000:]
     assert "grad norm" in result.stdout and "per-sample gradient norms: vmap" in result.stdout
     table = [[c.strip() for c in line.split("│")[1:-1]] for line in result.stdout.splitlines() if line.startswith("│")]

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import harness
+from cli_in_process import harness_in_process
 from conftest import EXAMPLE, findings_of, harness_cli, read_jsonl, torchrun, wrapped_example, write_yaml
 from harness.lib.checkpoints import resolve_last
 from harness.core.errors import NoCompleteCheckpointError
@@ -120,7 +121,7 @@ def test_no_complete_checkpoint_is_a_clear_error(make_trainer: Any, tmp_path: Pa
 
 
 @pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
-def test_harness_run_resume_skips_incomplete_checkpoint(tmp_path: Path) -> None:
+def test_harness_run_resume_skips_incomplete_checkpoint(tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import yaml
 
     from conftest import REPO
@@ -135,7 +136,7 @@ def test_harness_run_resume_skips_incomplete_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "pretrain"
     assert run_stage("pretrain", config) == 0
     (out / "checkpoint-6" / "trainer_state.json").unlink()
-    resumed = harness_cli("run", "pretrain", "--config", str(config), "--resume")  # HF alone: FileNotFoundError
+    resumed = harness_in_process(capsys, monkeypatch, "run", "pretrain", "--config", str(config), "--resume")  # HF alone: FileNotFoundError
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (incomplete,) = findings_of(out, "CHECKPOINT_INCOMPLETE")
     assert incomplete["evidence"]["checkpoint"] == str(out / "checkpoint-6") and incomplete["evidence"]["missing"] == ["trainer_state.json"]

@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 import harness
@@ -111,3 +112,28 @@ def test_resume_reads_the_ledger_once(make_trainer: Any, tmp_path: Path, monkeyp
     assert findings_of(out, "RESUME_DATA_POSITION")[0]["step"] == 11  # resume_check read the interrupted run's batches
     assert findings_of(out, "DATA_REPEATED")[0]["step"] == 11  # data_hash read what the epoch had trained
     assert len(reads) == 1
+
+
+def _generic_row_hashes(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The definition, written out: sum over positions of (id + 1) * mask * weight, wrapping modulo 2^64."""
+    from harness.lib.hashing import _position_weights
+
+    values = ids.to(torch.int64) + 1
+    if mask is not None:
+        values = values * mask.to(torch.int64)
+    return (values * _position_weights(ids.device, ids.shape[1])).sum(dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_row_hashes_are_the_defined_sums(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 2**31 - 1, (5, 37), generator=generator).to(dtype)
+    mask = torch.ones(5, 37, dtype=torch.int64)
+    mask[2, 20:] = 0
+    mask[4, :] = 0
+    from harness.lib.hashing import device_row_hashes, hash_token_rows
+
+    assert torch.equal(device_row_hashes(ids, mask), _generic_row_hashes(ids, mask))
+    assert torch.equal(device_row_hashes(ids, mask.bool()), _generic_row_hashes(ids, mask))
+    assert torch.equal(device_row_hashes(ids), _generic_row_hashes(ids, None))
+    assert device_row_hashes(ids).tolist() == hash_token_rows(ids.tolist())  # the host hash of dataset rows agrees

@@ -68,3 +68,15 @@ def test_read_ledger_marks_steps_trained_past_the_resumed_checkpoint(tmp_path: P
 def test_no_ledger_means_nothing_around_the_resume(tmp_path: Path) -> None:
     assert around_resume(tmp_path, 0, 3) == ([], [])
     assert last_attempt(ledger_path(tmp_path, 0)) == 0
+
+
+def test_the_per_step_fast_path_writes_the_same_lines_as_records(tmp_path: Path) -> None:
+    """``write_hashes`` formats lines itself (the per-step path); they must be the bytes ``write_step`` writes."""
+    cases = [(0, "00ff", ["0a", "0b"], None), (1, "01", [], [1, 2]), (2, "02", ["0c"], ['a"b', "ü"])]
+    writer = LedgerWriter(tmp_path, rank=0)
+    writer.write_hashes(5, 1, cases)
+    writer.write_step([{"step": 5, "micro_batch": m, "epoch": 1, "batch_hash": b, "sample_hashes": s, "sample_ids": i}
+                       for m, b, s, i in cases])
+    writer.close()
+    lines = [line for line in writer.path.read_text().splitlines() if '"event"' not in line]
+    assert len(lines) == 6 and lines[:3] == lines[3:]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
 
 import pytest
@@ -99,3 +100,26 @@ def test_a_baseline_tests_from_three_values_and_is_ready_at_min_history() -> Non
     for _ in range(5):
         base.admit(2.0)
     assert list(base.values) == [2.0] * 5  # the window keeps the last ``size`` values
+
+
+@pytest.mark.parametrize("size,level,trend", [(50, 10, True), (50, 10, False), (5, 3, True), (3, 10, True), (20, 20, True), (2, 1, True), (1, 1, False)])
+def test_the_baselines_kept_differences_judge_exactly_as_the_window(size: int, level: int, trend: bool) -> None:
+    """Baseline.judge keeps the window's differences sorted as values come and go; every judgement must be the one
+    :func:`judge` gives for the same window, bit for bit, through admits, clears and a state restored from outside."""
+    rng = random.Random(size * 100 + level)
+    base = Baseline(size, 3, level, trend=trend)
+    for i in range(3000):
+        value = rng.choice([rng.gauss(3.0 - 0.001 * i, 0.2), 2.5, float(rng.randint(0, 3)), 0.0, -0.0])
+        got, want = base.judge(value), judge(value, base.values, 3, level, trend)
+        assert (got is None) == (want is None)
+        if got is not None and want is not None:
+            assert repr((got.median, got.sd, got.z, got.size)) == repr((want.median, want.sd, want.z, want.size))  # nan alike
+        roll = rng.random()
+        if roll < 0.01:
+            base.clear()
+        elif roll < 0.02:
+            base.values.extend([rng.random(), rng.random()])  # a restored state: the kept differences are rebuilt
+        elif roll < 0.025:
+            base.admit(math.nan)  # not finite: judged from the window itself until it leaves
+        else:
+            base.admit(value)

@@ -16,6 +16,7 @@ import pytest
 from transformers import TrainerCallback
 
 import harness
+from cli_in_process import harness_in_process
 from conftest import EXAMPLE, FAULTS, REPO, findings_of, harness_cli, write_yaml
 from harness.core.errors import HarnessError, RunDirLockedError, RunDirNotWritableError
 
@@ -153,7 +154,7 @@ def _captured_nan_run(make_trainer: Any, out: Path, save_steps: int) -> Path:
     return out / "harness" / "captures" / "step-4"
 
 
-def test_replay_prefers_checkpoint_beside_capture(make_trainer: Any, tmp_path: Path) -> None:
+def test_replay_prefers_checkpoint_beside_capture(make_trainer: Any, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from harness.tools.replay import find_capture_file, replay
 
     original = tmp_path / "original"
@@ -169,7 +170,7 @@ def test_replay_prefers_checkpoint_beside_capture(make_trainer: Any, tmp_path: P
 
     _, used, exact, _ = replay(moved / "harness" / "captures" / "step-4")
     assert used == moved / "checkpoint-3" and exact  # not the absolute path stored in capture.json
-    result = harness_cli("replay", str(moved / "harness" / "captures" / "step-4"))
+    result = harness_in_process(capsys, monkeypatch, "replay", str(moved / "harness" / "captures" / "step-4"))
     # on the other run's checkpoint-3 the numbers would differ: exit status 1, "not reproduced"
     assert result.returncode == 0 and "reproduced: every per-sample loss" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -210,7 +211,7 @@ def test_a_killed_runs_forked_workers_do_not_keep_the_lock(tmp_path: Path) -> No
 
 
 @pytest.mark.slow  # a run through `harness wrap` (a subprocess): CI runs it, the quick tier does not
-def test_replay_skips_an_incomplete_checkpoint(make_trainer: Any, tmp_path: Path) -> None:
+def test_replay_skips_an_incomplete_checkpoint(make_trainer: Any, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A save killed half-way leaves checkpoint-<N> without trainer_state.json: replay passes it over, or says so."""
     from harness.tools.replay import replay
 
@@ -221,7 +222,8 @@ def test_replay_skips_an_incomplete_checkpoint(make_trainer: Any, tmp_path: Path
 
     _, used, exact, _ = replay(capture_dir)
     assert used == out / "checkpoint-2" and not exact  # the newest complete one before it, never the broken one
-    result = harness_cli("replay", str(capture_dir), env={"COLUMNS": "1000"})
+    monkeypatch.setenv("COLUMNS", "1000")
+    result = harness_in_process(capsys, monkeypatch, "replay", str(capture_dir))
     stdout = " ".join(result.stdout.split())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"skipped {out / 'checkpoint-3'}: it lacks trainer_state.json" in stdout, stdout[-3000:]
@@ -229,7 +231,8 @@ def test_replay_skips_an_incomplete_checkpoint(make_trainer: Any, tmp_path: Path
 
     shutil.rmtree(out / "checkpoint-1")
     shutil.rmtree(out / "checkpoint-2")  # now the only candidate (checkpoint-4 is after the capture) is the broken one
-    result = harness_cli("replay", str(capture_dir))
+    monkeypatch.delenv("COLUMNS")
+    result = harness_in_process(capsys, monkeypatch, "replay", str(capture_dir))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stdout[-3000:] + result.stderr[-3000:]
     message = " ".join(result.stderr.split())
     assert f"no complete checkpoint at or before step 3 in {out}: {out / 'checkpoint-3'} lacks trainer_state.json" in message, message

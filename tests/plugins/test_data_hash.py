@@ -97,10 +97,10 @@ def test_changed_training_data_on_resume(make_trainer: Any, lm_rows: Any, tmp_pa
 def test_two_ranks_reading_the_same_stream_overlap(tmp_path: Path) -> None:
     out = tmp_path / "run"
     config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults"]})
-    result = wrapped_example(out, config, "--own_dataloader", launcher=torchrun(), steps=16)
+    # the ranks are compared at every step: step 1 already shows the overlap (no checkpoints: nothing here needs one)
+    result = wrapped_example(out, config, "--own_dataloader", launcher=torchrun(), steps=4, save_steps=0)
     assert result.returncode == 0, result.stderr[-3000:]
     overlap = findings_of(out, "RANK_DATA_OVERLAP")
     assert overlap[0]["step"] == 1 and overlap[0]["evidence"]["ranks"] == [0, 1] and overlap[0]["evidence"]["shared_samples"] == 4
-    clean = tmp_path / "sharded"
-    assert wrapped_example(clean, config, launcher=torchrun(), steps=16).returncode == 0
-    assert _data_findings(clean) == []
+    # The negative case, two ranks on the Trainer's own sharded loader finding no overlap, is the clean 200-step DDP run of
+    # tests/plugins/test_grad_sync.py::test_clean_two_process_run_of_200_steps_is_silent (default plugins: no data finding).

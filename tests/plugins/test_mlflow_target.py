@@ -6,6 +6,8 @@ each test counts the runs in every experiment of the store.
 from __future__ import annotations
 
 import gc
+import shutil
+from contextlib import closing
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -32,14 +34,33 @@ def _in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
 
 
+@pytest.fixture(scope="session")
+def empty_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty SQLite store, made once: MLflow's schema migrations take seconds per new store, the same each time."""
+    root = tmp_path_factory.mktemp("mlflow_template")
+    path = root / "store.db"
+    client = mlflow_client(f"sqlite:///{path}")
+    assert [e.name for e in client.search_experiments()] == ["Default"]  # created, migrated, and no transaction left open
+    return path
+
+
 @pytest.fixture
-def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A fresh SQLite store as MLFLOW_TRACKING_URI; no fluent run or URI leaks into the next test."""
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, empty_store: Path) -> Iterator[str]:
+    """A fresh SQLite store as MLFLOW_TRACKING_URI; no fluent run or URI leaks into the next test.
+
+    A copy of ``empty_store`` whose Default experiment keeps its artifacts under ``tmp_path/mlruns/0``: what MLflow
+    itself makes when it creates the store in the working directory ``tmp_path``.
+    """
+    import sqlite3
+
     import mlflow
     import mlflow.tracking.fluent as fluent
 
     from harness.plugins.mlflow import target
 
+    shutil.copyfile(empty_store, tmp_path / "store.db")
+    with closing(sqlite3.connect(tmp_path / "store.db")) as db, db:
+        db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0", (str(tmp_path / "mlruns" / "0"),))
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     for key in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_NESTED_RUN", "MLFLOW_TAGS"):

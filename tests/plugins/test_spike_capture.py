@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import harness
+from cli_in_process import harness_in_process
 from conftest import EXAMPLE, FAULTS, findings_of, harness_cli, write_yaml
 from harness.lib.hashing import content_hashes
 from harness.lib.ledger import read_ledger
@@ -117,7 +118,7 @@ def test_state_is_saved_with_the_checkpoint_and_restored_on_resume(
 
 @pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
 def test_replay_reproduces_the_captured_losses_on_the_checkpoint(
-    make_trainer: Any, repetitive_rows: Any, tokenizer: Any, tmp_path: Path
+    make_trainer: Any, repetitive_rows: Any, tokenizer: Any, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     trainer, _ = _run(
         make_trainer, repetitive_rows, tokenizer, {"corrupt_at_steps": [40], "corrupt_rows": [2]}, steps=41,
@@ -136,19 +137,20 @@ def test_replay_reproduces_the_captured_losses_on_the_checkpoint(
     assert result.returncode == 0, result.stdout + result.stderr
     assert "reproduced" in result.stdout and "not reproduced" not in result.stdout
 
+    # the other outcomes through the same CLI entry point, in this process (a subprocess per call is only start-up time)
     # another model directory: the numbers are shown, and said not to be comparable
     other = tmp_path / "some_model"
     shutil.copytree(out / "checkpoint-26", other)
-    result = harness_cli("replay", str(capture_dir), "--checkpoint", str(other))
-    assert result.returncode == 0 and "not expected to match" in result.stdout
+    result = harness_in_process(capsys, monkeypatch, "replay", str(capture_dir), "--checkpoint", str(other))
+    assert result.returncode == 0 and "not expected to match" in result.stdout, result.stdout + result.stderr
     # other weights under the name of the right checkpoint: the numbers differ and replay fails
     impostor = tmp_path / "elsewhere" / "checkpoint-39"
     shutil.copytree(out / "checkpoint-26", impostor)
-    result = harness_cli("replay", str(capture_dir), "--checkpoint", str(impostor))
-    assert result.returncode == 1 and "not reproduced" in result.stdout
+    result = harness_in_process(capsys, monkeypatch, "replay", str(capture_dir), "--checkpoint", str(impostor))
+    assert result.returncode == 1 and "not reproduced" in result.stdout, result.stdout + result.stderr
 
-    missing = harness_cli("replay", str(out / "harness" / "captures" / "step-7"))
-    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    missing = harness_in_process(capsys, monkeypatch, "replay", str(out / "harness" / "captures" / "step-7"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr, missing.stdout + missing.stderr
 
 
 def _wrapped(tmp_path: Path, faults: dict[str, Any], steps: int) -> Path:

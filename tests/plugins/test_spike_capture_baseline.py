@@ -21,6 +21,7 @@ class Findings:
 
     def __init__(self) -> None:
         self.made: list[dict[str, Any]] = []
+        self.step_batches: list[tuple[int, dict[str, Any]]] = []  # the loop's micro-batches of the step: none here
 
     def report(self, code: str, message: str, **kw: Any) -> None:
         self.made.append({"code": code, "message": message, **kw})

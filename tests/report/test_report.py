@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import harness
+from cli_in_process import harness_in_process
 from conftest import FAULTS, broken_report_links, findings_of, harness_cli, read_jsonl, wrapped_example, write_yaml
 from harness.cli import main as harness_main
 from harness.core.hookspecs import hookimpl
@@ -152,13 +153,13 @@ def test_explain_and_report_name_the_fix_for_a_folder_without_a_run(tmp_path: Pa
 
 
 @pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
-def test_a_run_killed_with_kill_9_gets_a_complete_report(tmp_path: Path) -> None:
+def test_a_run_killed_with_kill_9_gets_a_complete_report(tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "killed"
     config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults", FAULTS], "fault_injector": {"nonfinite_loss_at_steps": [3], "kill_at_step": 13}})
     result = wrapped_example(out, config, steps=20)
     assert result.returncode in (-9, 137), result.stderr[-2000:]
     assert not (out / "harness" / "report.md").exists()  # nothing ran at the end: the process was killed
-    rebuilt = harness_cli("report", str(out))
+    rebuilt = harness_in_process(capsys, monkeypatch, "report", str(out))  # the CLI in this process (as a subprocess: tools/test_report_safety.py)
     assert rebuilt.returncode == 0, rebuilt.stderr[-2000:]
     markdown = (out / "harness" / "report.md").read_text(encoding="utf-8")
     assert "**Verdict: failed.** the last train() call never reached its end at step 12 (killed" in markdown

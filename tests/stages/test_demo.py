@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from cli_in_process import harness_in_process
 from conftest import broken_report_links, findings_of, harness_cli, read_jsonl
 from harness.lib.playbook import find_section
 
 
 @pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
-def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
+def test_demo_names_each_injected_fault(tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "demo"
     result = harness_cli("demo", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -42,7 +44,9 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
     spike = findings_of(out, "LOSS_SPIKE")[1]  # the corrupted batch of step 31
     capture_dir = Path(spike["evidence"]["capture"]).parent
     assert f"harness replay {capture_dir}" in summary
-    replayed = harness_cli("replay", str(capture_dir))  # on checkpoint-30, the weights the spike was computed with
+    # on checkpoint-30, the weights the spike was computed with (the CLI in this process: tests/plugins/test_spike_capture.py runs
+    # `harness replay` as a subprocess)
+    replayed = harness_in_process(capsys, monkeypatch, "replay", str(capture_dir))
     assert replayed.returncode == 0 and "reproduced: every per-sample loss" in replayed.stdout, replayed.stdout[-2000:]
     (divergence,) = findings_of(out, "LOSS_DIVERGENCE")
     assert divergence["evidence"]["since_step"] == 47
@@ -91,7 +95,7 @@ def test_demo_names_each_injected_fault(tmp_path: Path) -> None:
         assert section in main_report, section
     assert "| demo_quiz | 50 |" in main_report and "## Replica consistency (grad_sync)" in (desync / "harness" / "report.md").read_text(encoding="utf-8")
     assert f"harness explain {out}" in result.stdout
-    explained = harness_cli("explain", str(out))
+    explained = harness_in_process(capsys, monkeypatch, "explain", str(out))
     assert explained.returncode == 0, explained.stderr[-2000:]
     for run in (out, broken, desync):
         block = explained.stdout[explained.stdout.index(f"== {run / 'harness'}"):]

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import REPO, example_config, findings_of, harness_cli, read_jsonl
+from cli_in_process import harness_in_process
+from conftest import REPO, example_config, findings_of, read_jsonl
 from harness.core.errors import ConfigError, HarnessError
 from harness.stages.runner import run_stage
 
@@ -112,11 +113,11 @@ def test_typo_in_a_training_key(tmp_path: Path) -> None:
     assert not (tmp_path / "pretrain").exists()  # failed before anything was built
 
 
-def test_typo_in_a_section_key(tmp_path: Path) -> None:
+def test_typo_in_a_section_key(tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     config = example_config("sft", tmp_path)
     text = config.read_text().replace("tokenizer:", "tokeniser:") if "tokenizer:" in config.read_text() else config.read_text() + "tokeniser: {}\n"
     config.write_text(text)
-    result = harness_cli("run", "sft", "--config", str(config))
+    result = harness_in_process(capsys, monkeypatch, "run", "sft", "--config", str(config))
     assert result.returncode == 2
     assert "key 'tokeniser'" in result.stderr and "Did you mean 'tokenizer'?" in result.stderr and "Traceback" not in result.stderr
 
@@ -151,8 +152,7 @@ def test_stage_mismatch_and_unknown_harness_option(tmp_path: Path) -> None:
         run_stage("pretrain", config)
 
 
-@pytest.mark.slow  # a subprocess run (`harness wrap` or the runner): CI runs it, the quick tier does not
-def test_runner_refuses_records_without_text_field(tmp_path: Path) -> None:
+def test_runner_refuses_records_without_text_field(tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A mixed JSON-lines file: half the records lack 'text'. They were dropped in silence (and the tokenizer trained on
     the string 'None'); now the run fails before anything is built, naming the file, the records' lines and the key."""
     mixed = tmp_path / "mixed.jsonl"
@@ -164,7 +164,7 @@ def test_runner_refuses_records_without_text_field(tmp_path: Path) -> None:
     data = yaml.safe_load(config.read_text())
     data["data"]["sources"] = [{"path": str(mixed)}]
     config.write_text(yaml.safe_dump(data))
-    result = harness_cli("run", "pretrain", "--config", str(config))
+    result = harness_in_process(capsys, monkeypatch, "run", "pretrain", "--config", str(config))
     assert result.returncode == 2, result.stderr[-3000:]
     message = " ".join(result.stderr.split())
     assert "Traceback" not in result.stderr
@@ -173,8 +173,7 @@ def test_runner_refuses_records_without_text_field(tmp_path: Path) -> None:
     assert not (tmp_path / "pretrain").exists()  # failed before tokenizer, model or Trainer were built
 
 
-@pytest.mark.slow  # a subprocess run (`harness wrap` or the runner): CI runs it, the quick tier does not
-def test_runner_refuses_unknown_model_override(tmp_path: Path) -> None:
+def test_runner_refuses_unknown_model_override(tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     config = example_config("pretrain", tmp_path, training={"max_steps": 2, "save_strategy": "no"})
     data = yaml.safe_load(config.read_text())
     data["model"]["overrides"] = {"hidden_sise": 32, "num_layers": 1, "rms_norm_eps": 1e-5}
@@ -186,7 +185,7 @@ def test_runner_refuses_unknown_model_override(tmp_path: Path) -> None:
     assert not (tmp_path / "pretrain").exists()
     data["model"]["overrides"] = {"vocab_size": 1000}  # set from the tokenizer: a second value would be a TypeError later
     config.write_text(yaml.safe_dump(data))
-    result = harness_cli("run", "pretrain", "--config", str(config))
+    result = harness_in_process(capsys, monkeypatch, "run", "pretrain", "--config", str(config))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "model.overrides.vocab_size" in result.stderr and "from the tokenizer" in result.stderr
     assert not (tmp_path / "pretrain").exists()
