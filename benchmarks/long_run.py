@@ -100,7 +100,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_env import offline_defaults  # noqa: E402 - beside this script
+from bench_env import offline_defaults, time_hook_calls  # noqa: E402 - beside this script
 
 offline_defaults()
 
@@ -171,16 +171,10 @@ class HookTimer:
 
     def __init__(self, manager: Any) -> None:
         self.seconds = 0.0
-        call_one = manager._call_one
+        time_hook_calls(manager, self._add)
 
-        def timed(hook: str, plugin_name: str, function: Any, argnames: tuple[str, ...], kwargs: dict[str, Any]) -> Any:
-            began = time.perf_counter()
-            try:
-                return call_one(hook, plugin_name, function, argnames, kwargs)
-            finally:
-                self.seconds += time.perf_counter() - began
-
-        manager._call_one = timed
+    def _add(self, hook: str, plugin: str, kwargs: dict[str, Any], seconds: float) -> None:
+        self.seconds += seconds
 
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0

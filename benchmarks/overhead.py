@@ -33,7 +33,7 @@ from typing import Any
 
 # Offline before anything from the HF stack is imported; the harness must come
 # up with its defaults only, so no config or plugin list leaks in from the shell.
-from bench_env import offline_defaults  # noqa: E402 - beside this script
+from bench_env import offline_defaults, time_hook_calls  # noqa: E402 - beside this script
 
 offline_defaults()
 
@@ -196,24 +196,17 @@ def _time_hooks(manager: Any, timer: StepTimer, warmup: int, steps: int) -> None
     ends) is kept apart in ``last_step_seconds``. Both are fixed costs per
     run, not per step.
     """
-    call_one = manager._call_one
+    def record(hook: str, plugin_name: str, kwargs: dict[str, Any], spent: float) -> None:
+        # run start/end work (the dataset index, opening the ledger) is in no step's time: not counted per step
+        step = getattr(kwargs.get("ctx"), "step", None)
+        if hook in PER_STEP_HOOKS and step is not None and step >= steps:
+            timer.last_step_seconds += spent
+        elif hook in PER_STEP_HOOKS and (step is None or step > warmup):
+            timer.hook_seconds += spent
+            key = f"{plugin_name}.{hook}" if os.environ.get("HARNESS_BENCH_BY_HOOK") else plugin_name
+            timer.by_plugin[key] = timer.by_plugin.get(key, 0.0) + spent
 
-    def timed(hook: str, plugin_name: str, function: Any, argnames: tuple[str, ...], kwargs: dict[str, Any]) -> Any:
-        began = time.perf_counter()
-        try:
-            return call_one(hook, plugin_name, function, argnames, kwargs)
-        finally:
-            spent = time.perf_counter() - began  # first: the bookkeeping below is the benchmark's, not the hook's
-            # run start/end work (the dataset index, opening the ledger) is in no step's time: not counted per step
-            step = getattr(kwargs.get("ctx"), "step", None)
-            if hook in PER_STEP_HOOKS and step is not None and step >= steps:
-                timer.last_step_seconds += spent
-            elif hook in PER_STEP_HOOKS and (step is None or step > warmup):
-                timer.hook_seconds += spent
-                key = f"{plugin_name}.{hook}" if os.environ.get("HARNESS_BENCH_BY_HOOK") else plugin_name
-                timer.by_plugin[key] = timer.by_plugin.get(key, 0.0) + spent
-
-    manager._call_one = timed
+    time_hook_calls(manager, record)
 
 
 def prime(tokenizer: Any, dataset: Any, warmup: int) -> None:

@@ -84,7 +84,7 @@ def not_json(file: Path | str, line: int, message: str) -> ScanError:
     return ScanError(f"harness scan: {file} line {line} is not JSON ({message}). Fix: one JSON object per line.")
 
 
-def _missing(file: Path, field: str, keys: list[str]) -> ScanError:
+def missing_field(file: Path, field: str, keys: list[str]) -> ScanError:
     return ScanError(f"harness scan: {file} has no field '{field}' (it has: {', '.join(map(str, keys)) or 'nothing'}). "
                      "Fix: pass --field with the name of the text field.")
 
@@ -98,7 +98,7 @@ def _read_jsonl(file: Path, field: str, id_field: str) -> Iterator[tuple[str, st
         except json.JSONDecodeError as exc:
             raise not_json(file, line_number, exc.msg) from exc
         if not isinstance(record, dict) or field not in record:
-            raise _missing(file, field, list(record) if isinstance(record, dict) else [])
+            raise missing_field(file, field, list(record) if isinstance(record, dict) else [])
         text = record[field]
         if isinstance(text, str) and text.strip():
             yield str(record.get(id_field, f"{file.name}:{line_number}")), text
@@ -113,7 +113,7 @@ def _read_parquet(file: Path, field: str, id_field: str) -> Iterator[tuple[str, 
         raise ScanError(f"harness scan: {file} cannot be read as parquet ({exc}). Fix: check the file is a valid parquet table.") from None
     names = reader.schema_arrow.names
     if field not in names:
-        raise _missing(file, field, names)
+        raise missing_field(file, field, names)
     row = 0
     columns = [field] + ([id_field] if id_field in names else [])
     for batch in reader.iter_batches(columns=columns, batch_size=4096):
@@ -138,7 +138,7 @@ def _read_datasets(folder: Path, field: str, id_field: str) -> Iterator[tuple[st
         splits = [("", data)]
     for name, split in splits:
         if field not in split.column_names:
-            raise _missing(folder, field, split.column_names)
+            raise missing_field(folder, field, split.column_names)
         for start in range(0, len(split), 4096):
             chunk = split[start : start + 4096]
             for i, text in enumerate(chunk[field]):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.lib.documents import ScanError, _missing, not_json, not_utf8
+from harness.lib.documents import ScanError, missing_field, not_json, not_utf8
 from harness.lib.word_scan import ASCII_WHITESPACE, LINE_TABLE, WordChunk, documents_buffer, lines_buffer
 
 RANGE_BYTES = 1 << 20  # bytes a worker reads per range: whole-range numpy passes whose arrays stay in cache, and balance
@@ -55,7 +55,7 @@ class Failure:
             return not_utf8(file, line, *self.detail)
         if self.kind == "json":
             return not_json(file, line, *self.detail)
-        return _missing(Path(file), field, list(self.detail))
+        return missing_field(Path(file), field, list(self.detail))
 
 
 @dataclass
