@@ -9,6 +9,8 @@ from typing import Sequence
 from harness.core.errors import HarnessError, HarnessStopped
 from harness.lib.stops import EXIT_STOPPED
 
+QUIET_HELP = "no live console line per finding on stderr (as HARNESS_QUIET=1 or the config's console.level: off)"
+
 
 def _cmd_wrap(args: argparse.Namespace) -> int:
     from harness.launch.wrap import run_wrapped
@@ -17,7 +19,7 @@ def _cmd_wrap(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     plugins = [p.strip() for p in (args.plugins or "").split(",") if p.strip()]
-    return run_wrapped(command, config=args.config, plugins=plugins)
+    return run_wrapped(command, config=args.config, plugins=plugins, quiet=args.quiet)
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -40,8 +42,18 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet(args: argparse.Namespace) -> None:
+    """``--quiet``: no live console lines from this process and the processes it starts (HARNESS_QUIET=1)."""
+    if getattr(args, "quiet", False):
+        from harness.core.console import QUIET_ENV
+
+        os.environ[QUIET_ENV] = "1"
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from harness.stages.runner import run_stage
+
+    _quiet(args)
 
     resume: str | bool | None = args.resume
     if resume == "":
@@ -51,6 +63,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from harness.stages.demo import run_demo
+
+    _quiet(args)
 
     return run_demo(args.out)
 
@@ -147,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     wrap.add_argument("--config", help="harness YAML config (default: built-in defaults)")
     wrap.add_argument("--plugins", help="comma-separated plugins to enable in addition to the config's")
+    wrap.add_argument("--quiet", action="store_true", help=QUIET_HELP + "; and no closing summary")
     wrap.add_argument("command", nargs=argparse.REMAINDER, help="-- followed by the training command")
     wrap.set_defaults(func=_cmd_wrap)
 
@@ -159,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("stage", choices=["pretrain", "continue", "sft", "dpo"])
     run.add_argument("--config", required=True, help="the run config YAML (see examples/*.yaml)")
     run.add_argument("--resume", nargs="?", const="", default=None, metavar="CKPT", help="resume from CKPT, or the last checkpoint")
+    run.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     run.set_defaults(func=_cmd_run)
 
     demo = sub.add_parser(
@@ -166,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the embedded default: train a tiny model with faults injected on purpose, show what the harness found",
     )
     demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    demo.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     demo.set_defaults(func=_cmd_demo)
 
     replay = sub.add_parser(

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.actions import Action, strongest
+from harness.core.console import Console
 from harness.core.deferred import DeferredReads
 from harness.core.errors import HarnessError
 from harness.core.distributed import DistInfo, all_reduce_max, exchange_rows, gather_to_main
@@ -90,6 +91,7 @@ class RunContext:
         self.stage: str | None = None  # set by the stage runner; otherwise inferred from the trainer class
         self._hub = FindingsHub(self.run_dir, dist)
         self._in_on_finding = False
+        self.console = Console(config.model.console, is_main=dist.is_main)  # live lines on rank 0's stderr
         self.reads = DeferredReads()  # device tensors read once per step, at the guard
         self.exchange = StepExchange()  # plugin payloads riding the guard's one collective
         self._layout_checked = False
@@ -220,6 +222,7 @@ class RunContext:
             return Action.CONTINUE
 
     def _announce(self, finding: Finding) -> None:
+        self.console.show(finding)  # rank 0: this rank's findings and, through collect_findings, the other ranks'
         if self._in_on_finding:
             return
         self._in_on_finding = True

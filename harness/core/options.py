@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from harness.core.actions import Action
+from harness.core.console import ConsoleOptions
 from harness.core.findings import Severity
 
 CONFIG_ENV = "HARNESS_CONFIG"
@@ -72,6 +73,11 @@ class CoreOptions(BaseModel):
         "stage runner): 'return' returns as the Trainer does (the stop banner on stderr and `harness wrap`'s exit status 75 "
         "still say it); 'raise' raises harness.HarnessStopped (code, step, attempt, output_dir) once the Trainer returned "
         "and the report is written, so that the script cannot go on as if training had completed.",
+    )
+    console: ConsoleOptions = Field(
+        default_factory=ConsoleOptions,
+        description="Live console lines: rank 0 prints each finding at `level` or above on stderr as it is made, "
+        "`per_code` lines per code at most.",
     )
 
 

@@ -25,6 +25,7 @@ from harness.hf.checkpoint_state import CheckpointState
 from harness.lib import rundir
 from harness.lib.stops import StopNotice
 from harness.lib.runinfo import end_attempt, run_facts, start_attempt
+from harness.lib.wrapped_runs import write_run_marker
 
 RANK_END_WAIT_S = 90.0  # rank 0 waits this long at most for the other ranks' run-end files
 
@@ -108,6 +109,7 @@ class RunLifecycle:
         """At train begin: record the attempt in run.json (rank 0), then ``on_run_start`` and ``inspect_dataset``."""
         ctx, trainer, hooks = self.ctx, self.trainer, self.ctx.manager.hooks
         if ctx.is_main:
+            write_run_marker(ctx.run_dir)  # `harness wrap`'s closing summary reads it (nothing outside wrap)
             try:  # the run card's facts: nice to have, never worth a crash
                 resumed = str(ctx.resumed_from) if ctx.resumed_from is not None else None
                 facts = run_facts(trainer, ctx.world_size, ctx.stage)

@@ -35,9 +35,11 @@ from typing import Callable, Sequence
 
 from harness.launch.autoattach import CARRIER_ENV, SITE_DIR, WRAP_ENV
 from harness.core.config import CONFIG_ENV, PLUGINS_ENV, Catalog, load_config
+from harness.core.console import QUIET_ENV, quiet_from_env
 from harness.core.errors import HarnessError
 from harness.launch.light_imports import heavy_imports_deferred
 from harness.lib.stops import STOP_DIR_ENV, read_markers, wrap_summary, wrapped_exit_status
+from harness.lib.wrapped_runs import read_run_markers
 
 
 GROUP_DRAIN_S = 600.0  # after a forwarded signal, how long wrap waits for the rest of the command's process group
@@ -57,7 +59,7 @@ def wrap_environment(
         env[CONFIG_ENV] = str(Path(config).resolve())
     if plugins:
         env[PLUGINS_ENV] = ",".join(plugins)
-    env[CARRIER_ENV] = json.dumps({k: env[k] for k in (WRAP_ENV, CONFIG_ENV, PLUGINS_ENV, STOP_DIR_ENV) if k in env})
+    env[CARRIER_ENV] = json.dumps({k: env[k] for k in (WRAP_ENV, CONFIG_ENV, PLUGINS_ENV, STOP_DIR_ENV, QUIET_ENV) if k in env})
     return env
 
 
@@ -72,21 +74,40 @@ def validate(config: str | None, plugins: Sequence[str]) -> None:
         load_config(config if config else {}, Catalog.build(), extra_plugins=list(plugins))
 
 
-def run_wrapped(command: Sequence[str], config: str | None = None, plugins: Sequence[str] = ()) -> int:
-    """Validate, then run ``command``; its exit status (128+N when killed by signal N), or 75 after a harness stop."""
+def run_wrapped(command: Sequence[str], config: str | None = None, plugins: Sequence[str] = (), quiet: bool = False) -> int:
+    """Validate, then run ``command``; its exit status (128+N when killed by signal N), or 75 after a harness stop.
+
+    Then the closing summary on stderr (:mod:`harness.launch.summary`), unless ``quiet`` (``--quiet``, which also
+    silences the live console lines of the job) or ``HARNESS_QUIET=1``.
+    """
     if not command:
         raise HarnessError("harness wrap needs a command after '--', e.g. `harness wrap -- python train.py`.")
     validate(config, plugins)
     stop_dir = tempfile.mkdtemp(prefix="harness-wrap-")  # private (0700): the job's stop markers, read after it ends
     try:
-        status = _run(command, wrap_environment(config, plugins, stop_dir=stop_dir))
+        base = {**os.environ, QUIET_ENV: "1"} if quiet else None
+        status = _run(command, wrap_environment(config, plugins, base=base, stop_dir=stop_dir))
         stops = [n for n in read_markers(stop_dir) if n.ends_training]
+        runs = read_run_markers(stop_dir)
     finally:
         shutil.rmtree(stop_dir, ignore_errors=True)
     returned = wrapped_exit_status(status, stops)
     if stops:
         sys.stderr.write(wrap_summary(stops, status, returned))
+    if not (quiet or quiet_from_env()):
+        _print_summary(runs)
     return returned
+
+
+def _print_summary(runs: list[Path]) -> None:
+    """The closing summary on stderr; never changes wrap's exit status."""
+    from harness.launch.summary import closing_summary
+
+    try:
+        sys.stderr.write(closing_summary(runs))
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed or gone
+        pass
 
 
 def _run(command: Sequence[str], env: dict[str, str]) -> int:

@@ -23,13 +23,26 @@ def test_wrap_runs_unmodified_script_and_keeps_its_exit_code(tmp_path: Path) -> 
     assert findings_of(out) == []
     assert len(read_jsonl(out / "harness" / "metrics.jsonl")) >= 3
     assert "metrics_log" in (out / "harness" / "config.yaml").read_text()
+    assert "[harness] step" not in result.stderr  # a clean run prints no finding line
+    summary = result.stderr[result.stderr.index(f"harness wrap: summary of {out / 'harness'}"):]
+    assert "verdict: healthy: training completed at step 3" in summary and "findings: none" in summary
+    assert f"report: {out / 'harness' / 'report.html'}" in summary and f"next: harness explain {out}" in summary
+
+
+def test_wrap_says_so_when_the_command_produced_no_run() -> None:
+    result = harness_cli("wrap", "--", PY, "-c", "pass")
+    assert result.returncode == 0
+    assert result.stderr.strip().splitlines()[-1].startswith("harness wrap: no harness run directory was produced")
 
 
 @pytest.mark.parametrize(("script_status", "wrap_status"), [(0, 75), pytest.param(3, 3, marks=pytest.mark.slow)])
 def test_a_harness_stop_exits_75_unless_the_script_failed_otherwise(tmp_path: Path, script_status: int, wrap_status: int) -> None:
-    """The stop marker tells wrap; a script that ignored the stop (0) gives 75, a script's own failure (3) wins."""
+    """The stop marker tells wrap; a script that ignored the stop (0) gives 75, a script's own failure (3) wins.
+
+    A NaN planted at step 1 is printed on the console within its step (before step 2's stop), and the closing
+    summary counts the codes and names the report."""
     out = tmp_path / "run"
-    config = write_yaml(tmp_path / "h.yaml", {"fault_injector": {"stop_at_step": 2}})
+    config = write_yaml(tmp_path / "h.yaml", {"fault_injector": {"stop_at_step": 2, "nonfinite_loss_at_steps": [1]}})
     private = tmp_path / "tmp"
     private.mkdir()
     result = harness_cli("wrap", "--config", str(config), "--plugins", FAULTS, "--", PY, str(EXAMPLE), "--output_dir", str(out),
@@ -42,6 +55,12 @@ def test_a_harness_stop_exits_75_unless_the_script_failed_otherwise(tmp_path: Pa
     assert ("exit status 75 (the command itself exited 0)" in summary) is (wrap_status == 75)
     assert ("the command's own exit status 3 is kept" in summary) is (wrap_status == 3)
     assert not list(private.glob("harness-wrap-*"))  # wrap removed its private marker folder
+    nan_line = result.stderr.index("[harness] step 1 NONFINITE_LOSS error: loss is nan at step 1")
+    assert nan_line < result.stderr.index("[harness] step 2 PLUGIN_STOP error:") < result.stderr.index("HARNESS STOPPED TRAINING")
+    closing = result.stderr[result.stderr.index(f"harness wrap: summary of {out / 'harness'}"):]
+    assert "verdict: failed: the harness stopped training at step 2 after PLUGIN_STOP" in closing
+    assert "findings: NONFINITE_LOSS x1 (error), PLUGIN_STOP x1 (error)" in closing
+    assert f"report: {out / 'harness' / 'report.html'}" in closing
 
 
 @pytest.mark.slow  # a subprocess run (`harness wrap` or the runner): CI runs it, the quick tier does not
@@ -49,11 +68,12 @@ def test_wrap_passes_config_and_plugins_to_the_script(tmp_path: Path) -> None:
     out = tmp_path / "run"
     config = write_yaml(tmp_path / "h.yaml", {"fault_injector": {"report_at_step": 2}, "severity": {"TEST_FAULT": "error"}})
     result = harness_cli(
-        "wrap", "--config", str(config), "--plugins", FAULTS, "--", PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "3"
+        "wrap", "--quiet", "--config", str(config), "--plugins", FAULTS, "--", PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "3"
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (finding,) = findings_of(out, "TEST_FAULT")
     assert finding["step"] == 2 and finding["severity"] == "error"
+    assert "[harness]" not in result.stderr and "harness wrap:" not in result.stderr  # --quiet: no line, no summary
 
 
 def test_wrap_rejects_a_bad_config_before_starting_the_job(tmp_path: Path) -> None:
