@@ -4,10 +4,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from harness.core.errors import HarnessError, HarnessStopped
 from harness.lib.stops import EXIT_STOPPED
+
+if TYPE_CHECKING:
+    from harness.core.catalog import Catalog
 
 QUIET_HELP = "no live console line per finding on stderr (as HARNESS_QUIET=1 or the config's console.level: off)"
 
@@ -18,8 +21,13 @@ def _cmd_wrap(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    plugins = [p.strip() for p in (args.plugins or "").split(",") if p.strip()]
-    return run_wrapped(command, config=args.config, plugins=plugins, quiet=args.quiet)
+    plugins = _names(args.plugins)
+    only = _names(args.only) if args.only is not None else None
+    return run_wrapped(command, config=args.config, plugins=plugins, quiet=args.quiet, only=only)
+
+
+def _names(text: str | None) -> list[str]:
+    return [p.strip() for p in (text or "").split(",") if p.strip()]
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -35,10 +43,27 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
             owner = catalog.code_owner[code.code]
             print(f"{code.code:<32} {code.severity.value:<8} {owner:<16} {code.summary}")
         return 0
+    if args.config is not None or args.only is not None or args.plugins:
+        return _print_selection(args, catalog)
     width = max((len(n) for n in catalog.entries), default=8)
     for name, entry in catalog.entries.items():
         flag = "on " if entry.default_enabled else "off"
         print(f"{name:<{width}}  {flag}  {entry.source:<10}  {entry.description}")
+    return 0
+
+
+def _print_selection(args: argparse.Namespace, catalog: Catalog) -> int:
+    """Which plugins a run with this config (and ``--plugins``/``--only``) would enable: 'on' or 'off' for each."""
+    from harness.core.config import load_config
+
+    only = _names(args.only) if args.only is not None else None
+    resolved = load_config(args.config if args.config else {}, catalog, extra_plugins=_names(args.plugins), only=only)
+    width = max((len(n) for n in [*catalog.entries, *resolved.enabled]), default=8)
+    for name in [*resolved.enabled, *(n for n in catalog.entries if n not in resolved.enabled)]:
+        source = catalog.entries[name].source if name in catalog.entries else "path"
+        print(f"{name:<{width}}  {'on ' if name in resolved.enabled else 'off'}  {source:<10}  "
+              f"{catalog.entries[name].description if name in catalog.entries else ''}".rstrip())
+    print(f"{len(resolved.enabled)} of {len(catalog.entries)} plugins on, for {resolved.source}")
     return 0
 
 
@@ -160,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
         "status of COMMAND is kept. A bad config exits 2 before COMMAND starts.",
     )
     wrap.add_argument("--config", help="harness YAML config (default: built-in defaults)")
-    wrap.add_argument("--plugins", help="comma-separated plugins to enable in addition to the config's")
+    wrap.add_argument("--plugins", help="comma-separated plugins to enable in addition to the config's (the defaults included)")
+    wrap.add_argument("--only", help="comma-separated plugins to enable, exactly those and none of the defaults "
+                      "(wins over the config's 'plugins' and 'only'; `harness plugins --only ...` shows the result)")
     wrap.add_argument("--quiet", action="store_true", help=QUIET_HELP + "; and no closing summary")
     wrap.add_argument("command", nargs=argparse.REMAINDER, help="-- followed by the training command")
     wrap.set_defaults(func=_cmd_wrap)
@@ -294,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list available plugins, their options or their finding codes")
     plugins.add_argument("--config-reference", action="store_true", help="print every config option with type, default and description")
     plugins.add_argument("--codes", action="store_true", help="print every finding code with severity and owner")
+    plugins.add_argument("--config", help="show which plugins a run with this harness YAML config enables (on/off)")
+    plugins.add_argument("--plugins", help="with --config: as `harness wrap --plugins` (added to the config's)")
+    plugins.add_argument("--only", help="with --config: as `harness wrap --only` (exactly these)")
     plugins.set_defaults(func=_cmd_plugins)
     return parser
 

@@ -22,6 +22,7 @@ from harness.core.options import (
     CONFIG_ENV,
     CORE_KEYS,
     NAMES_CODES,
+    ONLY_ENV,
     PLUGINS_ENV,
     REFERENCE_HINT,
     REPORT_PLOTS_ENV,
@@ -30,7 +31,7 @@ from harness.core.options import (
 )
 
 __all__ = [
-    "CONFIG_ENV", "CORE_KEYS", "NAMES_CODES", "PLUGINS_ENV", "REFERENCE_HINT", "REPORT_PLOTS_ENV", "Catalog",
+    "CONFIG_ENV", "CORE_KEYS", "NAMES_CODES", "ONLY_ENV", "PLUGINS_ENV", "REFERENCE_HINT", "REPORT_PLOTS_ENV", "Catalog",
     "CoreOptions", "ResolvedConfig", "config_reference", "load_config", "names_codes", "read_yaml", "resolve_config",
 ]
 
@@ -111,10 +112,16 @@ def resolve_config(
     catalog: Catalog,
     source: str = "<inline config>",
     extra_plugins: list[str] | None = None,
+    only: list[str] | None = None,
 ) -> ResolvedConfig:
-    """Validate ``data`` against the core options and every plugin's options."""
-    listed = (data or {}).get("plugins")
-    for spec in (listed if isinstance(listed, list) else []) + list(extra_plugins or []):
+    """Validate ``data`` against the core options and every plugin's options.
+
+    The plugins that run: ``only`` (the command line's ``--only``) if given, else the file's ``only:``, else its
+    ``plugins:`` (default ``[defaults]``) followed by ``extra_plugins`` (``--plugins``, ``attach(plugins=...)``);
+    ``defaults`` stands for the plugins on by default wherever a list names it; ``disable:`` is taken out last.
+    """
+    listed = [spec for key in ("plugins", "only") for spec in _list_at(data, key)]
+    for spec in [*listed, *(extra_plugins or []), *(only or [])]:
         if isinstance(spec, str) and ":" in spec:
             catalog.add(spec)  # its options must be known before the file is validated
     model_cls = catalog.config_model()
@@ -122,19 +129,24 @@ def resolve_config(
         model = model_cls.model_validate(data or {})
     except ValidationError as exc:
         raise ConfigError([_explain(e, source, model_cls, catalog) for e in exc.errors()]) from None
-    problems: list[str] = []
-    requested = list(model.plugins) if model.plugins is not None else ["defaults"]
+    problems = _selection_conflicts(model, source, extra_plugins, only)
+    if only is not None:
+        requested, key = list(only), "--only"
+    elif model.only is not None:
+        requested, key = [*model.only, *(extra_plugins or [])], "only"
+    else:
+        requested, key = [*(model.plugins if model.plugins is not None else ["defaults"]), *(extra_plugins or [])], "plugins"
     requested = [name for spec in requested for name in (catalog.default_enabled if spec == "defaults" else [spec])]
     enabled: list[str] = []
-    for spec in requested + list(extra_plugins or []):
+    for spec in requested:
         if spec in catalog.broken:
-            problems.append(f"harness config error in {source}, key 'plugins': {catalog.broken[spec]}. Fix: reinstall or fix that package, or remove it from 'plugins'.")
+            problems.append(f"harness config error in {source}, key '{key}': {catalog.broken[spec]}. Fix: reinstall or fix that package, or remove it from '{key}'.")
             continue
         try:
             name = catalog.add(spec)
         except KeyError:
             problems.append(
-                f"harness config error in {source}, key 'plugins': unknown plugin '{spec}'."
+                f"harness config error in {source}, key '{key}': unknown plugin '{spec}'."
                 f"{did_you_mean(spec, catalog.entries)} Available plugins: {', '.join(catalog.entries) or '(none)'}. "
                 "Fix: use a name from `harness plugins`, or a 'module:Class' path."
             )
@@ -152,6 +164,27 @@ def resolve_config(
     if problems:
         raise ConfigError(problems)
     return ResolvedConfig(model=model, source=source, enabled=enabled)
+
+
+def _list_at(data: dict[str, Any] | None, key: str) -> list[Any]:
+    """``data[key]`` when it is a list (validation reports anything else), else ``[]``."""
+    value = data.get(key) if isinstance(data, dict) else None
+    return value if isinstance(value, list) else []
+
+
+def _selection_conflicts(model: CoreOptions, source: str, extra: list[str] | None, only: list[str] | None) -> list[str]:
+    """Two ways of choosing the plugins given at once: say which to keep rather than guess."""
+    problems = []
+    if model.only is not None and model.plugins is not None:
+        problems.append(f"harness config error in {source}, keys 'only' and 'plugins': both choose the plugins. "
+                        "Fix: keep 'only' for exactly those plugins, or 'plugins' (with 'defaults' in it for the defaults too).")
+    if only is not None and extra:
+        problems.append(f"harness: --only ({','.join(only)}) and --plugins ({','.join(extra)}) given together. "
+                        "Fix: list every plugin you want in --only, or use --plugins to add to the config's.")
+    if only is not None and not only:
+        problems.append("harness: --only names no plugin. Fix: give at least one name (`harness plugins` lists them), "
+                        "or 'disable' plugins in the config to run none of them.")
+    return problems
 
 
 def names_codes(field: Any) -> bool:
@@ -198,19 +231,26 @@ def load_config(
     config: str | os.PathLike[str] | dict[str, Any] | None,
     catalog: Catalog,
     extra_plugins: list[str] | None = None,
+    only: list[str] | None = None,
 ) -> ResolvedConfig:
-    """Load from a path, a dict, or (None) the ``HARNESS_CONFIG``/``HARNESS_PLUGINS`` environment."""
+    """Load from a path, a dict, or (None) the ``HARNESS_CONFIG``/``HARNESS_PLUGINS``/``HARNESS_ONLY`` environment."""
     extra = list(extra_plugins or [])
     if config is None:
-        env_plugins = os.environ.get(PLUGINS_ENV, "")
-        extra += [p.strip() for p in env_plugins.split(",") if p.strip()]
+        extra += _names(os.environ.get(PLUGINS_ENV, ""))
+        if only is None and os.environ.get(ONLY_ENV) is not None:
+            only = _names(os.environ[ONLY_ENV])
         config = os.environ.get(CONFIG_ENV) or None
     if config is None:
-        return resolve_config({}, catalog, "<defaults>", extra)
+        return resolve_config({}, catalog, "<defaults>", extra, only)
     if isinstance(config, dict):
-        return resolve_config(config, catalog, "<inline config>", extra)
+        return resolve_config(config, catalog, "<inline config>", extra, only)
     path = Path(config).resolve()
-    return resolve_config(read_yaml(path), catalog, str(path), extra)
+    return resolve_config(read_yaml(path), catalog, str(path), extra, only)
+
+
+def _names(text: str) -> list[str]:
+    """``a, b,,c`` -> ``['a', 'b', 'c']`` (a comma-separated list of plugin names from the command line or env)."""
+    return [p.strip() for p in text.split(",") if p.strip()]
 
 
 def config_reference(catalog: Catalog) -> str:

@@ -20,6 +20,7 @@ from harness.core.findings import Severity
 
 CONFIG_ENV = "HARNESS_CONFIG"
 PLUGINS_ENV = "HARNESS_PLUGINS"
+ONLY_ENV = "HARNESS_ONLY"  # what `harness wrap --only a,b` sets: exactly these plugins, none of the defaults
 REPORT_PLOTS_ENV = "HARNESS_REPORT_PLOTS"
 REFERENCE_HINT = "see `harness plugins --config-reference`"
 # Mark an option that names finding codes (a list of codes, a mapping keyed by code, or one code) with
@@ -37,6 +38,12 @@ class CoreOptions(BaseModel):
         None,
         description="Plugins to enable: built-in names, entry-point names or 'module:Class' paths; the name "
         "'defaults' stands for every plugin that is on by default (`harness plugins` marks them). Default: [defaults].",
+    )
+    only: list[str] | None = Field(
+        None,
+        description="Exactly these plugins, none added by default (unlike 'plugins', which 'defaults' usually heads); "
+        "the same names as 'plugins', 'defaults' included. Give 'only' or 'plugins', not both. "
+        "`harness wrap --only a,b` (HARNESS_ONLY) wins over both.",
     )
     disable: list[str] = Field(default_factory=list, description="Plugins to switch off, even if listed or on by default.")
     severity: dict[str, Severity] = Field(
@@ -98,4 +105,5 @@ class ResolvedConfig:
     def to_yaml(self) -> str:
         data = self.model.model_dump(mode="json")
         data["plugins"] = self.enabled
+        data.pop("only", None)  # the plugins that ran are the list above, however they were chosen
         return yaml.safe_dump(data, sort_keys=False)

@@ -113,6 +113,7 @@ class RunLifecycle:
             try:  # the run card's facts: nice to have, never worth a crash
                 resumed = str(ctx.resumed_from) if ctx.resumed_from is not None else None
                 facts = run_facts(trainer, ctx.world_size, ctx.stage)
+                facts["plugins"] = list(ctx.manager.names)  # the plugins that ran, in order (a user's --only, checkable)
                 facts["plugin_classes"] = {name: class_path(ctx.manager.plugin(name)) for name in ctx.manager.names}
                 self._attempt = start_attempt(ctx.run_dir, facts, resumed, int(trainer.state.global_step))
                 self._actions.attempt = self._attempt + 1  # the report numbers attempts from 1

@@ -1,7 +1,7 @@
 """``harness wrap -- COMMAND``: run an unmodified training command with the harness attached.
 
 The config travels by environment (``HARNESS_CONFIG``, ``HARNESS_PLUGINS``,
-``HARNESS_WRAP=1``, ``PYTHONPATH``) to every process the command starts,
+``HARNESS_ONLY``, ``HARNESS_WRAP=1``, ``PYTHONPATH``) to every process the command starts,
 including those spawned by torchrun, deepspeed and accelerate launch (and
 once more inside ``PYTHON_HARNESS_SETTINGS``, which DeepSpeed's multi-node
 launcher forwards to remote nodes). The command runs in its own process
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from harness.launch.autoattach import CARRIER_ENV, SITE_DIR, WRAP_ENV
-from harness.core.config import CONFIG_ENV, PLUGINS_ENV, Catalog, load_config
+from harness.core.config import CONFIG_ENV, ONLY_ENV, PLUGINS_ENV, Catalog, load_config
 from harness.core.console import QUIET_ENV, quiet_from_env
 from harness.core.errors import HarnessError
 from harness.launch.light_imports import heavy_imports_deferred
@@ -46,7 +46,8 @@ GROUP_DRAIN_S = 600.0  # after a forwarded signal, how long wrap waits for the r
 
 
 def wrap_environment(
-    config: str | None, plugins: Sequence[str], base: dict[str, str] | None = None, stop_dir: str | None = None
+    config: str | None, plugins: Sequence[str], base: dict[str, str] | None = None, stop_dir: str | None = None,
+    only: Sequence[str] | None = None,
 ) -> dict[str, str]:
     """The environment that makes every Python process of the job attach the harness (and report a stop into ``stop_dir``)."""
     env = dict(os.environ if base is None else base)
@@ -59,11 +60,14 @@ def wrap_environment(
         env[CONFIG_ENV] = str(Path(config).resolve())
     if plugins:
         env[PLUGINS_ENV] = ",".join(plugins)
-    env[CARRIER_ENV] = json.dumps({k: env[k] for k in (WRAP_ENV, CONFIG_ENV, PLUGINS_ENV, STOP_DIR_ENV, QUIET_ENV) if k in env})
+    if only is not None:
+        env[ONLY_ENV] = ",".join(only)
+    carried = (WRAP_ENV, CONFIG_ENV, PLUGINS_ENV, ONLY_ENV, STOP_DIR_ENV, QUIET_ENV)
+    env[CARRIER_ENV] = json.dumps({k: env[k] for k in carried if k in env})
     return env
 
 
-def validate(config: str | None, plugins: Sequence[str]) -> None:
+def validate(config: str | None, plugins: Sequence[str], only: Sequence[str] | None = None) -> None:
     """Fail before the job starts (and before it allocates anything) if the config is wrong.
 
     The plugins' modules are imported with torch and the other frameworks deferred
@@ -71,10 +75,12 @@ def validate(config: str | None, plugins: Sequence[str]) -> None:
     loading torch here would delay the user's command by seconds.
     """
     with heavy_imports_deferred():
-        load_config(config if config else {}, Catalog.build(), extra_plugins=list(plugins))
+        load_config(config if config else {}, Catalog.build(), extra_plugins=list(plugins),
+                    only=list(only) if only is not None else None)
 
 
-def run_wrapped(command: Sequence[str], config: str | None = None, plugins: Sequence[str] = (), quiet: bool = False) -> int:
+def run_wrapped(command: Sequence[str], config: str | None = None, plugins: Sequence[str] = (), quiet: bool = False,
+                only: Sequence[str] | None = None) -> int:
     """Validate, then run ``command``; its exit status (128+N when killed by signal N), or 75 after a harness stop.
 
     Then the closing summary on stderr (:mod:`harness.launch.summary`), unless ``quiet`` (``--quiet``, which also
@@ -82,11 +88,11 @@ def run_wrapped(command: Sequence[str], config: str | None = None, plugins: Sequ
     """
     if not command:
         raise HarnessError("harness wrap needs a command after '--', e.g. `harness wrap -- python train.py`.")
-    validate(config, plugins)
+    validate(config, plugins, only)
     stop_dir = tempfile.mkdtemp(prefix="harness-wrap-")  # private (0700): the job's stop markers, read after it ends
     try:
         base = {**os.environ, QUIET_ENV: "1"} if quiet else None
-        status = _run(command, wrap_environment(config, plugins, base=base, stop_dir=stop_dir))
+        status = _run(command, wrap_environment(config, plugins, base=base, stop_dir=stop_dir, only=only))
         stops = [n for n in read_markers(stop_dir) if n.ends_training]
         runs = read_run_markers(stop_dir)
     finally:

@@ -88,6 +88,39 @@ def test_defaults_and_disable(catalog: Catalog) -> None:
     assert load_config({"plugins": ["defaults", FAULTS]}, catalog).enabled == [*defaults, "fault_injector"]
 
 
+def test_only_runs_exactly_those_and_plugins_adds_to_the_defaults(catalog: Catalog, monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = catalog.default_enabled
+    assert load_config({}, catalog, extra_plugins=["mlflow"]).enabled == [*defaults, "mlflow"]  # --plugins: added
+    assert load_config({}, catalog, only=["nan_guard", "mlflow"]).enabled == ["nan_guard", "mlflow"]  # --only: exactly
+    assert load_config({"only": ["loss_baseline"]}, catalog).enabled == ["loss_baseline"]
+    assert load_config({"only": ["loss_baseline"]}, catalog, extra_plugins=["mlflow"]).enabled == ["loss_baseline", "mlflow"]
+    assert load_config({"plugins": ["defaults"]}, catalog, only=["nan_guard"]).enabled == ["nan_guard"]  # the command line wins
+    assert load_config({}, catalog, extra_plugins=["defaults", FAULTS]).enabled == [*defaults, "fault_injector"]  # attach's list
+    assert load_config({"only": ["defaults"], "disable": ["nan_guard"]}, catalog).enabled == [n for n in defaults if n != "nan_guard"]
+    monkeypatch.setenv("HARNESS_ONLY", "nan_guard, data_hash")
+    assert load_config(None, catalog).enabled == ["nan_guard", "data_hash"]
+
+
+def test_two_ways_of_choosing_plugins_at_once_are_refused(catalog: Catalog) -> None:
+    with pytest.raises(ConfigError, match="keys 'only' and 'plugins'"):
+        load_config({"only": ["nan_guard"], "plugins": ["mlflow"]}, catalog)
+    with pytest.raises(ConfigError, match="--only .* and --plugins"):
+        load_config({}, catalog, extra_plugins=["mlflow"], only=["nan_guard"])
+    with pytest.raises(ConfigError, match="unknown plugin 'nan_gard'.*nan_guard"):
+        load_config({}, catalog, only=["nan_gard"])
+
+
+def test_cli_shows_which_plugins_a_config_enables(tmp_path: Path) -> None:
+    config = write_yaml(tmp_path / "harness.yaml", {"only": ["nan_guard", "loss_baseline"]})
+    shown = harness_cli("plugins", "--config", str(config))
+    assert shown.returncode == 0, shown.stderr
+    on = [line.split()[0] for line in shown.stdout.splitlines() if line.split()[1:2] == ["on"]]
+    assert on == ["nan_guard", "loss_baseline"]
+    assert "2 of " in shown.stdout and str(config) in shown.stdout
+    added = harness_cli("plugins", "--config", str(config), "--plugins", "mlflow")
+    assert [line.split()[0] for line in added.stdout.splitlines() if line.split()[1:2] == ["on"]] == ["nan_guard", "loss_baseline", "mlflow"]
+
+
 def test_cli_prints_reference_with_every_option(tmp_path: Path) -> None:
     out = harness_cli("plugins", "--config-reference")
     assert out.returncode == 0, out.stderr

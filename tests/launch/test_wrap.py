@@ -1,6 +1,7 @@
 """`harness wrap`: unmodified scripts, exit codes (75 after a harness stop), config errors before launch, kill -9 durability, TRL's own script."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -74,6 +75,17 @@ def test_wrap_passes_config_and_plugins_to_the_script(tmp_path: Path) -> None:
     (finding,) = findings_of(out, "TEST_FAULT")
     assert finding["step"] == 2 and finding["severity"] == "error"
     assert "[harness]" not in result.stderr and "harness wrap:" not in result.stderr  # --quiet: no line, no summary
+
+
+@pytest.mark.slow  # a subprocess run (`harness wrap`): CI runs it, the quick tier does not
+def test_wrap_only_runs_exactly_the_plugins_named(tmp_path: Path) -> None:
+    """`--plugins` adds to the defaults; `--only nan_guard` runs that one plugin (run.json lists what ran)."""
+    out = tmp_path / "run"
+    result = harness_cli("wrap", "--quiet", "--only", "nan_guard", "--", PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = json.loads((out / "harness" / "run.json").read_text())
+    assert run["plugins"] == ["nan_guard"] and list(run["plugin_classes"]) == ["nan_guard"]
+    assert not (out / "harness" / "metrics.jsonl").exists()  # metrics_log, on by default, did not run
 
 
 def test_wrap_rejects_a_bad_config_before_starting_the_job(tmp_path: Path) -> None:
