@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow_data_rank", type=int, default=-1, help="this rank's dataset sleeps in every __getitem__ (a straggler)")
     p.add_argument("--slow_data_seconds", type=float, default=0.0, help="seconds each __getitem__ of --slow_data_rank sleeps")
     # torchrun passes --local-rank only with --use-env off; accept it anyway.
+    p.add_argument("--report_to", default="none", help="the Trainer's report_to: none, or a comma-separated list (tensorboard,wandb)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     return p.parse_args(argv)
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         ignore_data_skip=args.ignore_data_skip,
         remove_unused_columns=args.packing == "none",  # packed rows carry doc_ids for the collator
         logging_steps=1,
-        report_to="none",
+        report_to=args.report_to.split(",") if "," in args.report_to else args.report_to,
         use_cpu=True,
         dataloader_num_workers=0,
     )

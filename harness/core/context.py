@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from harness.core.actions import Action, strongest
 from harness.core.console import Console
@@ -92,6 +92,9 @@ class RunContext:
         self._hub = FindingsHub(self.run_dir, dist)
         self._in_on_finding = False
         self.console = Console(config.model.console, is_main=dist.is_main)  # live lines on rank 0's stderr
+        # who else hears of each metric and announced finding (the HF layer's tracker feed); an observer never raises
+        self.metric_observers: list[Callable[[dict[str, Any]], None]] = []
+        self.finding_observers: list[Callable[[Finding], None]] = []
         self.reads = DeferredReads()  # device tensors read once per step, at the guard
         self.exchange = StepExchange()  # plugin payloads riding the guard's one collective
         self._layout_checked = False
@@ -110,6 +113,7 @@ class RunContext:
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         """Emit metrics for the trackers (the ``on_metrics`` hook), at ``step`` or the current step."""
         self.manager.hooks.on_metrics(self, self.step if step is None else step, metrics)
+        self._tell(self.metric_observers, metrics)
 
     # -- one device read and one exchange per step ------------------------------------------------
 
@@ -223,6 +227,7 @@ class RunContext:
 
     def _announce(self, finding: Finding) -> None:
         self.console.show(finding)  # rank 0: this rank's findings and, through collect_findings, the other ranks'
+        self._tell(self.finding_observers, finding)
         if self._in_on_finding:
             return
         self._in_on_finding = True
@@ -230,6 +235,14 @@ class RunContext:
             self.manager.hooks.on_finding(self, finding)
         finally:
             self._in_on_finding = False
+
+    @staticmethod
+    def _tell(observers: list[Callable[[Any], None]], item: Any) -> None:
+        for observe in observers:
+            try:
+                observe(item)
+            except Exception:  # noqa: BLE001 - an observer (a tracker) is never worth a finding lost or a step
+                pass
 
     def agree(self) -> Action:
         """Collective at the step guard: the strongest pending action of all ranks, findings moved to rank 0.

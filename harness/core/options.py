@@ -29,6 +29,25 @@ REFERENCE_HINT = "see `harness plugins --config-reference`"
 NAMES_CODES: dict[str, Any] = {"names_codes": True}
 
 
+class TrackerOptions(BaseModel):
+    """The ``trackers:`` section: what the harness adds to the Trainer's own ``report_to`` trackers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metrics: bool = Field(
+        True, description="Add the harness's metrics (`harness/throughput/...`, `harness/skipped_steps`, ...) to every "
+        "log the Trainer makes, so that each `report_to` integration records them on its own step axis.",
+    )
+    findings: bool = Field(
+        True, description="Add a count per finding code (`harness/findings/<CODE>`, `harness/findings/total`) to those "
+        "logs, and write each finding where a tracker holds text: a TensorBoard text summary (`harness/findings`), a "
+        "W&B table (and an alert for errors), tags on the active MLflow run (`harness.findings.<CODE>`).",
+    )
+    level: Literal["info", "warning", "error", "critical"] = Field(
+        "warning", description="Findings at this severity or above reach the trackers (every finding is in findings.jsonl).",
+    )
+
+
 class CoreOptions(BaseModel):
     """Options of the harness itself (top level of the YAML file)."""
 
@@ -80,6 +99,10 @@ class CoreOptions(BaseModel):
         "stage runner): 'return' returns as the Trainer does (the stop banner on stderr and `harness wrap`'s exit status 75 "
         "still say it); 'raise' raises harness.HarnessStopped (code, step, attempt, output_dir) once the Trainer returned "
         "and the report is written, so that the script cannot go on as if training had completed.",
+    )
+    trackers: TrackerOptions = Field(
+        default_factory=TrackerOptions,
+        description="Findings and harness metrics in the trackers the Trainer reports to (`report_to`).",
     )
     console: ConsoleOptions = Field(
         default_factory=ConsoleOptions,

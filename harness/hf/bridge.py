@@ -39,6 +39,7 @@ from harness.hf.lifecycle import RunLifecycle, refuse_if_locked
 from harness.hf.optimizers import install_optimizer_guard
 from harness.hf.step_record import StepRecord
 from harness.hf.tap import MicroBatchTap
+from harness.hf.tracker_feed import TrackerFeed
 from harness.lib import rundir
 
 
@@ -78,6 +79,12 @@ class Bridge:
         self.is_deepspeed = False
         self._last_step_end: float | None = None  # host clock of the last step end: the next step's time
         trainer.add_callback(HarnessCallback(self))
+        self.feed = TrackerFeed(resolved.model.trackers, is_main=dist.is_main, mlflow_plugin="mlflow" in resolved.enabled)  # report_to's trackers get metrics, findings
+        self.feed.install(trainer)
+        if self.feed.enabled:
+            ctx.metric_observers.append(self.feed.note_metrics)
+            ctx.finding_observers.append(self.feed.note_finding)
+            self.lifecycle.after_run_end = lambda: self.feed.flush_findings(trainer.state.global_step, final=True)
         self.tap.install(trainer)
         trainer.train = self.lifecycle.wrap_train(trainer.train)
 
@@ -117,6 +124,7 @@ class Bridge:
             self.actions.record(record.agreed, step)
         ctx.step = step
         ctx.manager.hooks.on_step_end(ctx, step, metrics)
+        self.feed.note_step(bool(metrics.get("skipped")))
         late = self.actions.late_stop(step)  # one process: a stop asked in on_step_end stops at this step
         action = late if late is not None else record.agreed
         after, cause = ctx.take_after_update()  # a stop asked for after the update (preemption): this step is kept

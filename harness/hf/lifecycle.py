@@ -44,6 +44,7 @@ class RunLifecycle:
         self._in_train = False
         self._attempt: int | None = None  # this train() call's index in run.json's attempts
         self._report_time = 0.0
+        self.after_run_end: Callable[[], None] | None = None  # after the plugins' on_run_end: the trackers get the last findings
 
     def wrap_train(self, train: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(train)
@@ -83,6 +84,7 @@ class RunLifecycle:
             self.ctx.status = status
             try:
                 self.ctx.manager.hooks.on_run_end(self.ctx, status, error)
+                self._after_run_end()
                 self._finish_run(status, error)
             finally:  # also after a KeyboardInterrupt while the report is written
                 self._release_lock()
@@ -92,6 +94,13 @@ class RunLifecycle:
         if status == "stopped" and notice is not None and notice.ends_training:
             self._after_stop(notice)
         return result
+
+    def _after_run_end(self) -> None:
+        if self.after_run_end is not None:
+            try:
+                self.after_run_end()
+            except Exception:  # noqa: BLE001 - the report and the run's record come first
+                log.warning("harness: the trackers could not take the last findings", exc_info=True)
 
     def _after_stop(self, notice: StopNotice) -> None:
         """The Trainer returned from a harness stop: say so once more (rank 0), and raise if ``on_stop: raise``."""
