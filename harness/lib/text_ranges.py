@@ -19,7 +19,7 @@ import numpy as np
 from harness.lib.documents import ScanError, missing_field, not_json, not_utf8
 from harness.lib.word_scan import ASCII_WHITESPACE, LINE_TABLE, WordChunk, documents_buffer, lines_buffer
 
-RANGE_BYTES = 1 << 20  # bytes a worker reads per range: whole-range numpy passes whose arrays stay in cache, and balance
+RANGE_BYTES = 1 << 19  # bytes a worker reads per range: whole-range numpy passes whose arrays stay in cache, and balance
 LINE_FILES = {".txt": "txt", ".jsonl": "jsonl", ".json": "jsonl"}
 
 

@@ -82,12 +82,33 @@ class NearDuplicates:
 _WORKER: dict[str, Scanner] = {}
 
 
+WORKS_PER_TASK = 8  # works (ranges of about RANGE_BYTES, or document batches) a worker gets per round trip
+
+
 def _init_worker(scanner: Scanner) -> None:
     _WORKER["scanner"] = scanner
 
 
-def _run_work(work: Work) -> Done:
-    return _WORKER["scanner"].run(work)
+def _run_works(works: list[Work]) -> list[Done]:
+    return [_WORKER["scanner"].run(work) for work in works]
+
+
+def _grouped(works: Iterator[Work], size: int) -> Iterator[list[Work]]:
+    """Consecutive works in lists of ``size``: one round trip to a worker per list, not per range (the parent's
+    dispatch and the results' transfer were what kept two workers from scanning twice as fast as one)."""
+    group: list[Work] = []
+    try:
+        for work in works:
+            group.append(work)
+            if len(group) >= size:
+                yield group
+                group = []
+    except ScanError:  # the parent could not read on: what it read before the problem is scanned first
+        if group:
+            yield group
+        raise
+    if group:
+        yield group
 
 
 def _works(paths: list[str], field: str, id_field: str, size: int, range_bytes: int) -> Iterator[Work]:
@@ -148,7 +169,7 @@ def scan(train: list[str], evals: list[str], field: str = "text", tokenizer: Any
         if workers > 1:
             context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
             with context.Pool(workers, initializer=_init_worker, initargs=(scanner,)) as pool:
-                for done in _bounded(pool, works, ahead=4 * workers):
+                for done in _bounded(pool, _grouped(works, WORKS_PER_TASK), ahead=4 * workers):
                     merged.add(done)
                     bar.update(task, completed=merged.documents, description=f"scanning training documents ({merged.units:,} units)")
         else:
@@ -159,8 +180,8 @@ def scan(train: list[str], evals: list[str], field: str = "text", tokenizer: Any
     return ScanResult(rows, merged.documents, merged.units, index.windows, index.templates_dropped, front.kind)
 
 
-def _bounded(pool: Any, works: Iterator[Work], ahead: int) -> Iterator[Done]:
-    """Results in input order, with at most ``ahead`` works in flight (``Pool.imap`` would read the whole input).
+def _bounded(pool: Any, groups: Iterator[list[Work]], ahead: int) -> Iterator[Done]:
+    """Results in input order, with at most ``ahead`` groups of works in flight (``Pool.imap`` would read the whole input).
 
     A reading error of the parent (a Parquet file without the field ...) is raised after the works before it are merged,
     so the first problem in input order is the one reported.
@@ -169,20 +190,16 @@ def _bounded(pool: Any, works: Iterator[Work], ahead: int) -> Iterator[Done]:
 
     pending: deque[Any] = deque()
     try:
-        for work in works:
-            pending.append(pool.apply_async(_run_work, (work,)) if work.kind != "end" else Done(work))
+        for group in groups:
+            pending.append(pool.apply_async(_run_works, (group,)))
             if len(pending) >= ahead:
-                yield _result(pending.popleft())
+                yield from pending.popleft().get()
     except ScanError:
         while pending:
-            yield _result(pending.popleft())
+            yield from pending.popleft().get()
         raise
     while pending:
-        yield _result(pending.popleft())
-
-
-def _result(item: Any) -> Done:
-    return item if isinstance(item, Done) else item.get()
+        yield from pending.popleft().get()
 
 
 class _Merged:
