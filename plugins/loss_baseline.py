@@ -104,8 +104,9 @@ class LossBaseline(Plugin):
         self.idle_hooks("on_loss", idle=not self.options.check_ga_scaling or _accumulation(trainer) < 2)
         model = getattr(trainer, "model", None)
         self._weights, self._loaded_from = weights_state(model), loaded_from(model)
-        # a resumed run is past its first steps; a preference loss (DPO: ln 2 at the start) is not a token loss
-        self._first_done = ctx.resumed_from is not None or "DPO" in type(trainer).__name__
+        # a resumed run is past its first steps; a preference or policy-gradient loss (DPO: ln 2 at the start, GRPO's
+        # near 0) is not a token loss to hold against ln(vocab)
+        self._first_done = ctx.resumed_from is not None or not _token_loss(trainer)
 
     @hookimpl
     def inspect_batch(self, batch: dict[str, Any], micro_step: int) -> None:
@@ -250,3 +251,13 @@ class LossBaseline(Plugin):
 def _accumulation(trainer: Any) -> int:
     args = getattr(trainer, "args", None)
     return int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+
+
+# TRL trainers whose loss is not a per-token cross-entropy (their subclasses too)
+NOT_TOKEN_LOSS = frozenset({"DPOTrainer", "GRPOTrainer", "RLOOTrainer", "PPOTrainer", "KTOTrainer", "ORPOTrainer",
+                            "CPOTrainer", "OnlineDPOTrainer", "RewardTrainer", "BCOTrainer", "NashMDTrainer", "XPOTrainer"})
+
+
+def _token_loss(trainer: Any) -> bool:
+    """Whether the trainer's loss is a token cross-entropy (not a preference, reward or policy-gradient loss)."""
+    return not any(cls.__name__ in NOT_TOKEN_LOSS for cls in type(trainer).__mro__)

@@ -45,6 +45,7 @@ BUILTIN_PLUGINS: dict[str, BuiltinPlugin] = {
     "throughput": BuiltinPlugin("harness.plugins.throughput:Throughput", True),
     "run_card": BuiltinPlugin("harness.plugins.run_card:RunCard", True),
     "dpo_health": BuiltinPlugin("harness.plugins.dpo_health:DpoHealth", True),
+    "grpo_health": BuiltinPlugin("harness.plugins.grpo_health:GrpoHealth", True),
     "oom": BuiltinPlugin("harness.plugins.oom:OomForensics", True),
     "watchdog": BuiltinPlugin("harness.plugins.watchdog:Watchdog", True),
     "rank_rng": BuiltinPlugin("harness.plugins.rank_rng:RankRng", True),
