@@ -67,7 +67,11 @@ class TrackerFeed(TrainerCallback):
     def install(self, trainer: Any) -> None:
         """Gather the reporting integrations where the first one is, between the feed and its end (none: no feed)."""
         self._trainer = trainer
-        callbacks = trainer.callback_handler.callbacks
+        handler = getattr(trainer, "callback_handler", None)  # a Trainer-like loop of the user's own may have none
+        callbacks = getattr(handler, "callbacks", None)
+        if not isinstance(callbacks, list):
+            self.enabled = False
+            return
         self.covered = [cb for cb in callbacks if _is_integration(cb)
                         and not (self.mlflow_plugin and type(cb).__name__ == "MLflowCallback")]
         if not self.enabled or not self.covered:

@@ -71,6 +71,9 @@ def test_the_feed_wraps_the_integrations_and_takes_its_keys_back(make_trainer: A
     none = TrackerFeed(TrackerOptions(), is_main=True)
     none.install(alone)
     assert not none.enabled and not any(isinstance(cb, (TrackerFeed, TrackerFeedEnd)) for cb in alone.callback_handler.callbacks)
+    loop = TrackerFeed(TrackerOptions(), is_main=True)
+    loop.install(object())  # a Trainer-like loop without a callback handler (tests/e2e/fsdp_driver.py's): no feed
+    assert not loop.enabled
 
 
 def test_the_harness_mlflow_plugin_keeps_hf_s_mlflow_run_to_itself(make_trainer: Any) -> None:
