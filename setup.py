@@ -8,8 +8,12 @@ folder mapped to another name, so the packages are found here, folder by
 folder, and never listed by hand: a new subpackage (``harness/report/``) is
 in the wheel without editing anything. ``tests/test_install.py`` builds the
 wheel and runs it from a fresh venv.
+
+One optional C extension, ``harness.lib._scan_kernels`` (the inner loops of
+``harness scan``): where it cannot be compiled, the install goes on without
+it and the scan runs its numpy code (``harness/lib/scan_kernels.py``).
 """
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 # import name -> folder in the repository (the same mapping serves regular and editable installs)
 PACKAGE_DIR = {"harness": "harness", "harness.plugins": "plugins", "harness.stages": "stages", "harness.playbooks": "playbooks"}
@@ -22,4 +26,6 @@ def discover() -> list[str]:
     return found
 
 
-setup(package_dir=PACKAGE_DIR, packages=discover())
+KERNELS = Extension("harness.lib._scan_kernels", ["harness/lib/_scan_kernels.c"], extra_compile_args=["-O3"], optional=True)
+
+setup(package_dir=PACKAGE_DIR, packages=discover(), ext_modules=[KERNELS])

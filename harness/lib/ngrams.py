@@ -13,11 +13,13 @@ are indexed as one window of their own length.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from harness.lib.word_scan import find_words, normalise_words, word_hashes  # noqa: F401 - normalise_words re-exported
+from harness.lib.scan_kernels import KERNELS
+from harness.lib.word_scan import WordChunk, normalise_words  # noqa: F401 - normalise_words re-exported
 
 BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplication by it is a bijection mod 2^64
 _THREE, _SEVEN = np.uint64(3), np.uint64(7)
@@ -105,9 +107,7 @@ def _hashes_by_length(units: np.ndarray, lengths: list[int]) -> dict[int, np.nda
 
 def word_units(words: list[str]) -> np.ndarray:
     """Each word as a fixed 64-bit hash of its UTF-8 bytes, the text front end's units (the chunked scan's hash)."""
-    buffer = " ".join(words).encode("utf-8")
-    starts, ends = find_words(buffer)
-    return word_hashes(buffer, starts, ends)
+    return WordChunk.of(" ".join(words).encode("utf-8")).units
 
 
 @dataclass
@@ -168,10 +168,9 @@ class NgramIndex:
         by_length: dict[int, list[tuple[np.ndarray, int, int]]] = {}
         for e, example in enumerate(examples):
             for v, units in enumerate(example.variants):
-                if len(units) < min_length:
-                    continue
-                length = min(n, len(units))
-                by_length.setdefault(length, []).append((window_hashes(units, length), e, v))
+                if len(units) >= min_length:
+                    by_length.setdefault(min(n, len(units)), []).append((units, e, v))
+        by_length = {length: _windows_of_many(parts, length) for length, parts in by_length.items()}
         total = sum(len(h) for parts in by_length.values() for h, _, _ in parts)
         index.bitmap_bits = int(min(32, max(16, np.ceil(np.log2(max(total, 1) * 64)))))  # about 1 bit in 64 set
         for length, parts in by_length.items():
@@ -207,6 +206,19 @@ class NgramIndex:
         if bytemap is None:
             bytemap = self.__dict__["_bytemap"] = np.unpackbits(self._bitmap, bitorder="little").view(np.bool_)
         return np.flatnonzero(bytemap[slots])
+
+    def _window_candidates(self, units: np.ndarray, lengths: list[int]) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """Per indexed length: the start of every window of ``units`` that passes the bitmap, and its hash (the C
+        kernel's one rolling pass when it is built, else every window hashed and looked up in numpy)."""
+        if KERNELS is not None:
+            data = units if units.dtype in (np.int64, np.uint64) else units.astype(np.uint64)
+            for length in lengths:
+                positions, hashes = KERNELS.window_candidates(data, length, self._bitmap, self.bitmap_bits)
+                yield length, np.frombuffer(positions, dtype=np.int64), np.frombuffer(hashes, dtype=np.uint64)
+            return
+        for length, hashes in _hashes_by_length(units, lengths).items():
+            candidates = self._maybe_many(hashes)
+            yield length, candidates, hashes[candidates]
 
     @property
     def windows(self) -> int:
@@ -262,15 +274,13 @@ class NgramIndex:
         if not lengths:
             return hits
         units = np.ascontiguousarray(units)
-        for length, hashes in _hashes_by_length(units, lengths).items():
+        for length, candidates, wanted in self._window_candidates(units, lengths):
             table = self.tables[length]
-            candidates = self._maybe_many(hashes)
             if not len(candidates):
                 continue
             rows = np.searchsorted(bounds, candidates, side="right") - 1
             inside = rows == np.searchsorted(bounds, candidates + (length - 1), side="right") - 1
-            candidates, rows = candidates[inside], rows[inside]
-            wanted = hashes[candidates]
+            candidates, rows, wanted = candidates[inside], rows[inside], wanted[inside]
             left = np.searchsorted(table.hashes, wanted, side="left")
             found = table.hashes[np.minimum(left, len(table.hashes) - 1)] == wanted  # one search; the other end only for hits
             wanted, left = wanted[found], left[found]
@@ -285,9 +295,25 @@ class NgramIndex:
         return hits
 
 
+def _windows_of_many(parts: list[tuple[np.ndarray, int, int]], n: int) -> list[tuple[np.ndarray, int, int]]:
+    """``(window_hashes(units, n), example, variant)`` for every part, hashed in one pass over all of them laid end to
+    end (windows across two parts are computed, then dropped): one call instead of one per eval example."""
+    if len(parts) < 2 or len({units.dtype for units, _, _ in parts}) > 1:  # mixed dtypes would concatenate as floats
+        return [(window_hashes(units, n), e, v) for units, e, v in parts]
+    counts = [len(units) - n + 1 for units, _, _ in parts]
+    everything = window_hashes(np.concatenate([units for units, _, _ in parts]), n)
+    starts = np.cumsum([0] + [len(units) for units, _, _ in parts[:-1]]).tolist()
+    return [(everything[start : start + count], e, v) for start, count, (_, e, v) in zip(starts, counts, parts)]
+
+
 def _not_templates(hashes: np.ndarray, owners: np.ndarray, limit: int) -> np.ndarray:
     """Mask of windows whose hash occurs in fewer than ``limit`` distinct examples."""
-    pairs = np.unique(np.stack([hashes, owners.astype(np.uint64)], axis=1), axis=0)
-    distinct, counts = np.unique(pairs[:, 0], return_counts=True)
-    common = distinct[counts >= limit]
+    order = np.lexsort((owners, hashes))
+    by_hash, by_owner = hashes[order], owners[order]
+    first_of_pair = np.ones(len(order), dtype=np.bool_)  # the first window of each distinct (hash, example)
+    first_of_pair[1:] = (by_hash[1:] != by_hash[:-1]) | (by_owner[1:] != by_owner[:-1])
+    pair_hashes = by_hash[first_of_pair]  # sorted: a run per hash, as long as its number of examples
+    run_starts = np.flatnonzero(np.concatenate([[True], pair_hashes[1:] != pair_hashes[:-1]]))
+    examples_per_hash = np.diff(np.append(run_starts, len(pair_hashes)))
+    common = pair_hashes[run_starts[examples_per_hash >= limit]]
     return ~np.isin(hashes, common) if len(common) else np.ones(len(hashes), dtype=np.bool_)

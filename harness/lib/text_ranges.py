@@ -109,7 +109,7 @@ def read_range(file: Path | str, start: int, stop: int, kind: str, field: str, i
 
 def _ascii_text_range(raw: bytes) -> RangeDocuments:
     """The fast path: an ASCII text range, words only; lines and documents counted from the words' positions."""
-    chunk = WordChunk.of(raw.translate(LINE_TABLE))
+    chunk = WordChunk.of(raw, LINE_TABLE)
     lines = len(chunk.breaks) + (1 if raw and not raw.endswith(b"\n") else 0)
     segment_starts = np.concatenate([np.zeros(1, dtype=np.int64), chunk.breaks + 1])
     words_per_line = np.diff(np.append(chunk.bounds, len(chunk.starts)))[:lines]

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from harness.lib.scan_kernels import KERNELS
+
 _PUNCTUATION = re.compile(r"[\W_]+", re.UNICODE)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -134,7 +136,15 @@ class WordChunk:
     breaks: np.ndarray  # byte offsets of the line breaks
 
     @classmethod
-    def of(cls, buffer: bytes) -> "WordChunk":
+    def of(cls, buffer: bytes, table: bytes | None = None) -> "WordChunk":
+        """The words of a normalised ``buffer``, or of ``buffer.translate(table)`` (a raw ASCII text range and
+        ``LINE_TABLE``): in one pass of the C kernel when it is built, else in numpy passes (the same arrays)."""
+        if KERNELS is not None:
+            normalised, *arrays = KERNELS.words(buffer, table)
+            starts, ends, units, breaks, bounds = (np.frombuffer(a, dtype=np.uint64 if k == 2 else np.int64) for k, a in enumerate(arrays))
+            return cls(buffer if normalised is None else normalised, starts, ends, units, bounds, breaks)
+        if table is not None:
+            buffer = buffer.translate(table)
         starts, ends = find_words(buffer)
         breaks = np.flatnonzero(np.frombuffer(buffer, dtype=np.uint8) == NEWLINE)
         segment_starts = np.concatenate([np.zeros(1, dtype=np.int64), breaks + 1])

@@ -15,15 +15,15 @@ an evaluation can be rerun on the clean subset.
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.lib.allocator import keep_freed_memory
 from harness.lib.documents import TEXT_SUFFIXES, ScanError, document_files, iter_documents  # noqa: F401 - re-exported
 from harness.lib.ngrams import EvalExample, Hit, NgramIndex, normalise_words, word_units  # noqa: F401
+from harness.lib.ordered_pool import ordered_map
 from harness.lib.overlap import FrontEnd, ScanOptions, Tally, judge, load_eval_examples  # noqa: F401 - re-exported
 from harness.lib.text_ranges import LINE_FILES, RANGE_BYTES, byte_ranges
 from harness.tools.scan_work import Done, Scanner, Work
@@ -79,18 +79,11 @@ class NearDuplicates:
 
 # -- the scan ------------------------------------------------------------------------------------------------
 
-_WORKER: dict[str, Scanner] = {}
-
-
 WORKS_PER_TASK = 8  # works (ranges of about RANGE_BYTES, or document batches) a worker gets per round trip
 
 
-def _init_worker(scanner: Scanner) -> None:
-    _WORKER["scanner"] = scanner
-
-
-def _run_works(works: list[Work]) -> list[Done]:
-    return [_WORKER["scanner"].run(work) for work in works]
+def _run_works(scanner: Scanner, works: list[Work]) -> list[Done]:
+    return [scanner.run(work) for work in works]
 
 
 def _grouped(works: Iterator[Work], size: int) -> Iterator[list[Work]]:
@@ -155,6 +148,7 @@ def scan(train: list[str], evals: list[str], field: str = "text", tokenizer: Any
     ``chunk_size`` documents. Results are merged in input order, so they do not depend on ``workers``.
     """
     options = options or ScanOptions()
+    keep_freed_memory()  # before the workers fork, so that they inherit it
     front = FrontEnd(tokenizer)
     for path in train:
         document_files(Path(path))  # a missing path fails before any work
@@ -167,39 +161,16 @@ def scan(train: list[str], evals: list[str], field: str = "text", tokenizer: Any
     with _progress(progress) as bar:
         task = bar.add_task("scanning training documents", total=None)
         if workers > 1:
-            context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-            with context.Pool(workers, initializer=_init_worker, initargs=(scanner,)) as pool:
-                for done in _bounded(pool, _grouped(works, WORKS_PER_TASK), ahead=4 * workers):
+            for group in ordered_map(_run_works, scanner, _grouped(works, WORKS_PER_TASK), workers):
+                for done in group:
                     merged.add(done)
-                    bar.update(task, completed=merged.documents, description=f"scanning training documents ({merged.units:,} units)")
+                bar.update(task, completed=merged.documents, description=f"scanning training documents ({merged.units:,} units)")
         else:
             for work in works:
                 merged.add(scanner.run(work))
                 bar.update(task, completed=merged.documents, description=f"scanning training documents ({merged.units:,} units)")
     rows = [judge(index, e, merged.tallies.get(e), options) for e in range(len(examples))]
     return ScanResult(rows, merged.documents, merged.units, index.windows, index.templates_dropped, front.kind)
-
-
-def _bounded(pool: Any, groups: Iterator[list[Work]], ahead: int) -> Iterator[Done]:
-    """Results in input order, with at most ``ahead`` groups of works in flight (``Pool.imap`` would read the whole input).
-
-    A reading error of the parent (a Parquet file without the field ...) is raised after the works before it are merged,
-    so the first problem in input order is the one reported.
-    """
-    from collections import deque
-
-    pending: deque[Any] = deque()
-    try:
-        for group in groups:
-            pending.append(pool.apply_async(_run_works, (group,)))
-            if len(pending) >= ahead:
-                yield from pending.popleft().get()
-    except ScanError:
-        while pending:
-            yield from pending.popleft().get()
-        raise
-    while pending:
-        yield from pending.popleft().get()
 
 
 class _Merged:

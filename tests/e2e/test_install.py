@@ -52,7 +52,7 @@ def test_wheel_install_is_whole(tmp_path: Path) -> None:
     src.mkdir()
     for name in [n for n in SOURCES if (REPO / n).exists()]:
         if (REPO / name).is_dir():
-            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"))  # built here
         else:
             shutil.copy2(REPO / name, src / name)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH")}
@@ -68,13 +68,19 @@ def test_wheel_install_is_whole(tmp_path: Path) -> None:
                    "harness/playbooks/numeric-health.md", "harness/data/corpus.txt", "harness/launch/autoattach/site-hook/sitecustomize.py",
                    "harness/plugins/mlflow/tracker.py", "harness/stages/demo/faults.py", "harness/hf/optimizers/deepspeed.py"):
         assert member in names, f"{member} is not in the wheel"
+    from harness.lib.scan_kernels import KERNELS
+
+    if KERNELS is not None or os.environ.get("HARNESS_REQUIRE_SCAN_KERNELS") == "1":  # this machine compiles them
+        assert any(n.startswith("harness/lib/_scan_kernels.") for n in names), "harness scan's C kernels are not in the wheel"
 
     python, site = _fresh_venv(tmp_path / "venv")
     _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)], tmp_path, env)
     work = tmp_path / "work"  # outside the repository: no source folder on sys.path
     work.mkdir()
     where = _run([str(python), "-c", "import harness, harness.report, harness.plugins, harness.stages.runner, harness.playbooks; "
-                  "print(harness.__file__); print(harness.report.__file__); print(harness.plugins.__file__)"], work, env)
+                  "from harness.lib.scan_kernels import KERNELS; "
+                  "print(harness.__file__); print(harness.report.__file__); print(harness.plugins.__file__); "
+                  "print(KERNELS.__file__ if KERNELS else '')"], work, env)
     for line in where.stdout.split():
         assert Path(line).resolve().is_relative_to(site.resolve()), f"imported from {line}, not from the new venv's {site}"
         assert not any(Path(line).resolve().is_relative_to(REPO / d) for d in ("harness", "plugins", "stages")), line

@@ -131,6 +131,8 @@ def test_a_wrapped_report_to_script_puts_findings_and_metrics_in_tensorboard_and
     assert scalars["train/harness/skipped_steps"][:2] == [(1, 0.0), (2, 1.0)]  # the update of step 2 was skipped
     assert scalars["train/harness/findings/total"][0] == (1, 0.0)
     assert "train/loss" in scalars  # the Trainer's own curve, beside them
+    peak = scalars["train/harness/throughput/peak_memory_gb"]  # a plugin's own metric (ctx.log_metrics), not the feed's
+    assert peak and all(value > 0.05 for _, value in peak)  # a process that imported torch holds more than 50 MB
     (text,) = [e for e in tb.Tensors("harness/findings/text_summary")]
     assert text.step == 2 and "NONFINITE_LOSS error: loss is nan at step 2" in text.tensor_proto.string_val[0].decode()
 
@@ -140,6 +142,8 @@ def test_a_wrapped_report_to_script_puts_findings_and_metrics_in_tensorboard_and
             for r in records if r.WhichOneof("record_type") == "history"]
     assert any(row.get("train/harness/findings/NONFINITE_LOSS") == 1 and row.get("train/global_step") == 2 for row in rows)
     assert any(row.get("train/harness/skipped_steps") == 1 for row in rows)
+    assert [row["train/harness/throughput/peak_memory_gb"] for row in rows if "train/harness/throughput/peak_memory_gb" in row] \
+        == [value for _, value in peak]  # the same values in both trackers
     alerts = [r.alert for r in records if r.WhichOneof("record_type") == "alert"]
     assert [a.title for a in alerts] == ["harness: NONFINITE_LOSS at step 2"]
     (table_file,) = offline.glob("files/media/table/harness/findings_*.table.json")

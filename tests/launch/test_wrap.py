@@ -79,7 +79,8 @@ def test_wrap_passes_config_and_plugins_to_the_script(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # a subprocess run (`harness wrap`): CI runs it, the quick tier does not
 def test_wrap_only_runs_exactly_the_plugins_named(tmp_path: Path) -> None:
-    """`--plugins` adds to the defaults; `--only nan_guard` runs that one plugin (run.json lists what ran)."""
+    """`--only nan_guard` runs that one plugin and none of the defaults (run.json lists what ran; that `--plugins`
+    adds to the defaults instead is tests/core/test_config.py's `harness plugins --plugins` case)."""
     out = tmp_path / "run"
     result = harness_cli("wrap", "--quiet", "--only", "nan_guard", "--", PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "2")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -8,6 +8,7 @@ too high (KL and entropy), and a random reward that is clean.
 """
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
@@ -303,4 +304,5 @@ def test_a_clean_run_with_a_varied_reward_and_a_kl_penalty_is_silent(tmp_path: P
     metrics = [row for row in read_jsonl(out / "harness" / "metrics.jsonl") if "kl" in row]
     assert len(metrics) == 8 and all(math.isfinite(row["kl"]) for row in metrics)  # kl is logged and checked
     assert [f for f in findings_of(out) if f["severity"] in ("warning", "error", "critical")] == []
+    assert "grpo_health" in json.loads((out / "harness" / "run.json").read_text())["plugins"]  # silent while watching
 

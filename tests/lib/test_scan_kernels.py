@@ -1,0 +1,128 @@
+"""The C kernels of `harness scan` give the numpy code's arrays bit for bit, and the scan's rows are the same either way."""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness.lib import ngrams, word_scan
+from harness.lib.ngrams import EvalExample, NgramIndex, window_hashes
+from harness.lib.scan_kernels import KERNELS
+from harness.lib.word_scan import LINE_TABLE, WordChunk, find_words, word_hashes
+
+if KERNELS is None:  # CI builds them (`.ci/run` sets HARNESS_REQUIRE_SCAN_KERNELS): there a missing build is a failure
+    if os.environ.get("HARNESS_REQUIRE_SCAN_KERNELS") == "1":
+        pytest.fail("harness.lib._scan_kernels was not built: the install needs a C compiler and the Python headers "
+                    "(scripts/setup compiles it); without it harness scan runs its numpy code, several times slower", pytrace=False)
+    pytest.skip("harness.lib._scan_kernels is not built here (no C compiler at install time)", allow_module_level=True)
+
+
+@pytest.fixture
+def numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the callers do where the kernels are not built."""
+    monkeypatch.setattr(word_scan, "KERNELS", None)
+    monkeypatch.setattr(ngrams, "KERNELS", None)
+
+
+def _normalised_buffers(seed: int) -> list[bytes]:
+    """Normalised buffers as the scan makes them: words of a-z0-9 and UTF-8 bytes, spaces and line breaks between,
+    words from 1 to 40 bytes (one block, two, several), separators at either end or none, runs of line breaks."""
+    rng = random.Random(seed)
+    letters = b"abcdefghijklmnopqrstuvwxyz0123456789"
+    out = [b"", b" ", b"\n", b"\n\n", b"a", b"abcdefgh", b"abcdefghi", b"x" * 64, b" \n a \n", b"\xc3\xa9t\xc3\xa9 caf\xc3\xa9"]
+    for _ in range(60):
+        parts = []
+        for _ in range(rng.randint(0, 40)):
+            length = rng.choice([1, 2, 5, 7, 8, 9, 15, 16, 17, 24, 25, 40])
+            word = bytes(rng.choice(letters) if rng.random() < 0.9 else rng.randint(0x80, 0xFF) for _ in range(length))
+            parts.append(word + rng.choice([b" ", b" ", b"  ", b"\n", b" \n ", b"\n\n"]))
+        buffer = b"".join(parts)
+        out.append(buffer.rstrip() if rng.random() < 0.5 else buffer)  # ending inside a word or after a separator
+    return out
+
+
+def _chunk_arrays(chunk: WordChunk) -> tuple[bytes, list[list[int]]]:
+    return bytes(chunk.buffer), [a.tolist() for a in (chunk.starts, chunk.ends, chunk.units, chunk.bounds, chunk.breaks)]
+
+
+def test_words_equal_the_numpy_front_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    for buffer in _normalised_buffers(0):
+        fast = WordChunk.of(buffer)
+        starts, ends = find_words(buffer)
+        assert fast.starts.tolist() == starts.tolist() and fast.ends.tolist() == ends.tolist(), buffer
+        assert fast.units.tolist() == word_hashes(buffer, starts, ends).tolist(), buffer
+        with monkeypatch.context() as patch:
+            patch.setattr(word_scan, "KERNELS", None)
+            slow = WordChunk.of(buffer)
+        assert _chunk_arrays(fast) == _chunk_arrays(slow), buffer
+
+
+def test_a_raw_ascii_range_is_translated_as_bytes_translate_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(1)
+    pool = "abcXYZ019_ \t\r\n.,;:!?'\"-()[]{}<>/\\|@#$%^&*+=~`\x0b\x0c\x00\x7f"
+    for _ in range(40):
+        raw = "".join(rng.choice(pool) if rng.random() < 0.4 else rng.choice("abcdefghijklmnopqrstuvwxyzQWERTY") * rng.randint(1, 19)
+                      for _ in range(rng.randint(0, 200))).encode("ascii")
+        fast = WordChunk.of(raw, LINE_TABLE)
+        assert bytes(fast.buffer) == raw.translate(LINE_TABLE)
+        with monkeypatch.context() as patch:
+            patch.setattr(word_scan, "KERNELS", None)
+            assert _chunk_arrays(fast) == _chunk_arrays(WordChunk.of(raw, LINE_TABLE))
+
+
+@pytest.mark.parametrize("n", [1, 5, 13])
+@pytest.mark.parametrize("bits", [16, 21, 24, 28])
+def test_window_candidates_are_the_windows_that_pass_the_bitmap(n: int, bits: int) -> None:
+    rng = np.random.default_rng(n * 100 + bits)
+    index = NgramIndex(n=n, examples=[], bitmap_bits=bits)
+    index._bitmap = rng.integers(0, 256, 1 << (bits - 3), dtype=np.uint8) & rng.integers(0, 256, 1 << (bits - 3), dtype=np.uint8)
+    index._bitmap[0] |= 1  # slot 0: where the hashes of single small units (n = 1) fall
+    for units in (rng.integers(0, 1 << 63, 5000, dtype=np.int64).view(np.uint64), rng.integers(0, 50_000, 3000),
+                  np.arange(n - 1, dtype=np.uint64), np.zeros(n, dtype=np.uint64)):
+        hashes = window_hashes(units, n)
+        expected = index._maybe(hashes)
+        positions, found = KERNELS.window_candidates(units, n, index._bitmap, bits)
+        assert np.frombuffer(positions, dtype=np.int64).tolist() == expected.tolist()
+        assert np.frombuffer(found, dtype=np.uint64).tolist() == hashes[expected].tolist()
+        assert len(expected) > 0 or len(hashes) < 100  # the test sees candidates (a quarter of the slots are set)
+
+
+def test_query_segments_finds_the_same_hits_either_way(numpy_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(3)
+    examples = [EvalExample("e", f"x{k}", None, [rng.integers(0, 1 << 40, int(rng.integers(4, 30))).astype(np.uint64)]) for k in range(50)]
+    index = NgramIndex.build(examples, n=8, template_min_examples=0)
+    documents = [rng.integers(0, 1 << 40, int(rng.integers(0, 200))).astype(np.uint64) for _ in range(40)]
+    for k, document in enumerate(documents[:30]):  # plant windows (some cut by a document's end), short examples too
+        example = examples[k].variants[0]
+        at = int(rng.integers(0, max(len(document) - 5, 1)))
+        piece = example[: min(len(example), len(document) - at)]
+        document[at : at + len(piece)] = piece
+    units = np.concatenate(documents)
+    bounds = np.cumsum([0] + [len(d) for d in documents[:-1]])
+    slow = [(h.example, h.offset, h.length, h.position, h.row) for h in index.query_segments(units, bounds)]
+    monkeypatch.setattr(ngrams, "KERNELS", KERNELS)
+    fast = [(h.example, h.offset, h.length, h.position, h.row) for h in index.query_segments(units, bounds)]
+    assert fast == slow and len(slow) > 30
+
+
+def test_the_scan_gives_the_same_rows_without_the_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.tools.scan import ScanOptions, scan
+
+    rng = random.Random(5)
+    vocabulary = [f"{rng.choice('bcdfgXY')}{i}{rng.choice('aeiou')}" for i in range(3000)] + ["café", "straße", "abcdefghijklmnopq"]
+    evals = [" ".join(rng.choice(vocabulary) for _ in range(rng.randint(15, 40))) for _ in range(30)]
+    lines = [" ".join(rng.choice(vocabulary) for _ in range(rng.randint(20, 90))) + rng.choice(["", ".", ", !"]) for _ in range(800)]
+    for k in range(0, 800, 80):
+        lines[k] += " " + evals[k // 80].upper().replace(" ", "; ")
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "eval.txt").write_text("\n".join(evals) + "\n", encoding="utf-8")
+    run = lambda: scan([str(tmp_path / "train.txt")], [str(tmp_path / "eval.txt")], options=ScanOptions(n=13), progress=False,  # noqa: E731
+                       range_bytes=4000).rows
+    fast = run()
+    monkeypatch.setattr(word_scan, "KERNELS", None)
+    monkeypatch.setattr(ngrams, "KERNELS", None)
+    assert run() == fast
+    assert sum(row["status"] == "dirty" for row in fast) == 10
