@@ -88,16 +88,20 @@ static PyObject *words(PyObject *self, PyObject *args) {
     const Py_ssize_t n = in.len;
     const unsigned char *source = (const unsigned char *)in.buf;
     PyObject *normalised = table ? PyBytes_FromStringAndSize(NULL, n) : (Py_INCREF(Py_None), Py_None);
+    if (!normalised) {
+        PyBuffer_Release(&in);
+        return NULL;
+    }
     Py_ssize_t breaks_count = 0;
     Py_BEGIN_ALLOW_THREADS  /* the loops touch only buffers held here (another thread may run meanwhile) */
-    if (normalised && table) {
+    if (table) {
         unsigned char *out = (unsigned char *)PyBytes_AS_STRING(normalised);
         for (Py_ssize_t i = 0; i < n; i++) {
             out[i] = table[source[i]];
             breaks_count += out[i] == '\n';
         }
         source = out;
-    } else if (normalised) {
+    } else {
         for (const unsigned char *at = source, *end = source + n; (at = memchr(at, '\n', end - at)) != NULL; at++)
             breaks_count++;
     }
@@ -105,7 +109,7 @@ static PyObject *words(PyObject *self, PyObject *args) {
     const Py_ssize_t most_words = n / 2 + 1;
     PyObject *starts = new_array(most_words), *ends = new_array(most_words), *units = new_array(most_words);
     PyObject *breaks = new_array(breaks_count), *bounds = new_array(breaks_count + 1);
-    if (!normalised || !starts || !ends || !units || !breaks || !bounds)
+    if (!starts || !ends || !units || !breaks || !bounds)
         goto fail;
     int64_t *start_at = (int64_t *)PyByteArray_AS_STRING(starts), *end_at = (int64_t *)PyByteArray_AS_STRING(ends);
     int64_t *break_at = (int64_t *)PyByteArray_AS_STRING(breaks), *bound_at = (int64_t *)PyByteArray_AS_STRING(bounds);
@@ -116,13 +120,15 @@ static PyObject *words(PyObject *self, PyObject *args) {
     while (i < n) {
         unsigned char c = source[i];
         if (c <= ' ') {
-            if (c == '\n') {
+            if (c == '\n' && lines < breaks_count) {  /* always, unless a writable input changed since it was counted */
                 break_at[lines++] = i;
                 bound_at[lines] = count;
             }
             i++;
             continue;
         }
+        if (count == most_words)  /* likewise impossible for an input that holds still: never write past the arrays */
+            break;
         /* a word from i: 8 bytes at a time until a block holds a separator (word_scan.word_hashes, in one pass) */
         const Py_ssize_t first = i;
         uint64_t block = load8(source + i, n - i), flags = separators(block), hash;
@@ -146,6 +152,8 @@ static PyObject *words(PyObject *self, PyObject *args) {
                 hash = mix(hash) ^ low(load8(source + first + offset, n - first - offset), length - offset);
             i = end;
         }
+        if (i == first)  /* a byte that changed under us (a writable input): step over it */
+            i++;
         start_at[count] = first;
         end_at[count] = i;
         unit_at[count++] = hash;
@@ -173,12 +181,12 @@ static PyObject *window_candidates(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*ny*i", &units_in, &n, &bitmap_in, &bits))
         return NULL;
     PyObject *positions = NULL, *hashes = NULL;
-    const Py_ssize_t total = units_in.len / 8;
-    const Py_ssize_t windows = total - n + 1;
-    if (n <= 0 || bits < 3 || bits > 40 || bitmap_in.len < ((Py_ssize_t)1 << (bits - 3))) {
-        PyErr_SetString(PyExc_ValueError, "window_candidates: n must be positive and the bitmap hold 2^bits bits");
+    if (n <= 0 || bits < 3 || bits > 40 || bitmap_in.len < ((Py_ssize_t)1 << (bits - 3)) || units_in.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "window_candidates: units must be 8-byte values, n positive and the bitmap hold 2^bits bits");
         goto done;
     }
+    const Py_ssize_t total = units_in.len / 8;
+    const Py_ssize_t windows = total - n + 1;
     const uint64_t *units = (const uint64_t *)units_in.buf;
     const unsigned char *bitmap = (const unsigned char *)bitmap_in.buf;
     /* found below: at most one candidate per window, grown as needed (about 1 window in 64 passes) */

@@ -71,9 +71,9 @@ def window_hashes(units: np.ndarray, n: int) -> np.ndarray:
     exactly once and the temporaries stay small.
     """
     count = len(units) - n + 1
-    out = np.empty(max(count, 0), dtype=np.uint64)
     if count <= 0 or n <= 0:
-        return out
+        return np.empty(0, dtype=np.uint64)  # no window (n 0 has none either: never uninitialised values)
+    out = np.empty(count, dtype=np.uint64)
     for start in range(0, count, _CHUNK):
         stop = min(start + _CHUNK, count)
         _window_hashes(units[start : stop + n - 1], n, out[start:stop])
@@ -168,7 +168,7 @@ class NgramIndex:
         by_length: dict[int, list[tuple[np.ndarray, int, int]]] = {}
         for e, example in enumerate(examples):
             for v, units in enumerate(example.variants):
-                if len(units) >= min_length:
+                if len(units) >= max(min_length, 1):  # an empty example has no window (min_length 0 included)
                     by_length.setdefault(min(n, len(units)), []).append((units, e, v))
         by_length = {length: _windows_of_many(parts, length) for length, parts in by_length.items()}
         total = sum(len(h) for parts in by_length.values() for h, _, _ in parts)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 from harness.lib.allocator import keep_freed_memory
 from harness.lib.documents import TEXT_SUFFIXES, ScanError, document_files, iter_documents  # noqa: F401 - re-exported
 from harness.lib.ngrams import EvalExample, Hit, NgramIndex, normalise_words, word_units  # noqa: F401
-from harness.lib.ordered_pool import ordered_map
+from harness.lib.ordered_pool import OrderedPool
 from harness.lib.overlap import FrontEnd, ScanOptions, Tally, judge, load_eval_examples  # noqa: F401 - re-exported
 from harness.lib.text_ranges import LINE_FILES, RANGE_BYTES, byte_ranges
 from harness.tools.scan_work import Done, Scanner, Work
@@ -146,9 +147,11 @@ def scan(train: list[str], evals: list[str], field: str = "text", tokenizer: Any
 
     .txt/.jsonl files go to the workers as byte ranges of about ``range_bytes``; other formats as batches of
     ``chunk_size`` documents. Results are merged in input order, so they do not depend on ``workers``.
+    The calling process keeps the memory it frees from then on (glibc's trim and mmap thresholds raised,
+    ``harness.lib.allocator``): meant for the `harness scan` command's own process, harmless in a test or a notebook.
     """
     options = options or ScanOptions()
-    keep_freed_memory()  # before the workers fork, so that they inherit it
+    keep_freed_memory()  # this process and the workers it forks keep freed memory for reuse (harness.lib.allocator)
     front = FrontEnd(tokenizer)
     for path in train:
         document_files(Path(path))  # a missing path fails before any work
@@ -158,10 +161,11 @@ def scan(train: list[str], evals: list[str], field: str = "text", tokenizer: Any
     scanner = Scanner(index, front, field, id_field, options.snippet_chars, near)
     merged = _Merged(train, field, options)
     works = _works(train, field, id_field, chunk_size, range_bytes)
-    with _progress(progress) as bar:
+    pool = OrderedPool(_run_works, scanner, workers) if workers > 1 else None
+    with pool or nullcontext(), _progress(progress) as bar:  # the workers fork before the progress bar's thread starts
         task = bar.add_task("scanning training documents", total=None)
-        if workers > 1:
-            for group in ordered_map(_run_works, scanner, _grouped(works, WORKS_PER_TASK), workers):
+        if pool is not None:
+            for group in pool.map(_grouped(works, WORKS_PER_TASK)):
                 for done in group:
                     merged.add(done)
                 bar.update(task, completed=merged.documents, description=f"scanning training documents ({merged.units:,} units)")

@@ -44,12 +44,22 @@ def _normalised_buffers(seed: int) -> list[bytes]:
     return out
 
 
+def _any_bytes(seed: int) -> list[bytes]:
+    """Buffers of every byte value (control bytes, punctuation, 0x20/0x21 side by side, 0x80 and up), as a caller
+    that passes a buffer normalised some other way would: a word is still a run of bytes above space."""
+    rng = random.Random(seed)
+    out = [bytes(range(256)), bytes(range(255, -1, -1)), b"\x20\x21" * 9, b"\x21" * 17 + b"\x20", b"\x00\x7f\xff\x80"]
+    for _ in range(300):
+        out.append(bytes(rng.choice([rng.randint(0, 255), 0x20, 0x21, 0x0A, rng.randint(0x21, 0x7F)]) for _ in range(rng.randint(0, 70))))
+    return out
+
+
 def _chunk_arrays(chunk: WordChunk) -> tuple[bytes, list[list[int]]]:
     return bytes(chunk.buffer), [a.tolist() for a in (chunk.starts, chunk.ends, chunk.units, chunk.bounds, chunk.breaks)]
 
 
 def test_words_equal_the_numpy_front_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    for buffer in _normalised_buffers(0):
+    for buffer in _normalised_buffers(0) + _any_bytes(2):
         fast = WordChunk.of(buffer)
         starts, ends = find_words(buffer)
         assert fast.starts.tolist() == starts.tolist() and fast.ends.tolist() == ends.tolist(), buffer
@@ -81,10 +91,12 @@ def test_window_candidates_are_the_windows_that_pass_the_bitmap(n: int, bits: in
     index._bitmap = rng.integers(0, 256, 1 << (bits - 3), dtype=np.uint8) & rng.integers(0, 256, 1 << (bits - 3), dtype=np.uint8)
     index._bitmap[0] |= 1  # slot 0: where the hashes of single small units (n = 1) fall
     for units in (rng.integers(0, 1 << 63, 5000, dtype=np.int64).view(np.uint64), rng.integers(0, 50_000, 3000),
-                  np.arange(n - 1, dtype=np.uint64), np.zeros(n, dtype=np.uint64)):
+                  rng.integers(0, 50_000, 2000).astype(np.int32), np.arange(n - 1, dtype=np.uint64), np.zeros(n, dtype=np.uint64)):
         hashes = window_hashes(units, n)
         expected = index._maybe(hashes)
-        positions, found = KERNELS.window_candidates(units, n, index._bitmap, bits)
+        assert index._maybe_many(hashes).tolist() == expected.tolist()  # the numpy path the kernel replaces
+        data = units if units.dtype in (np.int64, np.uint64) else units.astype(np.uint64)  # what _window_candidates passes
+        positions, found = KERNELS.window_candidates(data, n, index._bitmap, bits)
         assert np.frombuffer(positions, dtype=np.int64).tolist() == expected.tolist()
         assert np.frombuffer(found, dtype=np.uint64).tolist() == hashes[expected].tolist()
         assert len(expected) > 0 or len(hashes) < 100  # the test sees candidates (a quarter of the slots are set)
@@ -126,3 +138,10 @@ def test_the_scan_gives_the_same_rows_without_the_kernels(tmp_path: Path, monkey
     monkeypatch.setattr(ngrams, "KERNELS", None)
     assert run() == fast
     assert sum(row["status"] == "dirty" for row in fast) == 10
+
+
+def test_window_candidates_refuses_what_it_cannot_read() -> None:
+    with pytest.raises(ValueError, match="8-byte values"):
+        KERNELS.window_candidates(np.zeros(5, dtype=np.int32), 2, np.zeros(1 << 13, dtype=np.uint8), 16)
+    with pytest.raises(ValueError, match="2\\^bits"):
+        KERNELS.window_candidates(np.zeros(5, dtype=np.uint64), 2, np.zeros(8, dtype=np.uint8), 16)

@@ -99,3 +99,37 @@ def test_eval_examples_hashed_in_one_chunk_equal_one_by_one() -> None:
     many = front.eval_variants_many(texts)
     assert [[v.tolist() for v in variants] for variants in many] == [[v.tolist() for v in front.eval_variants(t)] for t in texts]
     assert [front.document(t)[0].tolist() for t in texts] == [variants[0].tolist() for variants in many]
+
+
+def test_the_index_holds_every_window_but_the_templates_by_brute_force() -> None:
+    """``NgramIndex.build`` (all examples hashed in one pass, templates found by sorting) against a plain loop."""
+    rng = np.random.default_rng(11)
+    template = rng.integers(0, 1 << 40, 9).astype(np.uint64)  # a prompt shared by 12 examples: left out at limit 10
+    examples = []
+    for k in range(40):
+        variants = []
+        for _ in range(int(rng.integers(1, 3))):
+            units = rng.integers(0, 1 << 40, int(rng.integers(0, 30))).astype(np.uint64)
+            if k < 12:
+                units = np.concatenate([template, units])
+            variants.append(units)
+        examples.append(EvalExample("e", f"x{k}", None, variants))
+    n, limit = 6, 10
+    index = NgramIndex.build(examples, n=n, template_min_examples=limit, min_length=2)
+    windows: dict[int, list[tuple[int, int, int, int]]] = {}  # length -> (hash, example, variant, offset)
+    for e, example in enumerate(examples):
+        for v, units in enumerate(example.variants):
+            if len(units) >= 2:
+                length = min(n, len(units))
+                windows.setdefault(length, []).extend((int(h), e, v, o) for o, h in enumerate(window_hashes(units, length)))
+    dropped = 0
+    for length, rows in windows.items():
+        owners: dict[int, set[int]] = {}
+        for h, e, _, _ in rows:
+            owners.setdefault(h, set()).add(e)
+        kept = sorted(r for r in rows if len(owners[r[0]]) < limit)
+        dropped += len(rows) - len(kept)
+        table = index.tables[length]
+        got = sorted(zip(table.hashes.tolist(), table.examples.tolist(), table.variants.tolist(), table.offsets.tolist()))
+        assert got == kept
+    assert set(index.tables) == set(windows) and index.templates_dropped == dropped > 0
