@@ -51,52 +51,80 @@ class DeferredReads:
 
         Device tensors are joined on their device and copied once; host-born
         ones are joined on the host (no host-to-device copy). Tensors are
-        joined by kind first (every float in one ``cat`` and one conversion to
-        float64 bits, every integer and bool in another), so a step's read
-        costs a handful of tensor operations however many values plugins
-        queued. A tensor that cannot be packed (a meta or complex tensor, a
-        DTensor) is dropped and charged to its plugin through ``on_error``;
-        the others are read.
+        joined by kind (every float in one ``cat`` and one conversion to
+        float64 bits, every integer and bool in another; the scalars of a kind,
+        most of what plugins queue, in one ``stack`` first), and each kind's
+        values become Python numbers in one ``tolist``: a step's read is a
+        handful of tensor operations however many values plugins queued. A
+        tensor that cannot be packed (a meta or complex tensor, a DTensor) is
+        dropped and charged to its plugin through ``on_error``; the others are
+        read.
         """
         pending, self._pending = self._pending, []
-        groups: dict[Group, list[torch.Tensor]] = defaultdict(list)
-        sizes: dict[Group, int] = defaultdict(int)
-        entries: list[tuple[Key, str, tuple[int, ...], Group, int, int]] = []  # key, kind, shape, group, offset, count
+        scalars: dict[Group, list[torch.Tensor]] = defaultdict(list)  # 0-d tensors: stacked in one operation
+        flats: dict[Group, list[torch.Tensor]] = defaultdict(list)  # the others, flattened
+        entries: list[tuple[Key, str, tuple[int, ...], Group, bool, int, int]] = []  # key, kind, shape, group, scalar, index, count
         hosts: list[Any] = []  # the host values, in queue order
         for key, tensor in pending:
             if type(tensor) is _Host:
-                entries.append((key, "host", (), (True, False), -1, 0))
+                entries.append((key, "host", (), (True, False), False, len(hosts), 0))
                 hosts.append(tensor.value)
                 continue
             try:
-                flat, kind = _flat(tensor)
+                kind = _kind(tensor)
             except Exception as exc:  # noqa: BLE001 - one plugin's odd tensor must not cost the others their values
                 if on_error is not None:
                     on_error(key[0], exc)
                 continue
-            group = (flat.device.type == "cpu", kind == "float")
-            count = flat.numel()
-            entries.append((key, kind, tuple(tensor.shape), group, sizes[group], count))
-            groups[group].append(flat)
-            sizes[group] += count
+            on_host = tensor.is_cpu
+            if not on_host and kind == "float" and tensor.device.type == "mps":
+                tensor = tensor.cpu()  # MPS has no float64
+                on_host = True
+            group = (on_host, kind == "float")
+            shape = tuple(tensor.shape)
+            if not shape:
+                entries.append((key, kind, shape, group, True, len(scalars[group]), 1))
+                scalars[group].append(tensor)
+            else:
+                flat = tensor if len(shape) == 1 else tensor.reshape(-1)
+                entries.append((key, kind, shape, group, False, len(flats[group]), flat.numel()))
+                flats[group].append(flat)
         values: dict[Key, list[Any]] = defaultdict(list)
-        arrays: dict[Group, np.ndarray] = {}
+        numbers: dict[Group, list[Any]] = {}  # each group's values as Python numbers: its scalars, then its flats
+        offsets: dict[Group, list[int]] = {}  # where each flat of a group starts in its numbers
         if len(entries) > len(hosts):  # some tensor to read
             for on_host in (False, True):
-                kinds = [floating for floating in (True, False) if groups.get((on_host, floating))]
+                kinds = [floating for floating in (True, False) if scalars.get((on_host, floating)) or flats.get((on_host, floating))]
                 if not kinds:
                     continue
-                parts = [_as_int64(groups[(on_host, floating)], floating) for floating in kinds]
+                parts = [_as_int64(scalars.get((on_host, floating), []), flats.get((on_host, floating), []), floating)
+                         for floating in kinds]
                 joined = torch.cat(parts) if len(parts) > 1 else parts[0]
                 array = joined.numpy() if on_host else joined.cpu().numpy()  # the one device-to-host copy
                 start = 0
-                for floating in kinds:
-                    arrays[(on_host, floating)] = array[start : start + sizes[(on_host, floating)]]
-                    start += sizes[(on_host, floating)]
+                for floating, part in zip(kinds, parts):
+                    group = (on_host, floating)
+                    chunk = array[start : start + len(part)]
+                    numbers[group] = (chunk.view(np.float64) if floating else chunk).tolist()
+                    start += len(part)
+                    first, offsets[group] = len(scalars.get(group, [])), []
+                    for flat in flats.get(group, []):
+                        offsets[group].append(first)
+                        first += flat.numel()
             self.reads += 1
-        host_values = iter(hosts)
-        for key, kind, shape, group, offset, count in entries:
-            values[key].append(next(host_values) if kind == "host" else _unpack(arrays[group][offset : offset + count], kind, shape))
+        for key, kind, shape, group, scalar, index, count in entries:
+            if kind == "host":
+                values[key].append(hosts[index])
+                continue
+            if scalar:
+                value: Any = numbers[group][index]
+                values[key].append(value != 0 if kind == "bool" else value)
+                continue
+            begin = offsets[group][index]
+            items = numbers[group][begin : begin + count]
+            if kind == "bool":
+                items = [item != 0 for item in items]
+            values[key].append(items if len(shape) == 1 else np.array(items, dtype=object).reshape(shape).tolist())
         self._values = dict(values)
 
     def values(self, owner: str, key: str) -> list[Any]:
@@ -116,35 +144,33 @@ class _Host:
         self.value = value
 
 
-def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """The tensor as one flat view and its kind ("float", "bool", "int"); raises for what cannot be packed."""
+_KINDS: dict[torch.dtype, str] = {torch.bool: "bool"}
+for _dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    _KINDS[_dtype] = "float"
+for _dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+    _KINDS[_dtype] = "int"
+
+
+def _kind(tensor: torch.Tensor) -> str:
+    """The tensor's kind ("float", "bool", "int"); raises for what cannot be packed. A plain tensor of a common dtype
+    is one dictionary lookup (this runs for every queued tensor of every step); the rest are looked at closely."""
+    kind = _KINDS.get(tensor.dtype) if type(tensor) is torch.Tensor and not tensor.is_meta else None
+    if kind is not None:
+        return kind
     if tensor.is_complex() or tensor.device.type == "meta":
         raise TypeError(f"ctx.defer cannot read a {tensor.dtype} tensor on {tensor.device}: defer real tensors with data")
     if hasattr(tensor, "to_local"):  # a DTensor (FSDP2, tensor parallel): its local part is what this rank holds
         raise TypeError(f"ctx.defer cannot read a {type(tensor).__name__}: defer its local tensor (`.to_local()`) instead")
-    if tensor.device.type == "mps" and tensor.is_floating_point():
-        tensor = tensor.cpu()  # MPS has no float64
-    flat = tensor.reshape(-1)
-    if flat.dtype == torch.bool:
-        return flat, "bool"
-    return flat, "float" if flat.is_floating_point() else "int"
+    if tensor.dtype == torch.bool:
+        return "bool"
+    return "float" if tensor.is_floating_point() else "int"
 
 
-def _as_int64(flats: list[torch.Tensor], floating: bool) -> torch.Tensor:
-    """Flat tensors of one kind on one device as one int64 tensor: floats by their float64 bit pattern (exact)."""
-    joined = torch.cat(flats) if len(flats) > 1 else flats[0]  # cat promotes to the widest dtype: exact for both kinds
+def _as_int64(scalars: list[torch.Tensor], flats: list[torch.Tensor], floating: bool) -> torch.Tensor:
+    """One kind's tensors on one device as one flat int64 tensor, the scalars first: floats by their float64 bit pattern
+    (exact). ``cat`` and ``stack`` promote to the widest dtype, which is exact for both kinds."""
+    parts = ([torch.stack(scalars)] if scalars else []) + flats
+    joined = torch.cat(parts) if len(parts) > 1 else parts[0]
     if floating:
         return joined.to(torch.float64).view(torch.int64)
     return joined.to(torch.int64)
-
-
-def _unpack(chunk: np.ndarray, kind: str, shape: tuple[int, ...]) -> Any:
-    if kind == "float":
-        array: np.ndarray = chunk.view(np.float64)
-    elif kind == "bool":
-        array = chunk.astype(bool)
-    else:
-        array = chunk
-    if not shape:
-        return array[0].item()
-    return array.reshape(shape).tolist()

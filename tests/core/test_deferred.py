@@ -167,3 +167,29 @@ def test_host_values_come_back_as_they_are_in_order_with_tensors_and_cost_no_rea
     reads.defer("p", "k", [7])
     reads.read()
     assert reads.values("p", "k") == [[7]] and reads.reads == 1  # host values alone: no transfer
+
+
+def test_scalars_and_arrays_of_mixed_dtypes_interleaved_come_back_in_their_places() -> None:
+    """The read stacks a kind's scalars first and appends its arrays after: each value must still land on its own key."""
+    reads = DeferredReads()
+    queued: list[tuple[str, Any, Any]] = [
+        ("a", torch.tensor(0.1, dtype=torch.float16), torch.tensor(0.1, dtype=torch.float16).item()),
+        ("b", torch.tensor([1.5, -2.25], dtype=torch.float32), [1.5, -2.25]),
+        ("c", torch.tensor(True), True),
+        ("d", torch.tensor(3.0, dtype=torch.bfloat16), 3.0),
+        ("e", torch.arange(12, dtype=torch.int32).reshape(3, 4)[:, 1], [1, 5, 9]),  # a strided 1-d view
+        ("f", torch.tensor([[True, False], [False, True]]), [[True, False], [False, True]]),
+        ("g", torch.tensor(2**62), 2**62),
+        ("h", torch.nn.Parameter(torch.tensor([0.5, 0.25], dtype=torch.float64)), [0.5, 0.25]),
+        ("i", torch.tensor(-7, dtype=torch.int8), -7),
+    ]
+    for key, tensor, _ in queued:
+        reads.defer("p", key, tensor)
+    with CountReads() as mode:
+        reads.read()
+    assert mode.calls.count("numpy") + mode.calls.count("cpu") == 1
+    for key, _, expected in queued:
+        (value,) = reads.values("p", key)
+        assert value == expected and type(value) is type(expected), key
+        if isinstance(value, list) and value and isinstance(value[0], list):
+            assert all(type(v) is bool for row in value for v in row)
