@@ -172,5 +172,5 @@ def _as_int64(scalars: list[torch.Tensor], flats: list[torch.Tensor], floating: 
     parts = ([torch.stack(scalars)] if scalars else []) + flats
     joined = torch.cat(parts) if len(parts) > 1 else parts[0]
     if floating:
-        return joined.to(torch.float64).view(torch.int64)
-    return joined.to(torch.int64)
+        return joined.view(torch.int64) if joined.dtype == torch.float64 else joined.to(torch.float64).view(torch.int64)
+    return joined if joined.dtype == torch.int64 else joined.to(torch.int64)

@@ -78,13 +78,18 @@ class StepGuard:
             if _is_tensor(value):
                 ctx.defer(key, value, owner=HARNESS)
         micro = record.micro_losses
-        if micro and all(_is_tensor(m) for m in micro):
+        # one micro-batch whose loss is the step loss itself (the tap's part of a step without accumulation): read once
+        same = len(micro) == 1 and micro[0] is record.step_loss and _is_tensor(record.step_loss)
+        if micro and not same and all(_is_tensor(m) for m in micro):
             ctx.defer("micro_losses", _stack(micro), owner=HARNESS)
         ctx.read_deferred()
-        if micro:
+        step_loss = ctx.deferred("step_loss", owner=HARNESS)
+        if same:
+            record.micro_losses = [float(step_loss[-1])] if step_loss else [float(micro[0])]
+        elif micro:
             read = ctx.deferred("micro_losses", owner=HARNESS)
             record.micro_losses = [float(v) for v in read[-1]] if read else [float(m) for m in micro]
-        record.step_loss = _host(ctx.deferred("step_loss", owner=HARNESS), record.step_loss)
+        record.step_loss = _host(step_loss, record.step_loss)
         record.grad_norm = _host(ctx.deferred("grad_norm", owner=HARNESS), record.grad_norm)
         if sum_complete:
             record.logged_loss = _host(ctx.deferred("loss_sum", owner=HARNESS), record.loss_sum)

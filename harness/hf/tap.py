@@ -112,7 +112,8 @@ class MicroBatchTap:
                 loss = (result[0] if isinstance(result, tuple) else result).detach()
                 if loss.dim() > 0:
                     loss = loss.mean()  # DataParallel over several GPUs: one loss per replica, as the Trainer averages
-                part = loss if self._loss_scaled_for_ga(kwargs.get("num_items_in_batch")) else loss / self._ga_steps()
+                ga_steps = self._ga_steps()  # one micro-batch per step: the part is the loss itself (x / 1 == x), no tensor op
+                part = loss if ga_steps == 1 or self._loss_scaled_for_ga(kwargs.get("num_items_in_batch")) else loss / ga_steps
                 self._record().add_step_loss_part(part, loss)
                 ctx.step_batches.append((ctx.micro_step, seen))
                 hooks.on_loss(ctx, loss, seen, ctx.step, ctx.micro_step)
