@@ -3,9 +3,10 @@
  * Optional: harness/lib/scan_kernels.py falls back to the numpy code when
  * this module is not built, and tests/lib/test_scan_kernels.py checks that
  * both give the same arrays, bit for bit. numpy computes the same values in
- * about twenty passes over arrays of words; here each is one pass, which is
- * what makes one worker ten times the janitor baseline and lets two workers
- * scale (the numpy passes compete for the memory bus).
+ * about twenty passes over arrays of words, each paying Python's call and a
+ * fresh temporary; here each is one pass over the bytes (or the word hashes):
+ * about twice numpy's speed, which makes one worker more than ten times the
+ * janitor baseline.
  *
  * words(buffer, table) -> (normalised, starts, ends, units, breaks, bounds)
  *   A word is a maximal run of bytes above space, after translating every
@@ -63,11 +64,11 @@ static inline Py_ssize_t first_flag(uint64_t flags) {  /* byte index of the lowe
     return (Py_ssize_t)(__builtin_ctzll(flags) >> 3);
 }
 
-static PyObject *new_array(Py_ssize_t items) {  /* a bytearray of `items` 8-byte values, shrunk once filled */
+static PyObject *new_array(Py_ssize_t items) {  /* a bytearray of `items` 8-byte values, resized once filled */
     return PyByteArray_FromStringAndSize(NULL, (items > 0 ? items : 1) * 8);
 }
 
-static int shrink(PyObject *array, Py_ssize_t items) {
+static int resize(PyObject *array, Py_ssize_t items) {  /* to exactly `items` values: shrunk at the end, grown as found */
     return PyByteArray_Resize(array, items * 8);
 }
 
@@ -159,7 +160,7 @@ static PyObject *words(PyObject *self, PyObject *args) {
         unit_at[count++] = hash;
     }
     Py_END_ALLOW_THREADS
-    if (shrink(starts, count) || shrink(ends, count) || shrink(units, count) || shrink(breaks, lines) || shrink(bounds, lines + 1))
+    if (resize(starts, count) || resize(ends, count) || resize(units, count) || resize(breaks, lines) || resize(bounds, lines + 1))
         goto fail;
     PyBuffer_Release(&in);
     return Py_BuildValue("(NNNNNN)", normalised, starts, ends, units, breaks, bounds);
@@ -208,7 +209,7 @@ static PyObject *window_candidates(PyObject *self, PyObject *args) {
             if ((bitmap[slot >> 3] >> (slot & 7)) & 1) {
                 if (found == capacity) {
                     capacity *= 2;
-                    if (shrink(positions, capacity) || shrink(hashes, capacity))
+                    if (resize(positions, capacity) || resize(hashes, capacity))
                         goto done;
                 }
                 ((int64_t *)PyByteArray_AS_STRING(positions))[found] = w;
@@ -220,7 +221,7 @@ static PyObject *window_candidates(PyObject *self, PyObject *args) {
             h = (h - (units[w] + 1) * top) * GOLDEN + (units[w + n] + 1);
         }
     }
-    if (shrink(positions, found) || shrink(hashes, found))
+    if (resize(positions, found) || resize(hashes, found))
         goto done;
     PyBuffer_Release(&units_in);
     PyBuffer_Release(&bitmap_in);

@@ -103,7 +103,7 @@ class OrderedPool:
         self.function, self.state, self.workers, self.ahead = function, state, workers, ahead
         self.pipes: list[Connection] = []
         self.processes: list[Any] = []
-        self._clean = False
+        self._clean = True  # no map left half-way (leaving then lets the workers finish and exit)
 
     def __enter__(self) -> "OrderedPool":
         fork = os.name == "posix"

@@ -17,7 +17,7 @@ document is judged on its matches of dirty examples only.
 from __future__ import annotations
 
 import json
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ from typing import Any
 
 from harness.lib.documents import ScanError, document_files
 from harness.lib.ngrams import Hit, NgramIndex
+from harness.lib.ordered_pool import OrderedPool
 from harness.lib.overlap import FrontEnd, ScanOptions, load_eval_examples
 from harness.lib.records import Record, RecordWriter, iter_records, output_suffix
 from harness.lib.safe_paths import UnsafePathError, safe_mkdir, safe_open_write, safe_rmtree, safe_target, safe_write_text
@@ -213,7 +214,7 @@ def write_clean(result: Any, train: list[str], evals: list[str], field: str, eva
     candidates = None if every_document else located_documents(result.rows, dirty)
     notes.append("only the documents the scan located for the dirty examples were judged again (it located every one)"
                  if candidates is not None else "every training document was judged again")
-    with _progress(progress) as bar, _Deciders(judge, workers) as deciders:
+    with _Deciders(judge, workers) as deciders, _progress(progress) as bar:  # workers fork before the bar's thread
         task = bar.add_task("writing the clean training data", total=result.documents or None)
         for source, target in _layout(train, out / "train"):
             if source.is_dir():
@@ -278,63 +279,48 @@ def _to_judge(chunk: list[Record], candidates: set[str] | None) -> list[int]:
     return [i for i, r in enumerate(chunk) if r.text is not None and (candidates is None or r.id in candidates)]
 
 
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(judge: _Judge) -> None:
-    _WORKER["judge"] = judge
-
-
-def _decide_all(texts: list[str]) -> list[Decision]:
-    judge: _Judge = _WORKER["judge"]
+def _decide_all(judge: _Judge, texts: list[str]) -> list[Decision]:
     return [judge.decide(text) for text in texts]
 
 
 class _Deciders:
-    """Decisions for chunks of records, in order: here, or in ``workers`` processes that each hold the judge."""
+    """Decisions for chunks of records, in order: here, or in ``workers`` processes that each hold the judge
+    (``OrderedPool``, the scan's own: started on entering, before the progress bar's thread)."""
 
     def __init__(self, judge: _Judge, workers: int) -> None:
-        self.judge, self.workers, self.pool = judge, workers, None
+        self.judge = judge
+        self.pool = OrderedPool(_decide_all, judge, workers) if workers > 1 else None
 
     def __enter__(self) -> "_Deciders":
-        _init_worker(self.judge)
+        if self.pool is not None:
+            self.pool.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+            self.pool.__exit__(*exc)
 
     def map(self, chunks: Iterator[tuple[list[Record], list[int]]]) -> Iterator[tuple[list[Record], list[Decision]]]:
-        from collections import deque
-
-        pending: deque[tuple[list[Record], list[int], Any]] = deque()
-        for chunk, judged in chunks:
-            texts = [chunk[i].text or "" for i in judged]
-            if self.workers > 1 and len(texts) > 8:
-                pending.append((chunk, judged, self._pool().apply_async(_decide_all, (texts,))))
-            else:
-                pending.append((chunk, judged, _decide_all(texts)))
-            while len(pending) > 4 * max(self.workers, 1) or (pending and isinstance(pending[0][2], list)):
-                yield self._ready(*pending.popleft())
-        while pending:
-            yield self._ready(*pending.popleft())
-
-    def _ready(self, chunk: list[Record], judged: list[int], decisions: Any) -> tuple[list[Record], list[Decision]]:
-        decisions = decisions if isinstance(decisions, list) else decisions.get()
-        out = [_KEEP] * len(chunk)
-        for i, decision in zip(judged, decisions):
-            out[i] = decision
-        return chunk, out
-
-    def _pool(self) -> Any:
         if self.pool is None:
-            import multiprocessing
-            import os
+            for chunk, judged in chunks:
+                yield _ready(chunk, judged, _decide_all(self.judge, [chunk[i].text or "" for i in judged]))
+            return
+        sent: deque[tuple[list[Record], list[int]]] = deque()  # the chunks whose texts the pool has, in order
 
-            context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-            self.pool = context.Pool(self.workers, initializer=_init_worker, initargs=(self.judge,))
-        return self.pool
+        def texts() -> Iterator[list[str]]:
+            for chunk, judged in chunks:
+                sent.append((chunk, judged))
+                yield [chunk[i].text or "" for i in judged]
+
+        for decisions in self.pool.map(texts()):
+            yield _ready(*sent.popleft(), decisions)
+
+
+def _ready(chunk: list[Record], judged: list[int], decisions: list[Decision]) -> tuple[list[Record], list[Decision]]:
+    out = [_KEEP] * len(chunk)
+    for i, decision in zip(judged, decisions):
+        out[i] = decision
+    return chunk, out
 
 
 def _count(stats: FileStats, record: Record, reason: str, text: str | None, spans: int, removed: int, writer: RecordWriter,
