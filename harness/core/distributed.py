@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import atexit
 import os
+import pickle
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from harness.core.collective_release import keep_until_exit, released_after, settle
 
 
 @dataclass(frozen=True)
@@ -50,15 +53,17 @@ _CLOSE_AT_EXIT: dict[str, bool] = {}
 
 
 def close_process_group_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits, if the script has not (once per process).
+    """At exit, let gloo's workers drop the harness's tensors, then destroy the default group if the script has not.
 
     Most training scripts (transformers' examples among them) never call
-    ``destroy_process_group``; gloo's worker threads then meet interpreter
-    teardown and a rank can abort with "terminate called without an active
-    exception" after training finished, turning a good job into a failed
-    one. ``atexit`` runs before that teardown; destroying a gloo or NCCL
-    group is local to the rank (no collective), so a rank that exits first
-    waits for nobody.
+    ``destroy_process_group``, and a rank's last collective is the harness's
+    own agreement at the end of training: a gloo worker still releasing its
+    tensors when the interpreter finalises aborts the rank with "terminate
+    called without an active exception" after training finished, turning a
+    good job into a failed one (``harness.core.collective_release``).
+    ``atexit`` runs before that teardown. Destroying a gloo or NCCL group is
+    local to the rank (no collective), so a rank that exits first waits for
+    nobody. Once per process.
     """
     if _CLOSE_AT_EXIT or not dist_ready():
         return
@@ -66,6 +71,7 @@ def close_process_group_at_exit() -> None:
 
     def close() -> None:
         try:
+            settle()  # also when the script destroyed the group itself: DDP's reducer keeps gloo's workers alive
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
         except Exception:  # noqa: BLE001 - exiting anyway; never turn an exit into a traceback
@@ -98,6 +104,7 @@ def all_reduce_max(values: list[int]) -> list[int]:
         return list(values)
     tensor = torch.tensor(values, dtype=torch.int64)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=control_group())
+    keep_until_exit(tensor)
     return [int(v) for v in tensor.tolist()]
 
 
@@ -113,26 +120,55 @@ def exchange_rows(row: list[int]) -> list[list[int]]:
     mine = torch.tensor(row, dtype=torch.int64)
     rows = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(rows, mine, group=control_group())
+    keep_until_exit(mine, *rows)
     return [r.numpy().tolist() for r in rows]
+
+
+def _gather_bytes(payload: bytes, dst: int | None) -> list[bytes] | None:
+    """Every rank's ``payload`` on rank ``dst`` (every rank when None), in rank order; None on the others.
+
+    torch's ``*_object`` collectives do the same, but their tensors are made
+    and dropped inside torch, out of ``keep_until_exit``'s reach.
+    """
+    group, world, rank = control_group(), torch.distributed.get_world_size(), torch.distributed.get_rank()
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    torch.distributed.all_gather(lengths, length, group=group)
+    sizes = [int(n) for n in torch.cat(lengths).tolist()]
+    mine = torch.zeros(max(sizes), dtype=torch.uint8)
+    if payload:
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    received = [torch.empty_like(mine) for _ in range(world)] if dst is None or rank == dst else []
+    if dst is None:
+        torch.distributed.all_gather(received, mine, group=group)
+    else:
+        torch.distributed.gather(mine, received or None, dst=dst, group=group)
+    keep_until_exit(length, *lengths, mine, *received)
+    if not received:
+        return None
+    return [tensor[:size].numpy().tobytes() for tensor, size in zip(received, sizes)]
+
+
+def _gather_objects(obj: Any, dst: int | None) -> list[Any] | None:
+    # pickle, as torch's gather_object: these objects come from this job's own ranks, in memory, never from a file
+    gathered = _gather_bytes(pickle.dumps(obj), dst)
+    return None if gathered is None else [pickle.loads(payload) for payload in gathered]
 
 
 def gather_to_main(obj: Any) -> list[Any] | None:
     """Every rank's ``obj`` on rank 0 (in rank order); None on the other ranks."""
     if not dist_ready() or torch.distributed.get_world_size() == 1:
         return [obj]
-    rank = torch.distributed.get_rank()
-    out: list[Any] | None = [None] * torch.distributed.get_world_size() if rank == 0 else None
-    torch.distributed.gather_object(obj, out, dst=0, group=control_group())
-    return out
+    return _gather_objects(obj, dst=0)
 
 
 def all_gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj`` on every rank (in rank order), over the CPU control group; ``[obj]`` when alone."""
     if not dist_ready() or torch.distributed.get_world_size() == 1:
         return [obj]
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj, group=control_group())
-    return out
+    gathered = _gather_objects(obj, dst=None)
+    assert gathered is not None  # every rank receives
+    return gathered
 
 
 @dataclass(frozen=True)
@@ -224,9 +260,10 @@ def broadcast_from(tensors: list[torch.Tensor], src: int = 0) -> int:
     """
     if not dist_ready() or torch.distributed.get_world_size() == 1:
         return 0
-    for tensor in tensors:
-        group = control_group() if tensor.device.type == "cpu" else None
-        torch.distributed.broadcast(tensor, src=src, group=group)
+    with released_after(tensors):  # a model's or optimizer's tensors: others keep them, so wait here
+        for tensor in tensors:
+            group = control_group() if tensor.device.type == "cpu" else None
+            torch.distributed.broadcast(tensor, src=src, group=group)
     return len(tensors)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from harness.core.collective_release import keep_until_exit, released_after
 from harness.core.distributed import control_group
 
 
@@ -69,15 +70,18 @@ def broadcast_step(src: int, rank: int, batches: list[Mapping[str, Any]], rng: M
             payload, tensors = b"", []
     length = torch.tensor([len(payload)], dtype=torch.int64)
     torch.distributed.broadcast(length, src=src, group=group)
+    keep_until_exit(length)
     if int(length[0]) == 0:
         return None
     raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rank == src else torch.empty(int(length[0]), dtype=torch.uint8)
     torch.distributed.broadcast(raw, src=src, group=group)
+    keep_until_exit(raw)
     manifest = json.loads(bytes(raw.tolist()).decode("utf-8"))
     if rank != src:
         tensors = _empty(manifest)
-    for tensor in tensors:
-        torch.distributed.broadcast(tensor, src=src, group=group)
+    with released_after(tensors):  # the caller keeps them
+        for tensor in tensors:
+            torch.distributed.broadcast(tensor, src=src, group=group)
     it = iter(tensors)
     received = [{key: next(it) for key, _, _ in entries} for entries in manifest["micro"]]
     states = {name: next(it) for name, _ in manifest["rng"]}
@@ -112,6 +116,7 @@ def broadcast_result(src: int, rank: int, count: int, result: tuple[list[float],
     elif rank == src:
         vector[0] = 0.0
     torch.distributed.broadcast(vector, src=src, group=control_group())
+    keep_until_exit(vector)
     values = vector.tolist()
     if values[0] != 1.0:
         return None
