@@ -260,7 +260,8 @@ def broadcast_from(tensors: list[torch.Tensor], src: int = 0) -> int:
     """
     if not dist_ready() or torch.distributed.get_world_size() == 1:
         return 0
-    with released_after(tensors):  # a model's or optimizer's tensors: others keep them, so wait here
+    # a model's or optimizer's host tensors go over gloo, and others keep them: wait here for gloo to let go
+    with released_after([tensor for tensor in tensors if tensor.device.type == "cpu"]):
         for tensor in tensors:
             group = control_group() if tensor.device.type == "cpu" else None
             torch.distributed.broadcast(tensor, src=src, group=group)
