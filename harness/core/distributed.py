@@ -256,16 +256,23 @@ def broadcast_from(tensors: list[torch.Tensor], src: int = 0) -> int:
 
     Device tensors go over the default group (NCCL on GPUs), host tensors
     over the gloo control group, so that a CPU step counter in an optimizer
-    state does not need a device copy.
+    state does not need a device copy. The tensors are others' (a model's,
+    an optimizer's, a rerun's batches): the ones gloo carried are waited for
+    here, until its workers let go of them.
     """
     if not dist_ready() or torch.distributed.get_world_size() == 1:
         return 0
-    # a model's or optimizer's host tensors go over gloo, and others keep them: wait here for gloo to let go
-    with released_after([tensor for tensor in tensors if tensor.device.type == "cpu"]):
-        for tensor in tensors:
-            group = control_group() if tensor.device.type == "cpu" else None
-            torch.distributed.broadcast(tensor, src=src, group=group)
+    default_is_gloo = torch.distributed.get_backend() == "gloo"
+    with released_after([tensor for tensor in tensors if default_is_gloo or tensor.device.type == "cpu"]):
+        _broadcast_each(tensors, src)
     return len(tensors)
+
+
+def _broadcast_each(tensors: list[torch.Tensor], src: int) -> None:
+    # a function of its own: a loop variable left in the caller would hold the last tensor past released_after's check
+    for tensor in tensors:
+        group = control_group() if tensor.device.type == "cpu" else None
+        torch.distributed.broadcast(tensor, src=src, group=group)
 
 
 def model_parallel_sizes(trainer: Any) -> dict[str, int]:

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from harness.core.collective_release import keep_until_exit, released_after
-from harness.core.distributed import control_group
+from harness.core.collective_release import keep_until_exit
+from harness.core.distributed import broadcast_from, control_group
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -79,9 +79,7 @@ def broadcast_step(src: int, rank: int, batches: list[Mapping[str, Any]], rng: M
     manifest = json.loads(bytes(raw.tolist()).decode("utf-8"))
     if rank != src:
         tensors = _empty(manifest)
-    with released_after(tensors):  # the caller keeps them
-        for tensor in tensors:
-            torch.distributed.broadcast(tensor, src=src, group=group)
+    broadcast_from(tensors, src)  # host tensors: over the control group, and waited for (the caller keeps them)
     it = iter(tensors)
     received = [{key: next(it) for key, _, _ in entries} for entries in manifest["micro"]]
     states = {name: next(it) for name, _ in manifest["rng"]}

@@ -41,11 +41,9 @@ def test_settle_waits_until_the_other_thread_drops_its_reference() -> None:
     keep_until_exit(tensor)
     del tensor
     thread = _drop_later(holder, 0.2)
-    started = time.monotonic()
     assert settle(limit_s=5.0)
-    waited = time.monotonic() - started
+    assert not holder, "settle returned while the holder still held the tensor"
     thread.join()
-    assert waited >= 0.15, f"settle returned after {waited:.3f} s while the holder still held the tensor"
 
 
 def test_settle_gives_up_at_its_limit() -> None:
@@ -65,9 +63,8 @@ def test_released_after_waits_for_tensors_others_keep() -> None:
     with released_after(params, limit_s=5.0):
         holder.append(_held_by_cpp(params[1]))
         thread = _drop_later(holder, 0.2)
-    waited = time.monotonic() - started
+    assert not holder, f"released_after returned after {time.monotonic() - started:.3f} s while the holder still held a tensor"
     thread.join()
-    assert waited >= 0.15, f"released_after returned after {waited:.3f} s while the holder still held a tensor"
 
 
 def test_released_after_does_not_wait_when_nothing_else_holds_them() -> None:

@@ -6,7 +6,10 @@ referenced, as DDP's reducer keeps it, so destroying it at exit does not stop
 gloo's worker threads. One more tensor is held by a C++ object that another
 thread drops late (a gloo worker slow to let go of a collective's tensors);
 an exit handler that runs after the harness's says whether that had happened
-by then. Prints JSON lines: what the collectives returned, then that answer.
+by then. Before that, the broadcasts of tensors others keep (grad_sync's
+repair, the rerun plugin's batches) are timed: they wait for gloo, which
+must not mean waiting out the limit. Prints JSON lines: what the collectives
+returned, how long the broadcasts took and what the harness kept, then that answer.
 """
 from __future__ import annotations
 
@@ -14,27 +17,62 @@ import atexit
 import json
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from harness.core import collective_release
 from harness.core.collective_release import keep_until_exit
-from harness.core.distributed import all_gather_objects, all_reduce_max, close_process_group_at_exit, gather_to_main
+from harness.core.distributed import (
+    all_gather_objects,
+    all_reduce_max,
+    broadcast_from,
+    close_process_group_at_exit,
+    exchange_rows,
+    gather_to_main,
+)
+from harness.lib.rerun_exchange import broadcast_result, broadcast_step
 
 LATE_S = 0.3  # how long after the last collective the stand-in worker lets go
+HELD_LIKE_DDP: list[Any] = []  # the default group, referenced until the interpreter ends (as DDP's reducer does)
+
+
+def _kept_after(call: Any) -> tuple[Any, list[int]]:
+    """``call()``'s result and, per collective it made, how many tensors the harness kept for the exit."""
+    collective_release._kept.clear()
+    result = call()
+    return result, [len(sent) for sent in collective_release._kept]
+
+
+def _timed(call: Any) -> tuple[Any, float]:
+    started = time.monotonic()
+    result = call()
+    return result, time.monotonic() - started
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    held_like_ddp = dist.distributed_c10d._get_default_group()  # noqa: F841 - kept until the interpreter ends
+    HELD_LIKE_DDP.append(dist.distributed_c10d._get_default_group())
     late_worker: list[torch.futures.Future] = []
     atexit.register(lambda: print(json.dumps({"released_before_teardown": not late_worker}), flush=True))  # runs last
     close_process_group_at_exit()
-    on_main = gather_to_main({"rank": rank, "findings": [f"finding of rank {rank}"] * (rank + 1)})
-    everywhere = all_gather_objects(("rank", rank, b"\x00" * (3 * rank)))
-    most = all_reduce_max([rank, -rank, 7])
-    print(json.dumps({"rank": rank, "on_main": on_main, "everywhere": [list(map(repr, e)) for e in everywhere], "most": most}), flush=True)
+    on_main, kept_gather = _kept_after(lambda: gather_to_main({"rank": rank, "findings": [f"finding of rank {rank}"] * (rank + 1)}))
+    everywhere, kept_all_gather = _kept_after(lambda: all_gather_objects(("rank", rank, b"\x00" * (3 * rank))))
+    most, kept_reduce = _kept_after(lambda: all_reduce_max([rank, -rank, 7]))
+    rows, kept_rows = _kept_after(lambda: exchange_rows([rank, 5]))
+    params = [torch.full((3,), float(rank)), torch.zeros(2, dtype=torch.int64) + rank]  # kept by their owner, like a model's
+    _, repair_s = _timed(lambda: broadcast_from(params, src=1))
+    batch = {"input_ids": torch.arange(6).view(2, 3) * (rank + 1)}
+    step, rerun_s = _timed(lambda: broadcast_step(0, rank, [batch], None, [1.5]))
+    result, result_s = _timed(lambda: broadcast_result(0, rank, 1, ([2.5], 0.5, True)))
+    print(json.dumps({
+        "rank": rank, "on_main": on_main, "everywhere": [list(map(repr, e)) for e in everywhere], "most": most, "rows": rows,
+        "params": [p.tolist() for p in params],
+        "rerun": [step[0][0]["input_ids"].tolist(), step[2], result], "seconds": {"broadcast_from": repair_s, "rerun_step": rerun_s, "rerun_result": result_s},
+        "kept": {"gather_to_main": kept_gather, "all_gather_objects": kept_all_gather, "all_reduce_max": kept_reduce, "exchange_rows": kept_rows},
+    }), flush=True)
 
     sent = torch.zeros(1)
     late_worker.append(torch.futures.Future())

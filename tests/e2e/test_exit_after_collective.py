@@ -55,6 +55,14 @@ def test_ranks_exit_cleanly_right_after_the_harness_collectives() -> None:
         assert verdict == {"released_before_teardown": True}, "the exit went on while a backend thread held a tensor"
         rank = line["rank"]
         assert line["most"] == [1, 0, 7]
+        assert line["rows"] == [[0, 5], [1, 5]]
+        assert line["params"] == [[1.0, 1.0, 1.0], [1, 1]]  # rank 1's values everywhere
+        assert line["rerun"] == [[[0, 1, 2], [3, 4, 5]], [1.5], [[2.5], 0.5, True]]  # rank 0's batch, losses and result
+        slow = {name: seconds for name, seconds in line["seconds"].items() if seconds > 1.0}
+        assert not slow, f"broadcasts of tensors others keep waited out the settle limit: {slow}"
+        # every collective's own tensors are kept for the exit: lengths, payloads (all ranks' where received) ...
+        assert line["kept"] == {"gather_to_main": [6 if rank == 0 else 4], "all_gather_objects": [6], "all_reduce_max": [1],
+                                "exchange_rows": [3]}
         assert line["everywhere"] == [["'rank'", "0", "b''"], ["'rank'", "1", repr(b"\x00" * 3)]]
         if rank == 0:
             assert line["on_main"] == [
