@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from harness.core.collective_release import keep_until_exit, released_after, settle
+from harness.core.collective_release import keep_until_exit, released_after, settle, wait_for_idle_workers
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,15 @@ _CLOSE_AT_EXIT: dict[str, bool] = {}
 
 
 def close_process_group_at_exit() -> None:
-    """At exit, let gloo's workers drop the harness's tensors, then destroy the default group if the script has not.
+    """At exit, let gloo's workers drop every collective's tensors, then destroy the default group if the script has not.
 
     Most training scripts (transformers' examples among them) never call
     ``destroy_process_group``, and a rank's last collective is the harness's
-    own agreement at the end of training: a gloo worker still releasing its
-    tensors when the interpreter finalises aborts the rank with "terminate
-    called without an active exception" after training finished, turning a
-    good job into a failed one (``harness.core.collective_release``).
+    own agreement at the end of training, or the script's evaluation gather:
+    a gloo worker still releasing its tensors when the interpreter finalises
+    aborts the rank with "terminate called without an active exception"
+    after training finished, turning a good job into a failed one
+    (``harness.core.collective_release``).
     ``atexit`` runs before that teardown. Destroying a gloo or NCCL group is
     local to the rank (no collective), so a rank that exits first waits for
     nobody. Once per process.
@@ -72,6 +73,7 @@ def close_process_group_at_exit() -> None:
     def close() -> None:
         try:
             settle()  # also when the script destroyed the group itself: DDP's reducer keeps gloo's workers alive
+            wait_for_idle_workers()  # the script's own last collectives (an eval gather, a barrier) race the same way
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
         except Exception:  # noqa: BLE001 - exiting anyway; never turn an exit into a traceback

@@ -1,13 +1,20 @@
-"""The exit waits for a backend thread to drop the harness's collective tensors (a C++ holder stands in for gloo's worker)."""
+"""The exit waits for a backend thread to drop the harness's collective tensors (a C++ holder stands in for gloo's worker),
+and for gloo's worker threads to go idle (a thread that takes their name stands in for a busy one)."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from pathlib import Path
 
+import pytest
 import torch
 
 from harness.core import collective_release
-from harness.core.collective_release import keep_until_exit, released_after, settle
+from harness.core.collective_release import keep_until_exit, released_after, settle, wait_for_idle_workers
+
+TASKS = Path("/proc/self/task")
+needs_proc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread states are read from /proc")
 
 
 def _held_by_cpp(tensor: torch.Tensor) -> torch.futures.Future:
@@ -73,3 +80,72 @@ def test_released_after_does_not_wait_when_nothing_else_holds_them() -> None:
     with released_after(params, limit_s=5.0):
         pass
     assert time.monotonic() - started < 0.5
+
+
+class _BusyWorker:
+    """A thread named as gloo's workers are, running (state R) until told to sleep, then asleep on an event (state S)."""
+
+    def __init__(self) -> None:
+        self.stop_spinning = threading.Event()
+        self.finish = threading.Event()
+        self.spun_until = 0.0
+        self.named = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.named.wait(5)
+
+    def _run(self) -> None:
+        (TASKS / str(threading.get_native_id()) / "comm").write_text(collective_release._WORKER_THREAD_NAME)
+        self.named.set()
+        while not self.stop_spinning.is_set():
+            pass
+        self.spun_until = time.monotonic()
+        self.finish.wait()
+
+    def close(self) -> None:
+        self.stop_spinning.set()
+        self.finish.set()
+        self.thread.join(5)
+
+
+@needs_proc
+def test_idle_workers_are_found_at_once() -> None:
+    worker = _BusyWorker()
+    worker.stop_spinning.set()  # asleep on its queue, as an idle gloo worker is
+    try:
+        time.sleep(0.05)
+        started = time.monotonic()
+        assert wait_for_idle_workers(limit_s=5.0)
+        assert time.monotonic() - started < 0.5
+    finally:
+        worker.close()
+
+
+@needs_proc
+def test_the_exit_waits_while_a_worker_runs() -> None:
+    worker = _BusyWorker()
+    try:
+        assert collective_release._worker_states(TASKS) == ["R"]
+        threading.Timer(0.3, worker.stop_spinning.set).start()
+        assert wait_for_idle_workers(limit_s=5.0)
+        assert worker.spun_until, "wait_for_idle_workers returned while the worker was still running"
+        assert collective_release._worker_states(TASKS) == ["S"]
+    finally:
+        worker.close()
+
+
+@needs_proc
+def test_a_worker_that_never_settles_is_waited_for_up_to_the_limit() -> None:
+    worker = _BusyWorker()
+    try:
+        started = time.monotonic()
+        assert not wait_for_idle_workers(limit_s=0.2)
+        assert 0.19 <= time.monotonic() - started < 2.0
+    finally:
+        worker.close()
+
+
+def test_without_readable_threads_the_gil_is_left_free_for_a_grace(tmp_path: Path) -> None:
+    started = time.monotonic()
+    assert wait_for_idle_workers(limit_s=5.0, tasks=tmp_path / "no-proc")
+    assert collective_release._NO_PROC_GRACE_S <= time.monotonic() - started < 1.0

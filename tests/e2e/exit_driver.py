@@ -6,7 +6,11 @@ referenced, as DDP's reducer keeps it, so destroying it at exit does not stop
 gloo's worker threads. One more tensor is held by a C++ object that another
 thread drops late (a gloo worker slow to let go of a collective's tensors);
 an exit handler that runs after the harness's says whether that had happened
-by then. Before that, the broadcasts of tensors others keep (grad_sync's
+by then. The script's own collectives come last, as an evaluation's gather
+and a barrier do after training: their tensors are out of the harness's reach,
+so a thread that takes gloo's worker name and keeps running a while stands in
+for a worker late to let go of them, and the same handler says whether it had
+gone idle. Before that, the broadcasts of tensors others keep (grad_sync's
 repair, the rerun plugin's batches) are timed: they wait for gloo, which
 must not mean waiting out the limit. Prints JSON lines: what the collectives
 returned, how long the broadcasts took and what the harness kept, then that answer.
@@ -17,13 +21,14 @@ import atexit
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from harness.core import collective_release
-from harness.core.collective_release import keep_until_exit
+from harness.core.collective_release import _WORKER_THREAD_NAME, keep_until_exit
 from harness.core.distributed import (
     all_gather_objects,
     all_reduce_max,
@@ -56,7 +61,10 @@ def main() -> None:
     rank = dist.get_rank()
     HELD_LIKE_DDP.append(dist.distributed_c10d._get_default_group())
     late_worker: list[torch.futures.Future] = []
-    atexit.register(lambda: print(json.dumps({"released_before_teardown": not late_worker}), flush=True))  # runs last
+    busy_worker: dict[str, float] = {}
+    atexit.register(lambda: print(json.dumps({  # registered first, so it runs last
+        "released_before_teardown": not late_worker, "workers_idle_before_teardown": "idle_at" in busy_worker,
+    }), flush=True))
     close_process_group_at_exit()
     on_main, kept_gather = _kept_after(lambda: gather_to_main({"rank": rank, "findings": [f"finding of rank {rank}"] * (rank + 1)}))
     everywhere, kept_all_gather = _kept_after(lambda: all_gather_objects(("rank", rank, b"\x00" * (3 * rank))))
@@ -80,7 +88,26 @@ def main() -> None:
     keep_until_exit(sent)
     del sent
     threading.Thread(target=lambda: (time.sleep(LATE_S), late_worker.clear()), daemon=True).start()
-    all_reduce_max([0])  # the end-of-training agreement; then nothing but the exit
+    all_reduce_max([0])  # the end-of-training agreement
+
+    outputs = [torch.empty(2) for _ in range(2)]  # an evaluation's gather, as accelerate makes it: the list dies at once
+    dist.all_gather(outputs, torch.full((2,), float(rank)))
+    del outputs
+    dist.barrier()
+    threading.Thread(target=_busy_then_idle, args=(busy_worker,), daemon=True).start()
+    while "named_at" not in busy_worker:
+        time.sleep(0.001)
+    # then nothing but the exit
+
+
+def _busy_then_idle(record: dict[str, float]) -> None:
+    """Take gloo's worker name, run for LATE_S (a worker late to release a collective's tensors), then sleep."""
+    Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(_WORKER_THREAD_NAME)
+    record["named_at"] = time.monotonic()
+    while time.monotonic() - record["named_at"] < LATE_S:
+        pass
+    record["idle_at"] = time.monotonic()
+    threading.Event().wait()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,11 @@ returned; when the interpreter is finalising by then, the rank aborts
 example script did under load. How late a real worker is cannot be forced, so
 the driver adds a tensor that a stand-in drops late and checks that the
 harness's exit handler waited for it; the real gloo collectives (and the
-harness's own object gathers) run in every rank too.
+harness's own object gathers) run in every rank too. The script's own last
+collectives (an evaluation's gather, a barrier) are out of the harness's
+reach: a bare two-rank script ending in a barrier aborted in 7 of 40 runs, and
+CI's run_clm with --do_eval once. For them a thread under gloo's worker name
+that keeps running stands in for a late worker; the exit must wait for it.
 """
 from __future__ import annotations
 
@@ -52,7 +56,8 @@ def test_ranks_exit_cleanly_right_after_the_harness_collectives() -> None:
 
     for _, out, _ in results:
         line, verdict = (json.loads(text) for text in out.strip().splitlines()[-2:])
-        assert verdict == {"released_before_teardown": True}, "the exit went on while a backend thread held a tensor"
+        assert verdict["released_before_teardown"], "the exit went on while a backend thread held a harness tensor"
+        assert verdict["workers_idle_before_teardown"], "the exit went on while a gloo worker was still running"
         rank = line["rank"]
         assert line["most"] == [1, 0, 7]
         assert line["rows"] == [[0, 5], [1, 5]]
