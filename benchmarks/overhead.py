@@ -6,12 +6,16 @@ Two numbers, both relative to the same run, so they mean the same on any machine
   0.5 ms), with its share of the plain median step. It is measured on the
   harness side only and barely moves with the machine's load;
 - the step-time ratio (harness median step time / plain median step time;
-  the budget is 1.03). Runs alternate plain, harness, plain, harness ... in
+  the budget is 1.03). The hooks are timed in a third run per round, so
+  that the timing itself is not in the ratio. Runs alternate plain, harness ... in
   one process with the same seed, model init, data and TrainingArguments, so
-  drift (thermal, other load) hits both sides alike. On a shared 2-core
-  machine single rounds still scatter by +-10% and more, so there are many
-  short rounds: the table gives every round's ratio, then their median with
-  its interquartile range, and the ratio of the pooled medians.
+  drift (thermal, other load) hits both sides alike. Whole runs used to
+  land on one of two levels of step time, 10-20% apart (glibc moving its
+  mmap threshold: ``bench_env.steady_allocator`` now fixes it for both
+  sides); rounds on a shared 2-core machine still scatter by a few percent,
+  so there are many short rounds: the table gives every round's ratio, then
+  their median with its interquartile range, and the ratio of the pooled
+  medians.
 
     python benchmarks/overhead.py [--steps N] [--rounds R] [--warmup W] [--quick] [--plugins a,b] [--option p.key=value]
 
@@ -33,9 +37,10 @@ from typing import Any
 
 # Offline before anything from the HF stack is imported; the harness must come
 # up with its defaults only, so no config or plugin list leaks in from the shell.
-from bench_env import offline_defaults, time_hook_calls  # noqa: E402 - beside this script
+from bench_env import offline_defaults, steady_allocator, time_hook_calls  # noqa: E402 - beside this script
 
 offline_defaults()
+ALLOCATOR = steady_allocator()  # before torch allocates: both sides' tensors on the same kind of memory
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -150,8 +155,11 @@ def eval_rows() -> Any:
     return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
 
 
-def run_once(tokenizer: Any, dataset: Any, steps: int, warmup: int, with_harness: bool, plugins: list[str]) -> StepTimer:
-    """Train a fresh, identically seeded model for ``steps`` steps; harness attached or not.
+def run_once(
+    tokenizer: Any, dataset: Any, steps: int, warmup: int, with_harness: bool, plugins: list[str], time_hooks: bool = False
+) -> StepTimer:
+    """Train a fresh, identically seeded model for ``steps`` steps; harness attached or not (``time_hooks``: every
+    plugin hook call timed, which costs the harness side time of its own, so those runs give no step times).
 
     Plugins that keep ``training_thread_seconds`` (time spent on the training
     thread, start-up excluded) have it copied to ``timer.plugin_seconds``.
@@ -169,7 +177,7 @@ def run_once(tokenizer: Any, dataset: Any, steps: int, warmup: int, with_harness
         trainer = Trainer(model=model, args=training_args(out, steps), train_dataset=dataset, callbacks=[timer], eval_dataset=eval_rows())
         trainer.remove_callback(PrinterCallback)  # its log dicts would bury the table; removed on both sides
         ctx = harness.attach(trainer, config=OPTIONS or None, plugins=plugins or None) if with_harness else None
-        if ctx is not None:
+        if ctx is not None and time_hooks:
             _time_hooks(ctx.manager, timer, warmup, steps)
         trainer.train()
         if ctx is not None:
@@ -327,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"benchmark model: {BENCHMARK_MODEL}")
     print(
         f"steps {args.steps} (warmup {args.warmup} dropped), rounds {args.rounds}, threads {args.threads}, "
-        f"torch {torch.__version__}, plugins extra: {plugins or 'none'}"
+        f"torch {torch.__version__}, plugins extra: {plugins or 'none'}; {ALLOCATOR}"
     )
     prime(tokenizer, dataset, args.warmup)
     plain, harnessed = Side(), Side()
@@ -341,13 +349,14 @@ def main(argv: list[str] | None = None) -> int:
         for side, with_harness, extra in ((plain, baseline_harness, []), (harnessed, True, plugins)):
             timer = run_once(tokenizer, dataset, args.steps, args.warmup, with_harness, extra)
             side.add(timer.step_times(args.warmup), timer.span_times(args.warmup))
-            if side is harnessed:
-                hook_seconds += timer.hook_seconds
-                last_step_seconds += timer.last_step_seconds
-                for name, seconds in timer.by_plugin.items():
-                    by_plugin[name] = by_plugin.get(name, 0.0) + seconds
             for name, seconds in timer.plugin_seconds.items():
                 plugin_seconds[name] = plugin_seconds.get(name, 0.0) + seconds
+        # the hooks are timed in a run of their own: timing ~30 calls a step costs the harness side ~0.5% of a step
+        timer = run_once(tokenizer, dataset, args.steps, args.warmup, True, plugins, time_hooks=True)
+        hook_seconds += timer.hook_seconds
+        last_step_seconds += timer.last_step_seconds
+        for name, seconds in timer.by_plugin.items():
+            by_plugin[name] = by_plugin.get(name, 0.0) + seconds
     print(f"timed in {time.perf_counter() - started:.1f} s; step = on_step_end to on_step_end, span = begin to end")
     if baseline_harness:
         print("baseline: the harness with its default plugins; measured: the same plus " + ", ".join(plugins))
