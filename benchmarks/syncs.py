@@ -21,6 +21,10 @@ and the results of a counted ``cpu()``) are free and not counted, and neither
 are reads made by its control plane (``harness/core/distributed.py`` and
 ``harness/core/exchange.py``, on gloo tensors): those are printed apart.
 
+The harness reads host tensors one ``tolist`` at a time (nothing to save on a
+CPU); here its deferred reads are switched to the device path
+(``DeferredReads.join_host``), which is what the model's tensors stand in for.
+
     python benchmarks/syncs.py [--steps N] [--accumulation 2]
 
 The last line is ``harness host syncs per optimizer step: X.XX (plain Trainer: Y.YY)``.
@@ -243,7 +247,10 @@ def run(tokenizer: Any, dataset: Any, steps: int, accumulation: int, with_harnes
         trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[window], eval_dataset=overhead.eval_rows())
         trainer.remove_callback(PrinterCallback)
         if with_harness:
-            harness.attach(trainer, config=None)
+            ctx = harness.attach(trainer, config=None)
+            # the model's tensors stand in for a GPU's here: read them as a GPU run reads its device tensors (joined, one
+            # copy); on a real CPU run the harness reads host tensors one by one, which syncs nothing
+            ctx.reads.join_host = True
         counter.install()
         try:
             trainer.train()

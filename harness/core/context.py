@@ -252,6 +252,15 @@ class RunContext:
         off on every rank here, at once, and the plugins' shared payloads
         (``ctx.share``), which ``ctx.shared`` then returns on every rank.
         """
+        if self.world_size == 1:  # alone: the exchange would hand this rank its own row back
+            self.exchange.loop_back()
+            level = self.pending_action.level
+            if self._hub.outbox:
+                self.collect_findings()
+            if self.manager.has_disabling_votes():
+                self._switch_off(self.manager.disabling_votes(), "step guard")
+            self.pending_action = Action.CONTINUE
+            return Action.from_level(level)
         header = [self.pending_action.level, len(self._hub.outbox), *self.manager.disabling_votes()]
         if self.world_size > 1 and not self._layout_checked:
             self._check_layout(len(header))

@@ -24,7 +24,10 @@ ErrorSink = Callable[[str, BaseException], None]  # (owner plugin, exception)
 class DeferredReads:
     """Device tensors queued during a step, and the host values of the last read."""
 
-    def __init__(self) -> None:
+    def __init__(self, join_host: bool = False) -> None:
+        """``join_host``: read host tensors as device ones are read (joined, one copy); only worth it in tests, which
+        thereby run the device path on a machine without a device."""
+        self.join_host = join_host
         self._pending: list[tuple[Key, torch.Tensor]] = []
         self._values: dict[Key, list[Any]] = {}
         self.reads = 0  # host transfers made (for the sync benchmark and tests)
@@ -49,8 +52,10 @@ class DeferredReads:
     def read(self, on_error: ErrorSink | None = None) -> None:
         """Copy every queued tensor to the host in one transfer; the values replace the last read's.
 
-        Device tensors are joined on their device and copied once; host-born
-        ones are joined on the host (no host-to-device copy). Tensors are
+        Device tensors are joined on their device and copied once; host
+        tensors (all of them in a CPU run) are read one by one with ``tolist``,
+        as exact and far cheaper than joining them, since there is no transfer to
+        save. Device tensors are
         joined by kind (every float in one ``cat`` and one conversion to
         float64 bits, every integer and bool in another; the scalars of a kind,
         most of what plugins queue, in one ``stack`` first), and each kind's
@@ -64,7 +69,8 @@ class DeferredReads:
         scalars: dict[Group, list[torch.Tensor]] = defaultdict(list)  # 0-d tensors: stacked in one operation
         flats: dict[Group, list[torch.Tensor]] = defaultdict(list)  # the others, flattened
         entries: list[tuple[Key, str, tuple[int, ...], Group, bool, int, int]] = []  # key, kind, shape, group, scalar, index, count
-        hosts: list[Any] = []  # the host values, in queue order
+        hosts: list[Any] = []  # the host values, in queue order (host tensors' read at once)
+        tensors_read = False
         for key, tensor in pending:
             if type(tensor) is _Host:
                 entries.append((key, "host", (), (True, False), False, len(hosts), 0))
@@ -77,7 +83,12 @@ class DeferredReads:
                     on_error(key[0], exc)
                 continue
             on_host = tensor.is_cpu
-            if not on_host and kind == "float" and tensor.device.type == "mps":
+            if on_host and not self.join_host:  # no transfer to save: one ``tolist`` each is a few microseconds, the packing tens
+                entries.append((key, "host", (), (True, False), False, len(hosts), 0))
+                hosts.append(tensor.tolist())
+                tensors_read = True
+                continue
+            if kind == "float" and tensor.device.type == "mps":
                 tensor = tensor.cpu()  # MPS has no float64
                 on_host = True
             group = (on_host, kind == "float")
@@ -92,7 +103,7 @@ class DeferredReads:
         values: dict[Key, list[Any]] = defaultdict(list)
         numbers: dict[Group, list[Any]] = {}  # each group's values as Python numbers: its scalars, then its flats
         offsets: dict[Group, list[int]] = {}  # where each flat of a group starts in its numbers
-        if len(entries) > len(hosts):  # some tensor to read
+        if tensors_read or len(entries) > len(hosts):  # some tensor to read
             for on_host in (False, True):
                 kinds = [floating for floating in (True, False) if scalars.get((on_host, floating)) or flats.get((on_host, floating))]
                 if not kinds:

@@ -61,6 +61,12 @@ class StepExchange:
         self._outgoing = {}
         return row
 
+    def loop_back(self) -> None:
+        """One process: what ``unpack`` of this rank's own packed row gives, without building the row."""
+        outgoing, self._outgoing = self._outgoing, {}
+        self._received = {key: [values[: self._capacity[key]]] for key, values in outgoing.items()}
+        self._counts = {key: [len(values)] for key, values in outgoing.items()}
+
     def unpack(self, rows: Sequence[Sequence[int]], header_width: int) -> list[list[int]]:
         """Every rank's header; the slots are kept for ``received``."""
         headers = [list(row[:header_width]) for row in rows]

@@ -270,6 +270,9 @@ class HarnessPluginManager:
         """Past its error limit on this rank, not yet switched off (several processes: waiting for the next agreement)."""
         return plugin_name in self._wants_disabling
 
+    def has_disabling_votes(self) -> bool:
+        return bool(self._wants_disabling)
+
     def disabling_votes(self) -> list[int]:
         """One slot per registered plugin, in registration order (the same on every rank): 1 to switch it off."""
         return [int(name in self._wants_disabling) for name in self._entries]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -60,6 +61,19 @@ def device_row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> to
     return values.mul_(_position_weights(ids.device, ids.shape[1])).sum(dim=1)
 
 
+def host_row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> list[int]:
+    """``device_row_hashes`` of host tensors, read: the same sums in numpy (int64 wraps alike). For indexing datasets, a
+    tight loop where it is 4x faster; not for one batch a step, where torch's warm dispatch beats numpy's cold one."""
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    values = ids.numpy().astype(np.int64)  # a copy: the products below go in place
+    values += 1
+    if mask is not None and mask.shape == ids.shape:
+        values *= mask.numpy()
+    values *= _position_weights(ids.device, ids.shape[1]).numpy()
+    return values.sum(axis=1).tolist()
+
+
 def combine_row_hashes(hashes: list[int]) -> int:
     """One order-sensitive 64-bit hash of a batch from its row hashes (read to the host once per step anyway)."""
     weights = _host_weights(len(hashes) + 1)[1 : len(hashes) + 1]
@@ -100,12 +114,12 @@ def hash_token_rows(rows: list[list[int]]) -> list[int]:
     if not rows:
         return []
     width = max(len(r) for r in rows) or 1
-    ids = torch.zeros(len(rows), width, dtype=torch.int64)
-    mask = torch.zeros(len(rows), width, dtype=torch.int64)
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
     for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.int64)
+        ids[i, : len(row)] = row
         mask[i, : len(row)] = 1
-    return device_row_hashes(ids, mask).tolist()
+    return host_row_hashes(torch.from_numpy(ids), torch.from_numpy(mask))
 
 
 _LAST_DATASET: list[Any] = []  # (dataset, key, size, hashes) of the last call: data_hash and contamination share one pass

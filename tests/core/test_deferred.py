@@ -28,30 +28,39 @@ class CountReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.fixture(params=[True, False], ids=["joined", "one-by-one"])
+def join_host(request: pytest.FixtureRequest) -> bool:
+    """Every test runs both read paths: joined and copied once (what device tensors take; here on the host) and one
+    ``tolist`` per host tensor (what a CPU run takes)."""
+    return bool(request.param)
+
+
 def _bits(value: float) -> bytes:
     return struct.pack("<d", value)
 
 
-def test_everything_queued_is_read_in_one_transfer() -> None:
-    reads = DeferredReads()
+def test_everything_queued_is_read_in_one_transfer(join_host: bool) -> None:
+    reads = DeferredReads(join_host=join_host)
     for i in range(5):
         reads.defer("p", f"k{i}", torch.tensor(float(i)))
     reads.defer("q", "mask", torch.tensor([True, False]))
     assert reads.pending == 6
     with CountReads() as mode:
         reads.read()
-    # host tensors (this machine has no GPU) are joined on the host and read with one numpy(); device ones with one cpu()
-    assert mode.calls.count("cpu") + mode.calls.count("numpy") == 1 and not {"item", "tolist", "__bool__", "__float__"} & set(mode.calls)
+    if join_host:  # joined and read with one numpy() (device tensors: one cpu()), no per-tensor read
+        assert mode.calls.count("cpu") + mode.calls.count("numpy") == 1 and not {"item", "tolist", "__bool__", "__float__"} & set(mode.calls)
+    else:  # a CPU run's tensors: one tolist each, no tensor operation to join them
+        assert mode.calls == ["tolist"] * 6
     assert reads.reads == 1 and reads.pending == 0
     assert [reads.values("p", f"k{i}") for i in range(5)] == [[0.0], [1.0], [2.0], [3.0], [4.0]]
     assert reads.values("q", "mask") == [[True, False]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-def test_floats_come_back_bit_exact_with_nan_and_inf(dtype: torch.dtype) -> None:
+def test_floats_come_back_bit_exact_with_nan_and_inf(dtype: torch.dtype, join_host: bool) -> None:
     tiny = torch.finfo(dtype).tiny / 4  # a subnormal of this dtype
     source = torch.tensor([0.1, -0.0, math.inf, -math.inf, math.nan, torch.finfo(dtype).max, tiny], dtype=dtype)
-    reads = DeferredReads()
+    reads = DeferredReads(join_host=join_host)
     reads.defer("p", "x", source)
     reads.read()
     (values,) = reads.values("p", "x")
@@ -61,9 +70,9 @@ def test_floats_come_back_bit_exact_with_nan_and_inf(dtype: torch.dtype) -> None
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8])
-def test_integers_come_back_exact_at_the_extremes(dtype: torch.dtype) -> None:
+def test_integers_come_back_exact_at_the_extremes(dtype: torch.dtype, join_host: bool) -> None:
     info = torch.iinfo(dtype)
-    reads = DeferredReads()
+    reads = DeferredReads(join_host=join_host)
     reads.defer("p", "x", torch.tensor([info.min, -1 if info.min < 0 else 0, 0, info.max], dtype=dtype))
     reads.defer("p", "scalar", torch.tensor(info.max, dtype=dtype))
     reads.read()
@@ -71,8 +80,8 @@ def test_integers_come_back_exact_at_the_extremes(dtype: torch.dtype) -> None:
     assert reads.values("p", "scalar") == [info.max] and type(reads.values("p", "scalar")[0]) is int
 
 
-def test_bools_and_shapes() -> None:
-    reads = DeferredReads()
+def test_bools_and_shapes(join_host: bool) -> None:
+    reads = DeferredReads(join_host=join_host)
     reads.defer("p", "flag", torch.tensor(True))
     reads.defer("p", "grid", torch.arange(6).reshape(2, 3))
     reads.defer("p", "one", torch.tensor([7.5]))
@@ -87,8 +96,8 @@ def test_bools_and_shapes() -> None:
     assert reads.values("p", "host") == [3]
 
 
-def test_repeated_keys_keep_their_order_and_owners_are_apart() -> None:
-    reads = DeferredReads()
+def test_repeated_keys_keep_their_order_and_owners_are_apart(join_host: bool) -> None:
+    reads = DeferredReads(join_host=join_host)
     for micro_batch, loss in enumerate([2.5, 1.5, 3.5]):
         reads.defer("nan_guard", "finite", torch.tensor(micro_batch != 1))
         reads.defer("spike", "loss", torch.tensor(loss))
@@ -99,8 +108,8 @@ def test_repeated_keys_keep_their_order_and_owners_are_apart() -> None:
     assert reads.values("other", "loss") == [9.0] and reads.values("nobody", "loss") == []
 
 
-def test_the_next_read_replaces_the_values_and_an_empty_read_transfers_nothing() -> None:
-    reads = DeferredReads()
+def test_the_next_read_replaces_the_values_and_an_empty_read_transfers_nothing(join_host: bool) -> None:
+    reads = DeferredReads(join_host=join_host)
     reads.defer("p", "a", torch.tensor(1.0))
     reads.read()
     reads.defer("p", "b", torch.tensor(2.0))
@@ -111,10 +120,10 @@ def test_the_next_read_replaces_the_values_and_an_empty_read_transfers_nothing()
     assert mode.calls == [] and reads.reads == 2 and reads.values("p", "b") == []
 
 
-def test_a_tensor_that_needs_grad_is_read_detached_and_later_changes_do_not_leak_in() -> None:
+def test_a_tensor_that_needs_grad_is_read_detached_and_later_changes_do_not_leak_in(join_host: bool) -> None:
     weight = torch.tensor([1.0, 2.0], requires_grad=True)
     loss = (weight * 2).sum()
-    reads = DeferredReads()
+    reads = DeferredReads(join_host=join_host)
     reads.defer("p", "loss", loss)
     reads.read()
     assert reads.values("p", "loss") == [6.0]
@@ -133,8 +142,8 @@ def test_device_tensors_of_several_dtypes_in_one_transfer() -> None:
     assert reads.values("p", "ids") == [[2**62, -(2**63)]] and reads.values("p", "ok") == [False]
 
 
-def test_a_tensor_that_cannot_be_read_costs_only_its_own_plugin() -> None:
-    reads, failed = DeferredReads(), []
+def test_a_tensor_that_cannot_be_read_costs_only_its_own_plugin(join_host: bool) -> None:
+    reads, failed = DeferredReads(join_host=join_host), []
     reads.defer("good", "x", torch.tensor(2.5))
     reads.defer("bad", "z", torch.tensor(1 + 2j))
     reads.defer("bad", "m", torch.empty(3, device="meta"))
@@ -143,8 +152,8 @@ def test_a_tensor_that_cannot_be_read_costs_only_its_own_plugin() -> None:
     assert reads.values("bad", "z") == [] and reads.values("bad", "m") == [] and failed == ["bad", "bad"]
 
 
-def test_python_floats_stay_exact_and_a_dead_step_s_queue_is_dropped() -> None:
-    reads = DeferredReads()
+def test_python_floats_stay_exact_and_a_dead_step_s_queue_is_dropped(join_host: bool) -> None:
+    reads = DeferredReads(join_host=join_host)
     reads.defer("p", "x", 0.1)
     reads.read()
     assert reads.values("p", "x") == [0.1]
@@ -154,9 +163,9 @@ def test_python_floats_stay_exact_and_a_dead_step_s_queue_is_dropped() -> None:
     assert reads.values("p", "x") == [] and reads.pending == 0
 
 
-def test_host_values_come_back_as_they_are_in_order_with_tensors_and_cost_no_read() -> None:
+def test_host_values_come_back_as_they_are_in_order_with_tensors_and_cost_no_read(join_host: bool) -> None:
     """A value computed on the host (from CPU data) is queued without a tensor op and returned unchanged, in its place."""
-    reads = DeferredReads()
+    reads = DeferredReads(join_host=join_host)
     reads.defer("p", "k", [1, 2, -3])
     reads.defer("p", "k", torch.tensor([4, 5]))
     reads.defer("p", "k", True)
@@ -169,9 +178,9 @@ def test_host_values_come_back_as_they_are_in_order_with_tensors_and_cost_no_rea
     assert reads.values("p", "k") == [[7]] and reads.reads == 1  # host values alone: no transfer
 
 
-def test_scalars_and_arrays_of_mixed_dtypes_interleaved_come_back_in_their_places() -> None:
+def test_scalars_and_arrays_of_mixed_dtypes_interleaved_come_back_in_their_places(join_host: bool) -> None:
     """The read stacks a kind's scalars first and appends its arrays after: each value must still land on its own key."""
-    reads = DeferredReads()
+    reads = DeferredReads(join_host=join_host)
     queued: list[tuple[str, Any, Any]] = [
         ("a", torch.tensor(0.1, dtype=torch.float16), torch.tensor(0.1, dtype=torch.float16).item()),
         ("b", torch.tensor([1.5, -2.25], dtype=torch.float32), [1.5, -2.25]),
@@ -187,7 +196,7 @@ def test_scalars_and_arrays_of_mixed_dtypes_interleaved_come_back_in_their_place
         reads.defer("p", key, tensor)
     with CountReads() as mode:
         reads.read()
-    assert mode.calls.count("numpy") + mode.calls.count("cpu") == 1
+    assert mode.calls.count("numpy") + mode.calls.count("cpu") == (1 if join_host else 0)
     for key, _, expected in queued:
         (value,) = reads.values("p", key)
         assert value == expected and type(value) is type(expected), key

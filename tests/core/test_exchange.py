@@ -96,3 +96,19 @@ def test_sharing_without_a_reservation_and_a_negative_capacity_are_errors() -> N
         exchange.share("p", "k", [1])
     with pytest.raises(ValueError, match="capacity"):
         exchange.reserve("p", "k", -1)
+
+
+@pytest.mark.parametrize("shares", [{}, {"hashes": [1, 2]}, {"hashes": [1, 2, 3, 4, 5, 6], "wait_us": [7]}, {"wait_us": []}])
+def test_loop_back_is_what_one_rank_s_own_row_gives(shares: dict[str, list[int]]) -> None:
+    """One process skips the row: ``loop_back`` must leave what ``pack`` then ``unpack`` of its own row would."""
+    via_row, looped = _ranks(2)
+    owners = {"hashes": "data_hash", "wait_us": "grad_sync"}
+    for exchange in (via_row, looped):
+        for key, values in shares.items():
+            exchange.share(owners[key], key, values)
+    via_row.unpack([via_row.pack([0, 0])], HEADER)
+    looped.loop_back()
+    for key, owner in owners.items():
+        assert looped.received(owner, key) == via_row.received(owner, key)
+        assert looped.cut_ranks(owner, key) == via_row.cut_ranks(owner, key)
+    assert looped.pack([0, 0]) == via_row.pack([0, 0])  # nothing left outgoing on either

@@ -154,3 +154,19 @@ def test_on_step_agreed_fires_after_the_agreement_with_the_agreed_action(tmp_pat
     assert probe.seen == [(5, Action.SKIP_STEP, model, optimizer, Action.CONTINUE)]  # the pending action was consumed by agree()
     guard.guard(model=model, optimizer=optimizer)
     assert probe.seen[-1][1] is Action.CONTINUE
+
+
+def test_alone_the_agreement_skips_the_exchange_and_a_plugin_still_gets_its_own_values(tmp_path: Path) -> None:
+    """One process: the exchange would hand the row straight back, so no row is packed; a plugin's shared values must
+    still come back from ``ctx.shared`` (cut to its slot, as the exchange cuts them)."""
+    guard, _, ctx, _ = _guard(tmp_path, {"PROBE_FAULT": "skip_step"})
+    packed: list[list[int]] = []
+    pack = ctx.exchange.pack
+    ctx.exchange.pack = lambda header: packed.append(list(header)) or pack(header)  # type: ignore[method-assign]
+    ctx.reserve("ids", 2, owner="probe")
+    ctx.report("PROBE_FAULT", "bad batch", plugin="probe")
+    ctx.share("ids", [5, 6, 7], owner="probe")
+    assert guard.guard(model=None, optimizer=None) is Action.SKIP_STEP
+    assert ctx.shared("ids", owner="probe") == [[5, 6]] and ctx.shared_cut("ids", owner="probe") == [0]
+    assert guard.guard(model=None, optimizer=None) is Action.CONTINUE
+    assert ctx.shared("ids", owner="probe") is None and packed == []  # nothing shared at this step

@@ -131,9 +131,11 @@ def test_row_hashes_are_the_defined_sums(dtype: torch.dtype) -> None:
     mask = torch.ones(5, 37, dtype=torch.int64)
     mask[2, 20:] = 0
     mask[4, :] = 0
-    from harness.lib.hashing import device_row_hashes, hash_token_rows
+    from harness.lib.hashing import device_row_hashes, hash_token_rows, host_row_hashes
 
     assert torch.equal(device_row_hashes(ids, mask), _generic_row_hashes(ids, mask))
     assert torch.equal(device_row_hashes(ids, mask.bool()), _generic_row_hashes(ids, mask))
     assert torch.equal(device_row_hashes(ids), _generic_row_hashes(ids, None))
     assert device_row_hashes(ids).tolist() == hash_token_rows(ids.tolist())  # the host hash of dataset rows agrees
+    for m in (mask, mask.bool(), None):  # numpy's sums (dataset indexing) wrap around as torch's do
+        assert host_row_hashes(ids, m) == device_row_hashes(ids, m).tolist()
