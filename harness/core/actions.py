@@ -21,27 +21,22 @@ class Action(str, enum.Enum):
     SAVE_AND_STOP = "save_and_stop"
     STOP = "stop"
 
-    @property
-    def level(self) -> int:
-        return _LEVEL[self]
+    # plain attributes of each member, set below: read on the training thread every step, where an enum property (and the
+    # enum's Python-level hash behind a dict lookup) costs microseconds
+    level: int  # the order ranks agree by (the strongest wins)
+    stops_training: bool  # rollback, save_and_stop, stop
 
     @classmethod
     def from_level(cls, level: int) -> "Action":
         return _BY_LEVEL[level]
 
-    @property
-    def stops_training(self) -> bool:
-        return self.level >= Action.ROLLBACK.level
 
-
-_LEVEL = {
-    Action.CONTINUE: 0,
-    Action.SKIP_STEP: 1,
-    Action.ROLLBACK: 2,
-    Action.SAVE_AND_STOP: 3,
-    Action.STOP: 4,
-}
-_BY_LEVEL = {level: action for action, level in _LEVEL.items()}
+_BY_LEVEL = dict(enumerate(Action))  # declaration order is the level order
+for _level, _action in _BY_LEVEL.items():
+    _action.level = _level
+for _action in Action:
+    _action.stops_training = _action.level >= Action.ROLLBACK.level
+del _level, _action
 
 
 def strongest(*actions: Action) -> Action:

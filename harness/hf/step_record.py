@@ -53,7 +53,7 @@ class StepRecord:
             "lr": self.lr,
             "skipped": agreed is not Action.CONTINUE,
             "optimizer_skipped": self.optimizer_skipped and agreed is Action.CONTINUE,
-            "action": agreed.value,
+            "action": agreed._value_,  # the value, without the enum property's cost
             "micro_batches": self.micro_batches,
             "tokens": self.tokens,
             "step_time": step_time,
