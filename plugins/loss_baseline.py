@@ -114,7 +114,9 @@ class LossBaseline(Plugin):
         if not torch.is_tensor(labels):
             return
         if self.options.check_masked_labels:
-            self.defer("has_labels", (labels != IGNORE_INDEX).any())  # device-side, read in the guard's one transfer
+            # device-side, read in the guard's one transfer: the count of labelled positions (0: every label masked); a
+            # count, not any(), which measured twice as costly on the training thread (a kernel the model never warms)
+            self.defer("has_labels", (labels != IGNORE_INDEX).sum())
         ids = batch.get("input_ids")
         if not self._first_done and micro_step == 0 and self._copy is None and torch.is_tensor(ids) and ids.shape == labels.shape:
             self._copy = -1.0  # queued: the first micro-batch only

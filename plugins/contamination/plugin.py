@@ -133,7 +133,7 @@ class Contamination(Plugin):
         if self.checker.error is not None or self._worker_error_reported:  # a dead thread is found at the group's hand-over
             self._raise_worker_error()  # once: an INTERNAL_PLUGIN_ERROR with the worker's traceback; then nothing is queued
             return
-        host = ids.detach().to("cpu", non_blocking=True) if ids.is_cuda else ids.detach().clone()
+        host = ids.to("cpu", non_blocking=True) if ids.is_cuda else ids.clone()  # token ids never carry autograd: no detach
         ready = torch.cuda.Event() if ids.is_cuda else None
         if ready is not None:
             ready.record()
