@@ -10,7 +10,7 @@ from harness.core.actions import Action, strongest
 from harness.core.console import Console
 from harness.core.deferred import DeferredReads
 from harness.core.errors import HarnessError
-from harness.core.distributed import DistInfo, all_reduce_max, exchange_rows, gather_to_main
+from harness.core.distributed import DistInfo, all_reduce_max, alone, exchange_rows, gather_to_main
 from harness.core.exchange import StepExchange
 from harness.core.findings import Finding, FindingCode, FindingsFile, Severity, findings_path
 from harness.core.manager import HarnessPluginManager
@@ -252,7 +252,7 @@ class RunContext:
         off on every rank here, at once, and the plugins' shared payloads
         (``ctx.share``), which ``ctx.shared`` then returns on every rank.
         """
-        if self.world_size == 1:  # alone: the exchange would hand this rank its own row back
+        if self.world_size == 1 and alone():  # the exchange would hand this rank its own row back (and meets nobody)
             self.exchange.loop_back()
             level = self.pending_action.level
             if self._hub.outbox:

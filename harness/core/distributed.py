@@ -40,6 +40,11 @@ def dist_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+def alone() -> bool:
+    """No other process to meet: torch.distributed is not running, or runs one process (every collective is the identity)."""
+    return not dist_ready() or torch.distributed.get_world_size() == 1
+
+
 def dist_info() -> DistInfo:
     """Rank and world size from torch.distributed when initialised, else the launcher's env."""
     if dist_ready():
@@ -102,7 +107,7 @@ def control_group() -> Any:
 
 def all_reduce_max(values: list[int]) -> list[int]:
     """Element-wise maximum of small integer vectors over all ranks (identity when alone)."""
-    if not dist_ready() or torch.distributed.get_world_size() == 1:
+    if alone():
         return list(values)
     tensor = torch.tensor(values, dtype=torch.int64)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=control_group())
@@ -117,7 +122,7 @@ def exchange_rows(row: list[int]) -> list[list[int]]:
     run, see ``harness.core.exchange``). The tensors are born on the host and
     go over the CPU control group, so reading them never waits for a GPU.
     """
-    if not dist_ready() or torch.distributed.get_world_size() == 1:
+    if alone():
         return [list(row)]
     mine = torch.tensor(row, dtype=torch.int64)
     rows = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
@@ -159,14 +164,14 @@ def _gather_objects(obj: Any, dst: int | None) -> list[Any] | None:
 
 def gather_to_main(obj: Any) -> list[Any] | None:
     """Every rank's ``obj`` on rank 0 (in rank order); None on the other ranks."""
-    if not dist_ready() or torch.distributed.get_world_size() == 1:
+    if alone():
         return [obj]
     return _gather_objects(obj, dst=0)
 
 
 def all_gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj`` on every rank (in rank order), over the CPU control group; ``[obj]`` when alone."""
-    if not dist_ready() or torch.distributed.get_world_size() == 1:
+    if alone():
         return [obj]
     gathered = _gather_objects(obj, dst=None)
     assert gathered is not None  # every rank receives
@@ -237,7 +242,7 @@ def broadcast_guarded(collect: Callable[[], list[torch.Tensor]], src: int | None
     whether the counts match. Nothing is broadcast unless all hold; a rank
     whose ``collect`` raised re-raises after the agreement.
     """
-    if not dist_ready() or torch.distributed.get_world_size() == 1:
+    if alone():
         return 0
     tensors: list[torch.Tensor] = []
     error: BaseException | None = None
@@ -262,7 +267,7 @@ def broadcast_from(tensors: list[torch.Tensor], src: int = 0) -> int:
     an optimizer's, a rerun's batches): the ones gloo carried are waited for
     here, until its workers let go of them.
     """
-    if not dist_ready() or torch.distributed.get_world_size() == 1:
+    if alone():
         return 0
     default_is_gloo = torch.distributed.get_backend() == "gloo"
     with released_after([tensor for tensor in tensors if default_is_gloo or tensor.device.type == "cpu"]):

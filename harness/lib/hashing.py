@@ -27,18 +27,19 @@ def _position_weights(device: torch.device, length: int) -> torch.Tensor:
     tensor per distinct length.
     """
     length = max(length, 1)
-    last = _last_slice.get(device)
-    if last is not None and last.shape[0] == length:
-        return last  # the common step: the length of the last batch (a slice is a tensor op, tens of microseconds in situ)
     cached = _weights.get(device)
+    last = _last_slice.get(device)
+    if last is not None and last[0] is cached and last[1].shape[0] == length:
+        return last[1]  # the common step: the length of the last batch (a slice is a tensor op, tens of microseconds in situ)
     if cached is None or cached.shape[0] < length:
         cached = _draw_weights(max(64, 1 << (length - 1).bit_length())).to(device)
         _weights[device] = cached
-    _last_slice[device] = cached[:length]  # a view: no memory of its own
-    return _last_slice[device]
+    view = cached[:length]  # a view: no memory of its own
+    _last_slice[device] = (cached, view)
+    return view
 
 
-_last_slice: dict[Any, torch.Tensor] = {}  # device -> the last slice handed out (a view of the cached multipliers)
+_last_slice: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> (the cached multipliers, the last slice of them)
 
 
 _host_list: list[int] = []  # the CPU multipliers as Python ints, for combining row hashes that are already on the host
@@ -79,7 +80,7 @@ def host_row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> list
     values = ids.numpy().astype(np.int64)  # a copy: the products below go in place
     values += 1
     if mask is not None and mask.shape == ids.shape:
-        values *= mask.numpy()
+        values *= mask.numpy().astype(np.int64, copy=False)  # a float mask too, as device_row_hashes takes it
     values *= _position_weights(ids.device, ids.shape[1]).numpy()
     return values.sum(axis=1).tolist()
 

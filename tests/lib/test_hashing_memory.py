@@ -138,5 +138,5 @@ def test_row_hashes_are_the_defined_sums(dtype: torch.dtype) -> None:
     assert torch.equal(device_row_hashes(ids, mask.float()), _generic_row_hashes(ids, mask))  # a float mask: still exact int64
     assert torch.equal(device_row_hashes(ids), _generic_row_hashes(ids, None))
     assert device_row_hashes(ids).tolist() == hash_token_rows(ids.tolist())  # the host hash of dataset rows agrees
-    for m in (mask, mask.bool(), None):  # numpy's sums (dataset indexing) wrap around as torch's do
+    for m in (mask, mask.bool(), mask.float(), None):  # numpy's sums (dataset indexing) wrap around as torch's do
         assert host_row_hashes(ids, m) == device_row_hashes(ids, m).tolist()
