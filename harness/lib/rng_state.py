@@ -20,7 +20,7 @@ def rng_state(all_devices: bool = False) -> dict[str, Any]:
     in place keeps every device's (``cuda_all``).
     """
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # implies available; is_available() itself costs as much as the state copy (every step)
         if all_devices:
             state["cuda_all"] = torch.cuda.get_rng_state_all()
         else:
