@@ -252,20 +252,17 @@ class RunContext:
         off on every rank here, at once, and the plugins' shared payloads
         (``ctx.share``), which ``ctx.shared`` then returns on every rank.
         """
+        votes: list[int]
         if self.world_size == 1 and alone():  # the exchange would hand this rank its own row back (and meets nobody)
             self.exchange.loop_back()
-            level = self.pending_action.level
-            if self._hub.outbox:
-                self.collect_findings()
-            if self.manager.has_disabling_votes():
-                self._switch_off(self.manager.disabling_votes(), "step guard")
-            self.pending_action = Action.CONTINUE
-            return Action.from_level(level)
-        header = [self.pending_action.level, len(self._hub.outbox), *self.manager.disabling_votes()]
-        if self.world_size > 1 and not self._layout_checked:
-            self._check_layout(len(header))
-        headers = self.exchange.unpack(exchange_rows(self.exchange.pack(header)), len(header))
-        level, outgoing, *votes = [max(column) for column in zip(*headers)]
+            level, outgoing = self.pending_action.level, len(self._hub.outbox)
+            votes = self.manager.disabling_votes() if self.manager.has_disabling_votes() else []
+        else:
+            header = [self.pending_action.level, len(self._hub.outbox), *self.manager.disabling_votes()]
+            if self.world_size > 1 and not self._layout_checked:
+                self._check_layout(len(header))
+            headers = self.exchange.unpack(exchange_rows(self.exchange.pack(header)), len(header))
+            level, outgoing, *votes = [max(column) for column in zip(*headers)]
         if outgoing:
             self.collect_findings()
         self._switch_off(votes, "step guard")
