@@ -27,7 +27,7 @@ from harness.lib.capture import sample_ids
 from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
-from harness.lib.hashing import combine_row_hashes, dataset_hashes, dataset_rows, device_row_hashes, from_hex64, hash_token_rows, hex64
+from harness.lib.hashing import combine_row_hashes, dataset_hashes, dataset_rows, device_row_hashes, from_hex64, hash_token_rows, hex64, hex64_all
 from harness.lib.ledger import LedgerWriter, around_resume, iter_records, ledger_path
 from harness.lib.sampler_padding import EpochPadding, epoch_padding, is_padding
 from harness.lib.seentable import SeenTable, key64
@@ -234,7 +234,7 @@ class DataHash(Plugin):
             self._epoch, self._seen, self._position = epoch, self._seen.clear(), 0
         records = []
         for (micro, _, ids), hashes in zip(pending, read):
-            records.append((micro, hex64(combine_row_hashes(hashes)), list(map(hex64, hashes)), ids))
+            records.append((micro, hex64(combine_row_hashes(hashes)), hex64_all(hashes), ids))
             self._check_samples(ctx, step, hashes, ids)
         if self._writer is not None:
             self._writer.write_hashes(step, epoch, records)

@@ -95,6 +95,7 @@ def _surged(ctx: Any, step: int) -> list[Any]:
     return surged_before(run_dir, step) if run_dir is not None else []
 
 
+_ADMITTED: Any = object()  # in ``_loss_seen``: the loss was admitted unjudged (clearly normal); judge it on demand
 Micro = tuple[int, dict[str, Any], float]  # (micro_step, batch, its loss as a host float)
 
 
@@ -175,7 +176,8 @@ class SpikeCapture(Plugin):
     def on_before_optimizer_step(self, ctx: Any, step: int, grad_norm: float | None, loss: float | None, micro_losses: list[float]) -> None:
         # the step's micro-batches, kept by the loop by reference (or this plugin's copies), with their losses
         kept, self._copies = (self._copies if self.options.copy_batches else ctx.step_batches), []
-        self._ring.extend((step, m, b) for m, b in kept)
+        for m, b in kept:
+            self._ring.append((step, m, b))
         losses = micro_losses
         current = [(m, b, losses[i] if i < len(losses) else math.nan) for i, (m, b) in enumerate(kept)]
         if loss is None:
@@ -201,11 +203,14 @@ class SpikeCapture(Plugin):
             return  # nan_guard's finding; a non-finite value must not poison the baseline
         self.steps_seen += 1
         ready = self.loss_base.ready and self.steps_seen > o.warmup_steps
-        j = self.loss_base.judge(loss)  # against what is there, from the first steps: outliers never enter
+        # against what is there, from the first steps: outliers never enter. A loss under (1 + loss_min_rise) times the
+        # lowest level the window can give is no outlier whatever its spread: judged later only if a report needs it
+        normal = self.loss_base.under_level(loss, 1.0 + o.loss_min_rise)
+        j = None if normal else self.loss_base.judge(loss)
         rise = j is not None and j.value - j.median > o.loss_min_rise * abs(j.median)
         outlier = rise and j is not None and j.z > min(o.divergence_z, o.loss_z)
         spike = ready and rise and j is not None and j.z > o.loss_z
-        self._loss_seen = (step, j, spike, outlier)
+        self._loss_seen = (step, _ADMITTED if normal else j, spike, outlier)
         episode_started = self.elevated_run == 0
         self.elevated_run = self.elevated_run + 1 if outlier else 0
         if not outlier:
@@ -234,7 +239,8 @@ class SpikeCapture(Plugin):
         o = self.options
         if not math.isfinite(norm):
             return None
-        j = self.grad_base.judge(norm)
+        # under grad_min_ratio times the lowest level the window can give: no outlier, whatever the judgement's spread
+        j = None if self.grad_base.under_level(norm, o.grad_min_ratio) else self.grad_base.judge(norm)
         outlier = j is not None and norm > j.median * o.grad_min_ratio and j.z > o.grad_z
         if not outlier:
             self.grad_base.admit(norm)
@@ -253,6 +259,8 @@ class SpikeCapture(Plugin):
         """What the loss of ``step`` did against its own baseline: (words, spiked, moved, evidence); never "unmoved" when it moved."""
         seen = self._loss_seen if self._loss_seen is not None and self._loss_seen[0] == step else None
         _, j, spiked, elevated = seen if seen is not None else (step, None, False, False)
+        if j is _ADMITTED:  # a clearly normal loss, not judged at its step: its judgement against the window it met
+            j = self.loss_base.judgement_of_admitted()
         words, moved, evidence = loss_context(j, spiked, elevated, self.options.loss_min_rise, self.options.divergence_z)
         return words, spiked, moved, evidence
 

@@ -1,6 +1,8 @@
 """Content hashes of token rows: stable across processes, devices and runs (fixed constants, never Python's ``hash()``)."""
 from __future__ import annotations
 
+import operator
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -87,8 +89,8 @@ def host_row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> list
 
 def combine_row_hashes(hashes: list[int]) -> int:
     """One order-sensitive 64-bit hash of a batch from its row hashes (read to the host once per step anyway)."""
-    weights = _host_weights(len(hashes) + 1)[1 : len(hashes) + 1]
-    total = sum(h * w for h, w in zip(hashes, weights)) & 0xFFFF_FFFF_FFFF_FFFF
+    _host_weights(len(hashes) + 1)  # long enough; the multipliers from the second on, without a copy (map stops at hashes)
+    total = sum(map(operator.mul, hashes, islice(_host_list, 1, None))) & 0xFFFF_FFFF_FFFF_FFFF
     return total - (1 << 64) if total >= 1 << 63 else total
 
 
@@ -106,6 +108,11 @@ def from_hex64(text: str) -> int:
 def hex64(value: int) -> str:
     """An int64 hash as 16 hex digits (two's complement, so negative values print alike everywhere)."""
     return f"{value & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+
+
+def hex64_all(values: list[int]) -> list[str]:
+    """``hex64`` of each value (one call per step's rows on the per-step path, not one per row)."""
+    return [f"{value & 0xFFFF_FFFF_FFFF_FFFF:016x}" for value in values]
 
 
 def dataset_rows(dataset: Any, key: str, indices: range | list[int]) -> list[list[int]] | None:

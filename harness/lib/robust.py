@@ -125,15 +125,18 @@ def _median_abs_deviation(diffs: list[float], centre: float) -> float:
 class Baseline:
     """The last ``size`` normal values of a curve; outliers (as the caller defines them) are never admitted.
 
-    Judged every step, so the sorted lists that :func:`judge` would build from
-    the window are kept up to date as values come and go instead: the
+    While values are judged as they come, the sorted lists that :func:`judge`
+    would build from the window are kept up to date instead: the
     step-to-step differences (for the spread) and, with ``trend``, the
     pairwise slopes of the recent values (for Theil-Sen). Each judgement is
     bit for bit the one :func:`judge` gives for the same window (the same
     subtractions and divisions of the same values). A window changed from
     outside (``values.extend`` of a restored state) is noticed and the lists
     rebuilt; a non-finite value makes the window judged the plain way until it
-    has left.
+    has left. Most steps of a run need no judgement at all (``under_level``:
+    a value clearly under the level); a value admitted without one leaves the
+    lists to be rebuilt by the next judgement, which is cheaper than keeping
+    them through every step that never reads them.
     """
 
     def __init__(self, size: int, min_history: int, level_steps: int, trend: bool = False, values: Iterable[float] = ()) -> None:
@@ -144,6 +147,8 @@ class Baseline:
         self._diffs: list[float] | None = None  # sorted differences of consecutive values; None: not kept (non-finite)
         self._slopes: list[float] = []  # sorted pairwise slopes of the last level_steps values (with trend)
         self._synced: tuple[int, float | None] = (-1, None)  # (len, last value) the lists describe
+        self._admitted: tuple[float, float | None] | None = None  # (last value admitted, the value it pushed out)
+        self._judged = False  # judge ran since the last admit: keep the lists up to date (the next value is likely judged too)
 
     def __len__(self) -> int:
         return len(self.values)
@@ -157,6 +162,7 @@ class Baseline:
         values = self.values
         if len(values) < max(MIN_VALUES, 2):
             return None
+        self._judged = True
         if not self._in_sync():
             self._rebuild()
         diffs = self._diffs
@@ -166,6 +172,37 @@ class Baseline:
         mad = _median_abs_deviation(diffs, _median_of_sorted(diffs))
         slope = _median_of_sorted(self._slopes) if self.trend and self._slopes else None
         return _judged(value, recent, _median_of_sorted(sorted(recent)), mad, self.trend, len(values), slope)
+
+    def under_level(self, value: float, ratio: float) -> bool:
+        """Whether ``value`` is at most ``ratio`` times any level a judgement of it could give, without judging it.
+
+        The level is never below the lowest of the last ``level_steps`` values
+        (their median, or the trend's line held up at that lowest value), so a
+        value under ``ratio`` times that lowest one cannot reach ``ratio``
+        times the level: a caller whose outlier needs that (a spike's minimum
+        rise) skips the judgement of every clearly normal value, most steps of
+        a run. False when unsure: fewer than MIN_VALUES values, or a recent one
+        that is not positive and finite.
+        """
+        values = self.values
+        if len(values) < MIN_VALUES:
+            return False
+        recent = list(values)[-self.level_steps:]
+        lowest = min(recent)
+        # the margin keeps the bound strict through the rounding of the caller's own comparison with the level
+        return lowest > 0 and math.isfinite(sum(recent)) and value <= lowest * ratio * (1.0 - 1e-12)
+
+    def judgement_of_admitted(self) -> Judgement | None:
+        """What ``judge`` gave the value last admitted, against the window as it was then (None when the window has
+        changed otherwise since): for a caller that skipped that judgement (``under_level``) and needs it after all."""
+        admitted, values = self._admitted, self.values
+        if admitted is None or not values or values[-1] is not admitted[0]:
+            return None
+        value, pushed_out = admitted
+        window = list(values)[:-1]
+        if pushed_out is not None:
+            window.insert(0, pushed_out)
+        return judge(value, window, MIN_VALUES, self.level_steps, self.trend)
 
     def _in_sync(self) -> bool:
         values, (length, last) = self.values, self._synced
@@ -182,8 +219,13 @@ class Baseline:
 
     def admit(self, value: float) -> None:
         values = self.values
-        if self._diffs is None or not values or not self._in_sync() or not math.isfinite(value):
-            values.append(value)  # the lists are rebuilt at the next judge
+        self._admitted = (value, values[0] if values and len(values) == values.maxlen else None)
+        judged, self._judged = self._judged, False
+        if not judged or self._diffs is None or not values or not self._in_sync() or not math.isfinite(value):
+            # the lists are rebuilt at the next judge; a value admitted unjudged (under_level) leaves them, since their
+            # upkeep costs more than a rebuild where most values are never judged
+            values.append(value)
+            self._synced = (-1, None)  # stale for certain: a full window keeps its length, a repeated value its identity
             return
         diffs, full = self._diffs, len(values) == values.maxlen
         if full and len(values) >= 2:
@@ -210,7 +252,7 @@ class Baseline:
 
     def clear(self) -> None:
         self.values.clear()
-        self._diffs, self._slopes, self._synced = [], [], (0, None)
+        self._diffs, self._slopes, self._synced, self._admitted = [], [], (0, None), None
 
     def median(self) -> float | None:
         return statistics.median(self.values) if self.values else None

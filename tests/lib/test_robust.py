@@ -110,6 +110,9 @@ def test_the_baselines_kept_differences_judge_exactly_as_the_window(size: int, l
     base = Baseline(size, 3, level, trend=trend)
     for i in range(3000):
         value = rng.choice([rng.gauss(3.0 - 0.001 * i, 0.2), 2.5, float(rng.randint(0, 3)), 0.0, -0.0])
+        if rng.random() < 0.3:  # admitted unjudged (a caller's under_level): the kept lists go stale, the next judge rebuilds
+            base.admit(value)
+            continue
         got, want = base.judge(value), judge(value, base.values, 3, level, trend)
         assert (got is None) == (want is None)
         if got is not None and want is not None:
@@ -123,3 +126,51 @@ def test_the_baselines_kept_differences_judge_exactly_as_the_window(size: int, l
             base.admit(math.nan)  # not finite: judged from the window itself until it leaves
         else:
             base.admit(value)
+
+
+@pytest.mark.parametrize("trend", [True, False])
+def test_a_value_under_the_level_bound_is_never_an_outlier_and_its_judgement_comes_back_after_admission(trend: bool) -> None:
+    """``under_level`` lets spike detection skip judging most steps: it must never pass a value that the judgement would
+    call a rise of ``ratio`` times the level, and ``judgement_of_admitted`` must give, bit for bit, the judgement skipped."""
+    rng = random.Random(7 if trend else 8)
+    base = Baseline(50, 10, 10, trend=trend)
+    passed = rejected = 0
+    for i in range(4000):
+        level = 3.0 * math.exp(-i / 400) + 0.5 if trend else 2.0
+        value = rng.choice([rng.gauss(level, 0.05 * level), level * rng.uniform(1.0, 1.3), rng.uniform(-0.5, 4.0), level])
+        ratio = rng.choice([1.1, 1.25, 2.0])
+        want = base.judge(value)
+        if base.under_level(value, ratio):
+            passed += 1
+            assert want is not None and value <= ratio * want.median  # no rise of ratio x the level, whatever the spread
+            assert value - want.median <= (ratio - 1.0) * abs(want.median)  # the loss rule's own arithmetic agrees
+            base.admit(value)
+            got = base.judgement_of_admitted()
+            assert got is not None and repr(got) == repr(want)
+        else:
+            rejected += 1
+            if rng.random() < 0.9:
+                base.admit(value)
+            if rng.random() < 0.01:
+                base.clear()
+    assert passed > 1000 and rejected > 300  # both sides of the bound were exercised
+
+
+def test_the_level_bound_refuses_what_it_cannot_bound_and_the_admitted_judgement_is_forgotten_on_change() -> None:
+    base = Baseline(20, 3, 5)
+    for value in (1.0, 1.0):
+        base.admit(value)
+    assert not base.under_level(0.5, 2.0)  # fewer than MIN_VALUES values: no bound
+    base.admit(1.0)
+    assert base.under_level(1.9, 2.0) and not base.under_level(2.0, 2.0)  # strict margin at the bound itself
+    base.admit(0.0)
+    assert not base.under_level(0.0, 2.0)  # a non-positive recent value: no bound
+    base.admit(math.inf)
+    assert not base.under_level(1.0, 2.0)  # a non-finite recent value: no bound
+    base.admit(1.5)
+    assert base.judgement_of_admitted() is not None
+    base.values.extend([1.0])  # changed from outside (a restored state): the admitted value's judgement is gone
+    assert base.judgement_of_admitted() is None
+    base.admit(1.2)
+    base.clear()
+    assert base.judgement_of_admitted() is None
