@@ -64,6 +64,7 @@ class Throughput(Plugin):
     def __init__(self) -> None:
         self.options = ThroughputOptions()
         self._window: deque[tuple[float, float, int]] = deque()
+        self._seconds = self._waited = 0.0
         self._seen = 0
         self._params = 0
         self._peak: float | None = None
@@ -74,6 +75,7 @@ class Throughput(Plugin):
     @hookimpl
     def on_run_start(self, trainer: Any) -> None:
         self._window = deque(maxlen=self.options.window)
+        self._seconds = self._waited = 0.0  # running sums of the window's step and data-wait times (a cheap first test)
         self._seen = 0
         self._params = count_parameters(trainer.model)[0]
         self._device = trainer.args.device
@@ -90,14 +92,23 @@ class Throughput(Plugin):
         step_time, data_time = metrics.get("step_time"), metrics.get("data_time")
         if self._seen <= self.options.skip_first or not step_time:
             return
-        self._window.append((float(step_time), float(data_time or 0.0), tokens))
+        window, entry = self._window, (float(step_time), float(data_time or 0.0), tokens)
+        if len(window) == window.maxlen:
+            self._seconds, self._waited = self._seconds - window[0][0], self._waited - window[0][1]
+        window.append(entry)
+        self._seconds, self._waited = self._seconds + entry[0], self._waited + entry[1]
         if self._seen % self.options.check_memory_every == 0 or self._seen == self.options.skip_first + 1:
             self._check_memory(ctx, step)
-        if len(self._window) < self.options.window:
+        if len(window) < self.options.window:
             return
-        seconds = sum(w[0] for w in self._window)
-        wait = sum(w[1] for w in self._window) / seconds if seconds > 0 else 0.0
-        if self._seen % self.options.log_every == 0:
+        logging = self._seen % self.options.log_every == 0
+        # the running sums (rounding aside) rule out most steps; the window's exact sums decide, and are what is logged
+        near = not self._bound_reported and self._waited > 0.9 * self.options.dataloader_bound_fraction * self._seconds
+        if not (logging or near):
+            return
+        seconds = sum(w[0] for w in window)
+        wait = sum(w[1] for w in window) / seconds if seconds > 0 else 0.0
+        if logging:
             ctx.log_metrics(self.rates(ctx.world_size) | {"throughput/data_wait_fraction": wait}, step=step)
         if wait > self.options.dataloader_bound_fraction and not self._bound_reported:
             self._bound_reported = True

@@ -255,7 +255,7 @@ class RunContext:
         votes: list[int]
         if self.world_size == 1 and alone():  # the exchange would hand this rank its own row back (and meets nobody)
             self.exchange.loop_back()
-            level, outgoing = self.pending_action.level, len(self._hub.outbox)
+            agreed, outgoing = self.pending_action, len(self._hub.outbox)
             votes = self.manager.disabling_votes() if self.manager.has_disabling_votes() else []
         else:
             header = [self.pending_action.level, len(self._hub.outbox), *self.manager.disabling_votes()]
@@ -263,11 +263,13 @@ class RunContext:
                 self._check_layout(len(header))
             headers = self.exchange.unpack(exchange_rows(self.exchange.pack(header)), len(header))
             level, outgoing, *votes = [max(column) for column in zip(*headers)]
+            agreed = Action.from_level(level)
         if outgoing:
             self.collect_findings()
-        self._switch_off(votes, "step guard")
+        if any(votes):  # no vote switches nothing off: skip the pass over every plugin
+            self._switch_off(votes, "step guard")
         self.pending_action = Action.CONTINUE
-        return Action.from_level(level)
+        return agreed
 
     def _check_layout(self, header_width: int) -> None:
         """Once, at the first guard: every rank's row has the same width (else the all-gather would fail or hang)."""

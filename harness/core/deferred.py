@@ -66,6 +66,8 @@ class DeferredReads:
         read.
         """
         pending, self._pending = self._pending, []
+        if not self.join_host and self._read_all_on_host(pending):
+            return
         scalars: dict[Group, list[torch.Tensor]] = defaultdict(list)  # 0-d tensors: stacked in one operation
         flats: dict[Group, list[torch.Tensor]] = defaultdict(list)  # the others, flattened
         entries: list[tuple[Key, str, tuple[int, ...], Group, bool, int, int]] = []  # key, kind, shape, group, scalar, index, count
@@ -137,6 +139,29 @@ class DeferredReads:
                 items = [item != 0 for item in items]
             values[key].append(items if len(shape) == 1 else np.array(items, dtype=object).reshape(shape).tolist())
         self._values = dict(values)
+
+    def _read_all_on_host(self, pending: list[tuple[Key, Any]]) -> bool:
+        """A CPU run's read in one short loop, as the general path reads host tensors (one ``tolist`` each): False,
+        with nothing read, when some queued tensor is not a plain host tensor of a common dtype (the general path then
+        reads them all, and charges what it cannot read)."""
+        values: dict[Key, list[Any]] = {}
+        tensors_read = False
+        for key, tensor in pending:
+            if type(tensor) is _Host:
+                value = tensor.value
+            elif type(tensor) is torch.Tensor and tensor.is_cpu and tensor.dtype in _KINDS:
+                value, tensors_read = tensor.tolist(), True
+            else:
+                return False
+            listed = values.get(key)
+            if listed is None:
+                values[key] = [value]
+            else:
+                listed.append(value)
+        if tensors_read:
+            self.reads += 1
+        self._values = values
+        return True
 
     def values(self, owner: str, key: str) -> list[Any]:
         return self._values.get((owner, key), [])

@@ -64,6 +64,9 @@ class StepExchange:
     def loop_back(self) -> None:
         """One process: what ``unpack`` of this rank's own packed row gives, without building the row."""
         outgoing, self._outgoing = self._outgoing, {}
+        if not outgoing:  # most steps of a one-process run share nothing
+            self._received, self._counts = {}, {}
+            return
         self._received = {key: [values[: self._capacity[key]]] for key, values in outgoing.items()}
         self._counts = {key: [len(values)] for key, values in outgoing.items()}
 

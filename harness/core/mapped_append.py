@@ -14,7 +14,8 @@ the copy into the map, which would be a SIGBUS), so a killed writer
 leaves the records followed by a run of NUL bytes without a newline: readers
 that skip a last line lacking its newline (every JSONL reader of the harness
 does) skip it, and the next ``MappedAppender`` on the file cuts it off before
-it appends. ``close`` cuts the file to what was written. Where a window
+it appends. ``close`` cuts the file to what was written; a writer still open
+at exit, or dropped unclosed, is closed then. Where a window
 cannot be reserved or mapped (a full disk, a file system without
 ``posix_fallocate`` or shared mappings, macOS), records go through
 ``pwrite`` from then on. Only this appender may shorten the file while it is
@@ -22,12 +23,25 @@ open: a mapped page past a cut end faults.
 """
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
+import weakref
 from pathlib import Path
 
-WINDOW = 1 << 20  # bytes mapped at a time (rounded up for a record longer than that)
+WINDOW = 1 << 16  # bytes mapped at a time (rounded up for a record longer than that): the most a killed writer leaves
 _PAGE = mmap.ALLOCATIONGRANULARITY
+_OPEN: "weakref.WeakSet[MappedAppender]" = weakref.WeakSet()  # closed at exit: a writer nobody closed (a plugin switched
+# off mid-run never gets its run end) still leaves its file cut to the records, readable by any JSONL reader
+
+
+@atexit.register
+def _close_all() -> None:
+    for appender in list(_OPEN):
+        try:
+            appender.close()
+        except OSError:
+            pass
 
 
 class MappedAppender:
@@ -40,7 +54,9 @@ class MappedAppender:
         self._map: mmap.mmap | None = None
         self._base = 0  # file offset of the mapped window
         self._mapped = True  # False once mapping failed: plain writes from then on
+        self._pid = os.getpid()  # a forked child that exits normally must not cut the file its parent is still writing
         self.end = self._trim_tail()
+        _OPEN.add(self)
 
     def _trim_tail(self) -> int:
         """The written length: the file without the NUL run a killed writer left; a torn last line gets its newline."""
@@ -104,11 +120,25 @@ class MappedAppender:
     def close(self) -> None:
         if self._fd is None:
             return
-        self.sync()
-        self._unmap()
-        os.ftruncate(self._fd, self.end)
-        os.close(self._fd)
-        self._fd = None
+        _OPEN.discard(self)
+        fd, self._fd = self._fd, None
+        try:
+            if os.getpid() != self._pid:  # the inherited copy in a forked child: let go, leave the file to its writer
+                self._unmap()
+                return
+            if self._map is not None:
+                self._map.flush()
+            self._unmap()
+            os.ftruncate(fd, self.end)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def __del__(self) -> None:  # dropped unclosed during the run: the same as at exit
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
 
     def fileno(self) -> int:
         if self._fd is None:

@@ -179,7 +179,7 @@ def around_resume(run_dir: Path, rank: int, resume_step: int) -> tuple[list[dict
 
 
 class LedgerWriter:
-    """Appends one rank's records; flushes each step, fsyncs every ``fsync_every`` steps."""
+    """Appends one rank's records; each step's reach the kernel at once (mapped), fsynced every ``fsync_every`` steps."""
 
     def __init__(self, run_dir: Path, rank: int, fsync_every: int = 100, resume_step: int | None = None) -> None:
         """``resume_step``: this attempt resumes from that step; the one pass that numbers the attempt also

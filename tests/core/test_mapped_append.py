@@ -107,3 +107,23 @@ os.kill(os.getpid(), signal.SIGKILL)
     records = list(iter_records(path))
     assert [(r["attempt"], r.get("event"), r["step"]) for r in records[-2:]] == [(2, "start", 40), (2, None, 41)]
     assert b"\0" not in path.read_bytes()
+
+
+def test_a_writer_left_open_is_closed_at_exit_and_a_forked_child_leaves_the_file_to_its_parent(tmp_path: Path) -> None:
+    """A plugin switched off mid-run never closes its ledger: at exit the file is still cut to its records. A child
+    forked while it was open (a data-loader worker) exits without cutting the file its parent goes on writing."""
+    path = tmp_path / "a.jsonl"
+    script = f"""
+import os, sys
+from harness.core.mapped_append import MappedAppender
+out = MappedAppender({str(path)!r})
+out.write(b'{{"n": 1}}\\n')
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # a normal exit: atexit runs in the child too
+os.waitpid(child, 0)
+out.write(b'{{"n": 2}}\\n')  # a cut file would make this copy fault (SIGBUS)
+"""
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0
+    assert path.read_bytes() == b'{"n": 1}\n{"n": 2}\n'

@@ -69,3 +69,33 @@ def test_memory_past_the_threshold_is_reported_with_the_numbers(make_trainer: An
     (near,) = findings_of(trainer.args.output_dir, "MEMORY_NEAR_LIMIT")
     assert near["step"] == 4 and near["evidence"]["measure"] == "process peak RSS of machine memory"
     assert near["evidence"]["peak_bytes"] > 50e6 and near["evidence"]["limit_bytes"] > near["evidence"]["peak_bytes"]
+
+
+def test_the_bound_is_found_at_the_first_step_whose_exact_window_crosses_it_whatever_the_running_sums_drift() -> None:
+    """The plugin keeps running sums as a cheap first test and decides on the window's exact sums: the finding must
+    come at the step a plain recomputation finds, after a long run of steps of very different sizes."""
+    import random
+    from collections import deque
+    from types import SimpleNamespace
+
+    from harness.plugins.throughput import Throughput
+
+    rng = random.Random(3)
+    times = [(rng.choice([1e-3, 0.02, 5.0, 300.0]), 0.0) for _ in range(5000)]  # huge and tiny steps: cancellation in the sums
+    times += [(0.02, rng.uniform(0.0, 0.004)) for _ in range(100)] + [(0.02, 0.0065 + 0.0001 * i) for i in range(60)]
+    reports: list[int] = []
+    plugin = Throughput()
+    plugin.options = plugin.Options(window=20, skip_first=0, log_every=10**9, dataloader_bound_fraction=0.3, check_memory_every=10**9)
+    ctx = SimpleNamespace(world_size=1, rank=0, log_metrics=lambda *a, **k: None,
+                          report=lambda code, message, step=None, **k: reports.append(step))
+    plugin.__dict__["ctx"] = ctx
+    plugin.on_run_start(trainer=SimpleNamespace(model=torch.nn.Linear(2, 2), args=SimpleNamespace(device=torch.device("cpu"))))
+    plugin._memory_reported = True
+    window: deque[tuple[float, float]] = deque(maxlen=20)
+    expected = None
+    for step, (seconds, wait) in enumerate(times, 1):
+        window.append((seconds, wait))
+        if expected is None and len(window) == 20 and sum(w for _, w in window) / sum(s for s, _ in window) > 0.3:
+            expected = step
+        plugin.on_step_end(ctx=ctx, step=step, metrics={"step_time": seconds, "data_time": wait, "tokens": 8})
+    assert expected is not None and expected > 5100 and reports == [expected]
