@@ -74,7 +74,7 @@ class DataHashOptions(BaseModel):
     max_duplicates: int = Field(0, ge=0, description="DUPLICATE_SAMPLES once more than this many samples have a content twin.")
     check_rank_overlap: bool = Field(True, description="Compare the ranks' samples every step (they ride the step's one exchange).")
     fsync_every: int = Field(
-        1000, ge=1, description="fsync the ledger every this many steps; it reaches the kernel every step (a killed process loses "
+        1000, ge=1, description="fsync the ledger every this many steps; it is flushed every step (a killed process loses "
         "nothing) and fsynced at every checkpoint (a machine crash loses nothing a resume needs).",
     )
     max_reports: int = Field(10, ge=1, description="Findings per code per run at most (the evidence counts the rest).")

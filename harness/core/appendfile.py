@@ -6,9 +6,7 @@ that appends straight onto it glues its first record to the fragment, and
 the reader then drops both: the resumed run's first finding, the ledger's
 attempt header. ``open_append`` closes the fragment with a newline first, so
 the fragment stays one unreadable line on its own and the new records start
-on a fresh one. Every appender of the harness opens its file through it, but
-the data ledger's :class:`~harness.core.mapped_append.MappedAppender`, which
-does the same itself.
+on a fresh one. Every appender of the harness opens its file through it.
 """
 from __future__ import annotations
 

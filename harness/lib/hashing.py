@@ -89,7 +89,8 @@ def host_row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> list
 
 def combine_row_hashes(hashes: list[int]) -> int:
     """One order-sensitive 64-bit hash of a batch from its row hashes (read to the host once per step anyway)."""
-    _host_weights(len(hashes) + 1)  # long enough; the multipliers from the second on, without a copy (map stops at hashes)
+    if len(_host_list) <= len(hashes):
+        _host_weights(len(hashes) + 1)  # grow the cached multipliers; then no copy of them (map stops at the end of hashes)
     total = sum(map(operator.mul, hashes, islice(_host_list, 1, None))) & 0xFFFF_FFFF_FFFF_FFFF
     return total - (1 << 64) if total >= 1 << 63 else total
 

@@ -1,8 +1,7 @@
 """The data ledger: which samples every rank trained on at every step, in append-only files that survive a kill.
 
-One JSON line per micro-batch in ``<run_dir>/ledger/rank-<r>.jsonl``, handed
-to the kernel every step through a shared memory map (a ``kill -9`` loses at
-most the step in flight; see :mod:`harness.core.mapped_append`) and fsynced every
+One JSON line per micro-batch in ``<run_dir>/ledger/rank-<r>.jsonl``, flushed
+every step (a ``kill -9`` loses at most the step in flight) and fsynced every
 ``fsync_every`` steps and at every checkpoint. Each process that trains
 starts an *attempt* with a header line (the step it starts from), so a
 resumed run's ledger holds both the interrupted run's steps past the
@@ -16,9 +15,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
-from harness.core.mapped_append import MappedAppender
+from harness.core.appendfile import open_append
 
 LEDGER_DIR = "ledger"
 
@@ -179,16 +178,14 @@ def around_resume(run_dir: Path, rank: int, resume_step: int) -> tuple[list[dict
 
 
 class LedgerWriter:
-    """Appends one rank's records; each step's reach the kernel at once (mapped), fsynced every ``fsync_every`` steps."""
+    """Appends one rank's records; flushes each step, fsyncs every ``fsync_every`` steps."""
 
     def __init__(self, run_dir: Path, rank: int, fsync_every: int = 100, resume_step: int | None = None) -> None:
         """``resume_step``: this attempt resumes from that step; the one pass that numbers the attempt also
         answers ``around_resume`` for it, so the plugins checking the resume do not read the ledger again."""
         self.path = ledger_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # mapped: a step's records reach the kernel without a system call; a killed writer's NUL tail is cut and a torn
-        # last line closed before anything is appended, so the start line stays readable
-        self._handle: MappedAppender | None = MappedAppender(self.path)
+        self._handle: IO[str] | None = open_append(self.path)  # a torn last line is closed first: the start line stays readable
         self._scan: _Scan | None = _Scan(self.path, resume_step, before_running=True)
         self.attempt = self._scan.highest + 1
         if resume_step is not None:
@@ -223,19 +220,23 @@ class LedgerWriter:
         if self._scan is not None:
             self._forget_scan()  # every look at the resume happens before the first step of the attempt is written
         if self._handle is not None:
-            # into the mapped file: with the kernel (safe from a kill -9) at the cost of a copy, no system call
-            self._handle.write(text.encode("utf-8"))
+            # straight to the file, one system call: the text layer holds nothing (every write here is flushed), so
+            # skipping it keeps the order; each step is on disk (for a kill -9) at the cost of the write alone
+            data, fd = text.encode("utf-8"), self._handle.fileno()
+            while data:
+                data = data[os.write(fd, data):]
         self._steps += 1
         if self._steps % self.fsync_every == 0:
             self.sync()
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._handle is not None:
-            self._handle.write((json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8"))
+            self._handle.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def sync(self) -> None:
         if self._handle is not None:
-            self._handle.sync()
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
 
     def _forget_scan(self) -> None:
         """The resume is behind us: free the records kept for it (a later ``around_resume`` reads the file afresh)."""
@@ -246,7 +247,8 @@ class LedgerWriter:
     def close(self) -> None:
         self._forget_scan()
         if self._handle is not None:
-            self._handle.close()  # synced, and cut to what was written
+            self.sync()
+            self._handle.close()
             self._handle = None
 
 
