@@ -119,6 +119,11 @@ def _host(value: Any) -> Any:
     Step metrics are host values already (the step guard's one read); scalars of numpy or torch are made numbers,
     anything else JSON cannot hold is left out.
     """
+    kind = type(value)
+    if kind is float:  # what nearly every value is (the step guard's read): the one test it needs
+        return value if math.isfinite(value) else str(value)
+    if value is None or kind is int or kind is bool or kind is str:
+        return value
     if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
         value = value.item()  # a numpy scalar, or a 0-d tensor a third-party hook put into the metrics (rare: a read)
     if value is not None and not isinstance(value, (bool, int, float, str)):

@@ -24,3 +24,22 @@ def test_disabled_writes_nothing(make_trainer: Any) -> None:
     harness.attach(trainer, config={"disable": ["metrics_log"]})
     trainer.train()
     assert not (Path(trainer.args.output_dir) / "harness" / "metrics.jsonl").exists()
+
+
+def test_step_values_become_json_ready_without_a_read_for_plain_numbers() -> None:
+    """steps.jsonl holds numbers as they are, non-finite floats as strings, 0-d numpy/torch scalars as numbers, and
+    leaves out what JSON cannot hold."""
+    import json
+    import math
+
+    import numpy as np
+    import torch
+
+    from harness.plugins.metrics_log import _host
+
+    cases = [(1.5, 1.5), (math.nan, "nan"), (-math.inf, "-inf"), (3, 3), (True, True), (None, None), ("x", "x"),
+             (np.float32(2.5), 2.5), (np.float64(math.inf), "inf"), (torch.tensor(4), 4), (torch.tensor([1, 2]), None), (object(), None)]
+    got = [_host(value) for value, _ in cases]
+    assert got == [want for _, want in cases]
+    assert [type(v) for v in got[:7]] == [float, str, str, int, bool, type(None), str]
+    json.dumps(got)  # all of it JSON-ready
