@@ -113,21 +113,20 @@ def _record(pending: tuple[Any, ...]) -> dict[str, Any]:
             "data_time": data_time, "time": round(wall, 3)}
 
 
+_PLAIN = frozenset({float, int, bool, str, type(None)})
+
+
 def _host(value: Any) -> Any:
     """A JSON-ready value; non-finite floats become strings JSON can hold ("nan", "inf").
 
     Step metrics are host values already (the step guard's one read); scalars of numpy or torch are made numbers,
     anything else JSON cannot hold is left out.
     """
-    kind = type(value)
-    if kind is float:  # what nearly every value is (the step guard's read): the one test it needs
-        return value if math.isfinite(value) else str(value)
-    if value is None or kind is int or kind is bool or kind is str:
-        return value
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
-        value = value.item()  # a numpy scalar, or a 0-d tensor a third-party hook put into the metrics (rare: a read)
-    if value is not None and not isinstance(value, (bool, int, float, str)):
-        return None
+    if type(value) not in _PLAIN:  # nearly every value is plain (the step guard's read): one test, no conversion
+        if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+            value = value.item()  # a numpy scalar, or a 0-d tensor a third-party hook put into the metrics (rare: a read)
+        if value is not None and not isinstance(value, (bool, int, float, str)):
+            return None
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value

@@ -28,6 +28,7 @@ class DeferredReads:
         """``join_host``: read host tensors as device ones are read (joined, one copy); only worth it in tests, which
         thereby run the device path on a machine without a device."""
         self.join_host = join_host
+        self._host_run = not join_host  # try the host loop first, until a device tensor shows this is a device run
         self._pending: list[tuple[Key, torch.Tensor]] = []
         self._values: dict[Key, list[Any]] = {}
         self.reads = 0  # host transfers made (for the sync benchmark and tests)
@@ -66,7 +67,7 @@ class DeferredReads:
         read.
         """
         pending, self._pending = self._pending, []
-        if not self.join_host and self._read_all_on_host(pending):
+        if self._host_run and self._read_all_on_host(pending):
             return
         scalars: dict[Group, list[torch.Tensor]] = defaultdict(list)  # 0-d tensors: stacked in one operation
         flats: dict[Group, list[torch.Tensor]] = defaultdict(list)  # the others, flattened
@@ -152,6 +153,8 @@ class DeferredReads:
             elif type(tensor) is torch.Tensor and tensor.is_cpu and tensor.dtype in _KINDS:
                 value, tensors_read = tensor.tolist(), True
             else:
+                if torch.is_tensor(tensor) and not tensor.is_cpu and not tensor.is_meta:
+                    self._host_run = False  # a device run: later reads go straight to the joined path (no host reads twice)
                 return False
             listed = values.get(key)
             if listed is None:

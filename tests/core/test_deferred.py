@@ -202,3 +202,24 @@ def test_scalars_and_arrays_of_mixed_dtypes_interleaved_come_back_in_their_place
         assert value == expected and type(value) is type(expected), key
         if isinstance(value, list) and value and isinstance(value[0], list):
             assert all(type(v) is bool for row in value for v in row)
+
+
+def test_a_cpu_run_keeps_its_host_loop_after_a_tensor_it_cannot_read() -> None:
+    """The one-by-one host loop hands an odd tensor to the general path (which charges it) and stays on for the next
+    read: only a device tensor, a device run, turns it off."""
+    reads, failed = DeferredReads(), []
+    reads.defer("good", "x", torch.tensor([1, 2]))
+    reads.defer("bad", "z", torch.tensor(1 + 2j))
+    reads.read(on_error=lambda owner, exc: failed.append(owner))
+    assert reads.values("good", "x") == [[1, 2]] and failed == ["bad"] and reads._host_run
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_device_run_reads_host_and_device_tensors_once_and_skips_the_host_loop_from_then_on() -> None:
+    reads = DeferredReads()
+    for _ in range(2):
+        reads.defer("p", "host", torch.tensor([3, 4]))
+        reads.defer("p", "dev", torch.tensor(2.5, device="cuda"))
+        reads.read()
+        assert reads.values("p", "host") == [[3, 4]] and reads.values("p", "dev") == [2.5]
+        assert not reads._host_run
