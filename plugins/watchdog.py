@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import math
 import os
 import sys
 import threading
@@ -49,6 +50,12 @@ RANK_HANG = FindingCode(
     "hangs#rank_hang",
 )
 
+
+
+def stall_in_ms(stalled_s: float, threshold_s: float) -> tuple[float, float]:
+    """Both to the millisecond, outwards (the stall up, the threshold down): the evidence keeps the stall over its
+    threshold, as it was (rounding both to the nearest ms made a 2.0004 s stall over 2 s read 2.0 over 2.0)."""
+    return math.ceil(stalled_s * 1000) / 1000, math.floor(threshold_s * 1000) / 1000
 
 class WatchdogOptions(BaseModel):
     """Options of the ``watchdog`` plugin."""
@@ -185,8 +192,9 @@ class Watchdog(Plugin):
                    f"every thread's stack in {stack_file}")
         if aborting:
             message += f"; the process exits with code {HANG_EXIT_CODE} (hang_action: abort)"
+        stalled_ms, threshold_ms = stall_in_ms(stall.stalled_s, stall.threshold_s)
         evidence = {
-            "step": step, "rank": ctx.rank, "seconds_stalled": round(stall.stalled_s, 3), "threshold_s": round(stall.threshold_s, 3),
+            "step": step, "rank": ctx.rank, "seconds_stalled": stalled_ms, "threshold_s": threshold_ms,
             "threshold_basis": stall.basis, "phase": stall.phase, "last_progress": stall.last_progress(), "progress": stall.progress(),
             "stalled_since_unix": stall.since_unix, "where": where.words, "where_kind": where.kind, "innermost_frames": where.innermost,
             "stack_file": str(stack_file), "stack_dump": how, "threads": threading.active_count(),

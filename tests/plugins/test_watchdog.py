@@ -64,3 +64,13 @@ def test_a_clean_run_with_an_evaluation_and_a_slow_first_save_is_silent(make_tra
     assert plugin.fired == [] and times.count["save"] == 2 and times.count["eval"] == 3 and times.count["compute"] == 8
     assert times.typical("save") >= 2.5 and times.typical("data") < 2.0  # the saves were timed as saves, not as waits for data
     assert not (ctx.run_dir / "hangs").exists()
+
+
+def test_the_evidence_keeps_a_stall_over_its_threshold_at_millisecond_precision() -> None:
+    from harness.plugins.watchdog import stall_in_ms
+
+    assert stall_in_ms(2.0004, 2.0) == (2.001, 2.0)
+    assert stall_in_ms(2.0007, 2.0006) == (2.001, 2.0)
+    for stalled, threshold in [(1e-4, 0.0), (5.0000001, 5.0), (3.1234, 3.1233), (10.0, 9.9999)]:
+        shown_stalled, shown_threshold = stall_in_ms(stalled, threshold)
+        assert shown_threshold < shown_stalled and shown_threshold <= threshold and shown_stalled >= stalled
