@@ -25,7 +25,6 @@ ordinary step costs a few attribute checks in four hooks (tens of us).
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 from typing import Any, IO
@@ -37,6 +36,7 @@ from harness.core.appendfile import open_append
 from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
+from harness.core.strictjson import dumps
 from harness.lib.layer_attention import AttentionProbe
 from harness.lib.layer_baseline import LayerBaselines
 from harness.lib.layer_groups import LayerGroups, attention_projections
@@ -258,7 +258,7 @@ class LayerStats(Plugin):
         limits = {"update_ratio": o.max_update_ratio, "attn_logit_max": o.max_attn_logit}
         judged = judge_step(step, self.groups.names, values, self.baselines, limits)
         if self._file is not None:
-            self._file.write("".join(json.dumps(r) + "\n" for r in judged.rows))
+            self._file.write("".join(dumps(r) + "\n" for r in judged.rows))  # strict JSON ("nan", "inf")
             self._file.flush()
         for metric, flags in judged.flags.items():
             code = CODE_OF[metric].code

@@ -8,11 +8,13 @@ guard read them in its one transfer), so no record costs a device sync; step
 records still wait in a short buffer, to keep the file writes few, and are
 written when the Trainer logs, at checkpoints, at the end, or every
 ``flush_every`` steps.
+
+Both files are strict JSON: a non-finite number is written as the string
+"nan", "inf" or "-inf" (:mod:`harness.core.strictjson`), so jq, JavaScript or
+Go read a line with a NaN loss; readers take numbers through ``as_float``.
 """
 from __future__ import annotations
 
-import json
-import math
 import time
 from typing import IO, Any
 
@@ -21,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.core.appendfile import open_append
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
+from harness.core.strictjson import dumps
 
 
 class MetricsLogOptions(BaseModel):
@@ -79,7 +82,7 @@ class MetricsLog(Plugin):
     @hookimpl
     def on_log(self, ctx: Any, step: int, logs: dict[str, float]) -> None:
         if self._logged is not None:
-            self._logged.write(json.dumps({"step": step, **logs}, default=float) + "\n")
+            self._logged.write(dumps({"step": step, **logs}, default=float) + "\n")
             self._logged.flush()
         self._flush()
 
@@ -99,7 +102,8 @@ class MetricsLog(Plugin):
     def _flush(self) -> None:
         if self._steps is None or not self._pending:
             return
-        lines = [json.dumps({k: _host(v) for k, v in _record(pending).items()}) for pending in self._pending]
+        # strict JSON; a line with a NaN/Inf (rare) is encoded twice, the others once, with no per-value test of finiteness
+        lines = [dumps({k: _host(v) for k, v in _record(pending).items()}) for pending in self._pending]
         self._pending = []
         self._steps.write("\n".join(lines) + "\n")
         self._steps.flush()
@@ -117,7 +121,7 @@ _PLAIN = frozenset({float, int, bool, str, type(None)})
 
 
 def _host(value: Any) -> Any:
-    """A JSON-ready value; non-finite floats become strings JSON can hold ("nan", "inf").
+    """A JSON-ready value (non-finite floats stay floats: ``dumps`` writes them as "nan", "inf").
 
     Step metrics are host values already (the step guard's one read); scalars of numpy or torch are made numbers,
     anything else JSON cannot hold is left out.
@@ -127,6 +131,4 @@ def _host(value: Any) -> Any:
             value = value.item()  # a numpy scalar, or a 0-d tensor a third-party hook put into the metrics (rare: a read)
         if value is not None and not isinstance(value, (bool, int, float, str)):
             return None
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
     return value

@@ -22,7 +22,6 @@ one (``PACKING_LOSS_ON_PADDING``).
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,6 +34,7 @@ from harness.lib.capture import autocast_dtype, can_recompute
 from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
+from harness.core.strictjson import dumps
 
 PACKING_CROSS_DOC_ATTENTION = FindingCode(
     "PACKING_CROSS_DOC_ATTENTION",
@@ -385,7 +385,7 @@ class PackingCheck(Plugin):
         self.results.append(result)
         if ctx.is_main:
             with open_append(ctx.path("packing_check.jsonl")) as handle:
-                handle.write(json.dumps(result) + "\n")
+                handle.write(dumps(result) + "\n")  # strict JSON: a NaN leak (NaN logits) as "nan"
         if verdict != "leak" or (form, impl) in self._reported:
             return
         self._reported.add((form, impl))

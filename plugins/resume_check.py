@@ -26,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.lib.capture import can_recompute, per_sample_loss, recompute_losses
 from harness.lib.checkpoints import STATE_DIR
 from harness.core.findings import Finding, FindingCode, Severity
+from harness.core.jsonl import read_jsonl
+from harness.core.strictjson import as_float
 from harness.core.plugin import Plugin
 from harness.lib.fingerprints import differing, optimizer_tensors, param_tensors, rng_fingerprints, scheduler_state, tensor_sums
 from harness.lib.hashing import combine_row_hashes, device_row_hashes, hex64
@@ -445,21 +447,15 @@ class ResumeCheck(Plugin):
 
 
 def _read_logged_losses(path: Any) -> dict[int, float]:
-    """step -> loss logged in ``metrics.jsonl`` so far (by ``metrics_log`` on rank 0), the latest line per step."""
-    import json
+    """step -> loss logged in ``metrics.jsonl`` so far (by ``metrics_log`` on rank 0), the latest line per step.
 
+    A non-finite loss is written as the string "nan"/"inf" (strict JSON): read back as the float it stands for.
+    """
     out: dict[int, float] = {}
-    try:
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(record.get("step"), int) and isinstance(record.get("loss"), (int, float)):
-                    out[record["step"]] = float(record["loss"])
-    except OSError:
-        pass
+    for record in read_jsonl(Path(path), require_step=True):  # a torn or damaged line costs that line
+        loss = as_float(record.get("loss"))
+        if loss is not None:
+            out[record["step"]] = loss
     return out
 
 

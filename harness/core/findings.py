@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import json
 import math
 import os
 import threading
@@ -19,6 +18,7 @@ from typing import Any, Iterable, Iterator
 
 from harness.core.appendfile import open_append
 from harness.core.jsonl import read_jsonl
+from harness.core.strictjson import dumps
 
 
 class Severity(str, enum.Enum):
@@ -87,11 +87,11 @@ class Finding:
         # shallow on purpose: asdict() deep-copies evidence, which fails on tensors and handles
         data = {name: getattr(self, name) for name in self.__dataclass_fields__}
         data["severity"] = self.severity.value
-        try:
-            return json.dumps(data, default=_json_default, sort_keys=True)
+        try:  # strict JSON (any parser reads the line): a non-finite number in the evidence is written "nan", "inf", "-inf"
+            return dumps(data, default=_json_default, sort_keys=True)
         except (TypeError, ValueError):  # mixed-type keys or a cycle in the evidence: keep the finding
             data["evidence"] = {str(k): repr(v) for k, v in self.evidence.items()}
-            return json.dumps(data, default=_json_default, sort_keys=True)
+            return dumps(data, default=_json_default, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Finding":

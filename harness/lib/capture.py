@@ -25,9 +25,7 @@ and one backward per captured row, only when a capture is taken, through
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -35,6 +33,7 @@ from typing import Any
 import torch
 
 from harness.core.distributed import model_parallel_sizes
+from harness.core.strictjson import dumps, json_float, strict_json  # noqa: F401 - strict_json re-exported: plugins import it from here
 from harness.lib.capture_summary import CaptureResult, markdown as _markdown, rank_suspects  # CaptureResult re-exported
 from harness.lib.hashing import content_hashes
 from harness.lib.rng_state import preserved_rng, rng_state as _rng_state, set_rng_state  # re-exported (replay, tests)
@@ -101,24 +100,6 @@ def can_recompute(trainer: Any) -> str | None:
         if stage >= 3:
             return "DeepSpeed ZeRO-3 shards the parameters: a forward pass on one rank alone would hang"
     return None
-
-
-def json_float(value: float | None) -> float | str | None:
-    """Strict JSON has no NaN/Inf: write those as strings ("nan", "inf")."""
-    if value is None:
-        return None
-    return value if math.isfinite(value) else str(value)
-
-
-def strict_json(value: Any) -> Any:
-    """The same structure with every non-finite float as a string, so that the file is strict JSON."""
-    if isinstance(value, float):
-        return json_float(value)
-    if isinstance(value, dict):
-        return {k: strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(v) for v in value]
-    return value
 
 
 def recompute_losses(model: Any, batches: list[dict[str, Any]], rng: dict[str, Any]) -> list[torch.Tensor | None]:
@@ -266,7 +247,7 @@ def write_capture(
         directory / f"batch.rank-{ctx.rank}.pt",
     )
     json_path = directory / f"capture.rank-{ctx.rank}.json"
-    _write_atomic(json_path, json.dumps(strict_json(meta), indent=1, default=str))
+    _write_atomic(json_path, dumps(meta, indent=1, default=str))  # strict JSON: non-finite numbers as "nan", "inf"
     _write_atomic(directory / f"summary.rank-{ctx.rank}.md", _markdown(meta, samples))
     keys = ("micro_batch", "row", "sample_id", "sample_id_source", "dataset_index", "hash", "grad_norm", "loss", "repetition", "length_tokens")
     suspects = [{k: s[k] for k in keys} for s in samples[:5]]

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from harness.core.strictjson import strict_json
 from harness.lib.rng_state import rng_state as _rng_state, set_rng_state
 
 MAX_NAMES = 50
@@ -97,12 +98,8 @@ class ModuleCall:
         return f"{self.name} ({self.kind}; input {stats(self.input)}; output {stats(self.output)})"
 
     def evidence(self) -> dict[str, Any]:
-        return {"name": self.name, "class": self.kind, "input": _strict(self.input), "output": _strict(self.output)}
-
-
-def _strict(stats: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Strict JSON: non-finite floats as strings ("nan", "inf")."""
-    return None if stats is None else {k: (v if v == v and abs(v) != float("inf") else str(v)) for k, v in stats.items()}
+        # strict JSON: non-finite floats as strings ("nan", "inf")
+        return {"name": self.name, "class": self.kind, "input": strict_json(self.input), "output": strict_json(self.output)}
 
 
 @dataclass

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.appendfile import open_append
+from harness.core.strictjson import dumps
 
 
 class Journal:
@@ -29,7 +30,7 @@ class Journal:
     def append(self, records: list[dict[str, Any]]) -> None:
         if not records:
             return
-        text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
+        text = "".join(dumps(r, separators=(",", ":")) + "\n" for r in records)  # strict JSON: a NaN metric as "nan"
         with self._lock:
             self._handle.write(text)
             self._handle.flush()

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.core.strictjson import as_float
+
 FILE = "layer_stats.jsonl"
 TAIL_BYTES = 4 << 20  # the file's last 4 MiB: thousands of rows, far more than `within` steps of any model
 WORDS = {"grad_norm": "grad norm", "update_ratio": "update ratio", "attn_logit_max": "max attention logit"}
@@ -90,4 +92,5 @@ def describe(surges: list[Surge], limit: int = 3) -> str:
 
 
 def _number(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+    number = as_float(value)  # "nan"/"inf" strings (strict JSON) as the floats they are
+    return 0.0 if number is None else number

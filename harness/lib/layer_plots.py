@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.jsonl import read_jsonl
+from harness.core.strictjson import as_float
 from harness.lib.layer_history import FILE
 
 # (column, file stem, title, y label, log scale when every value is positive)
@@ -46,9 +47,9 @@ def read_series(run_dir: Path, columns: Iterable[str]) -> dict[str, Series]:
             segments = series[column].setdefault(block, [])
             if not segments or replay:
                 segments.append([])
-            value = row.get(column)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                segments[-1].append((step, float(value), column in left))
+            value = as_float(row.get(column))  # "nan"/"inf" strings (strict JSON) as the floats they are
+            if value is not None and math.isfinite(value):
+                segments[-1].append((step, value, column in left))
     return {column: {b: [p for p in segs if p] for b, segs in per.items() if any(segs)} for column, per in series.items()}
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.jsonl import read_jsonl
+from harness.core.strictjson import as_float
 from harness.lib.layer_history import FILE
 
 BARS = "▁▂▃▄▅▆▇█"
@@ -49,7 +50,7 @@ def layer_table(run_dir: Path) -> str | None:
         per_block = series.setdefault(block, {m: [] for m, _ in SHOWN})
         for metric, _ in SHOWN:
             value = row.get(metric)
-            per_block[metric].append(float(value) if isinstance(value, (int, float)) else None)
+            per_block[metric].append(as_float(value))  # "nan"/"inf" strings (strict JSON) as the floats they are
     if not series:
         return None
     lines = [f"Measured at {len(steps)} steps ({steps[0]}..{steps[-1]}); each line on its own log scale, left to right.", "",

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.core.strictjson import dumps
 from harness.lib.tokens import count_parameters
 
 RUN_FILE = "run.json"
@@ -41,7 +42,7 @@ def write_run_info(run_dir: Path, data: dict[str, Any]) -> None:
     path = Path(run_dir) / RUN_FILE
     tmp = path.with_name(f".{RUN_FILE}.{os.getpid()}.tmp")
     data = {"format": RUN_FORMAT, **{k: v for k, v in data.items() if k != "format"}}  # the marker `harness report` trusts
-    tmp.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
+    tmp.write_text(dumps(data, indent=2, default=str), encoding="utf-8")  # strict JSON: a non-finite number as "nan", "inf"
     os.replace(tmp, path)
 
 

@@ -14,6 +14,7 @@ import yaml
 
 from harness.core.findings import Finding, read_run_findings
 from harness.core.jsonl import read_jsonl  # noqa: F401 - re-exported: plugins read their own JSONL files with it
+from harness.core.strictjson import as_float  # re-exported: a number from a record field ("nan"/"inf" strings included)
 from harness.lib.runinfo import read_run_info
 
 
@@ -203,17 +204,3 @@ def _within(value: float | None, start: float | None, end: float | None) -> bool
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def as_float(value: Any) -> float | None:
-    """A number from a record field ("nan"/"inf" strings included), else None."""
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None

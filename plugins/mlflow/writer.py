@@ -200,7 +200,7 @@ class MlflowWriter(threading.Thread):
         for r in records:
             kind = r.get("k")
             if kind == "m":
-                metrics.append(Metric(r["key"], r["value"], r["ts"], r["step"]))
+                metrics.append(Metric(r["key"], float(r["value"]), r["ts"], r["step"]))  # "nan"/"inf" (strict JSON) too
             elif kind == "p":
                 known = self._existing_params.get(r["key"])
                 if known is None:

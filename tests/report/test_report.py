@@ -110,6 +110,35 @@ def test_every_link_in_the_report_resolves(resumed_run: Path) -> None:
         (run_dir / "gone.md").rename(run_dir / "report" / "playbooks" / "numeric-health.md")
 
 
+def _refuse(token: str) -> Any:
+    raise ValueError(f"not strict JSON: bare {token}")
+
+
+def test_every_json_file_of_the_run_directory_is_strict_json(resumed_run: Path) -> None:
+    """findings, metrics, steps, ledger, captures, run.json and the plugins' own files: a parser without NaN/Infinity
+    (jq, JSON.parse, Go, serde_json) reads every line of a run with a NaN step; a non-finite number is "nan"/"inf"."""
+    import json
+
+    run_dir = resumed_run / "harness"
+    files = sorted(p for p in run_dir.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl"))
+    names = {p.relative_to(run_dir).as_posix() for p in files}
+    assert {"findings.jsonl", "metrics.jsonl", "steps.jsonl", "run.json"} <= names
+    assert any(n.startswith("captures/") for n in names) and any(n.startswith("ledger/") for n in names)
+    nonfinite = 0
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        for number, line in enumerate(text.splitlines() if path.suffix == ".jsonl" else [text], 1):
+            if line.strip():
+                try:
+                    json.loads(line, parse_constant=_refuse)
+                except ValueError as exc:
+                    raise AssertionError(f"{path.relative_to(run_dir)} line {number}: {exc}") from None
+                nonfinite += line.count('"nan"') + line.count('"inf"') + line.count('"-inf"')
+    assert nonfinite  # the NaN step is in the files, spelled as strings
+    step_4 = [r for r in read_jsonl(run_dir / "steps.jsonl") if r["step"] == 4]
+    assert step_4 and step_4[0]["loss"] == "nan"
+
+
 def test_harness_report_rebuilds_the_same_report_from_the_directory(resumed_run: Path, tmp_path: Path, capsys: Any) -> None:
     copy = tmp_path / "run"
     shutil.copytree(resumed_run, copy, ignore=shutil.ignore_patterns("checkpoint-*"))
