@@ -20,12 +20,13 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import FAULTS, REPO
 from harness.cli import build_parser
 from harness.core import hookspecs
-from harness.core.config import Catalog, CoreOptions
+from harness.core.config import REFERENCE_PATH_PLUGINS, Catalog, CoreOptions, config_reference, load_config
 from harness.core.hooks import Hooks
 from harness.core.manager import HOOK_NAMES
+from harness.testing.faults import FaultOptions
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
 DECLARATION_HOOKS = {"add_config", "declare_codes"}  # the manager calls these itself, at registration
@@ -141,6 +142,70 @@ def check_plugin_options(text: str) -> list[str]:
     return _compare("plugin option", [(r[0], r[1]) for r in found.rows], actual_plugin_options())
 
 
+FAULT_PLUGIN = FAULTS  # harness.testing:FaultInjector, enabled by path
+FAULT_HEADING = "Fault injection"
+
+
+def check_fault_options(text: str) -> list[str]:
+    """The `Fault injection` table: every FaultInjector option, its default, an example the plugin accepts, a meaning."""
+    found = table(text, FAULT_HEADING, "option")
+    if found is None:
+        return [f"no single `| option | default | example | meaning |` table under the heading `{FAULT_HEADING}`"]
+    if found.header != ["option", "default", "example", "meaning"]:
+        return [f"the `{FAULT_HEADING}` table's columns are {found.header}, not option, default, example, meaning"]
+    problems = _compare("fault_injector option", [(r[0], r[1]) for r in found.rows], defaults(FaultOptions))
+    for row in found.rows:
+        key, example, meaning = row[0], row[2] if len(row) > 2 else "", row[3] if len(row) > 3 else ""
+        if not meaning:
+            problems.append(f"fault_injector option `{key}` has no meaning in the README's table")
+        if key not in FaultOptions.model_fields:
+            continue
+        try:
+            FaultOptions.model_validate({key: yaml.safe_load(example)})
+        except (yaml.YAMLError, ValueError) as exc:
+            problems.append(f"fault_injector option `{key}`: the README's example `{example}` is not valid: {str(exc).splitlines()[0]}")
+    return problems
+
+
+FENCE = re.compile(r"^```yaml\n(.*?)^```", re.S | re.M)
+
+
+def section(text: str, heading: str) -> str:
+    """The text under the heading ``heading`` up to the next heading of its level or above (code fences skipped)."""
+    body: list[str] | None = None
+    level, fenced = 0, False
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            fenced = not fenced
+        match = None if fenced else re.match(r"(#+) (.*)$", line)
+        if body is None:
+            if match and match.group(2).strip() == heading:
+                body, level = [], len(match.group(1))
+            continue
+        if match and len(match.group(1)) <= level:
+            break
+        body.append(line)
+    return "\n".join(body or [])
+
+
+def check_fault_example(text: str) -> list[str]:
+    """The `Fault injection` section's YAML example enables FaultInjector and loads as a config."""
+    blocks = FENCE.findall(section(text, FAULT_HEADING))
+    if not blocks:
+        return [f"no ```yaml example under the heading `{FAULT_HEADING}`"]
+    problems = []
+    for block in blocks:
+        try:
+            data = yaml.safe_load(block)
+            resolved = load_config(data, Catalog.build(autoload=False))  # a fresh catalog: loading adds the plugin to it
+        except Exception as exc:  # noqa: BLE001 - any failure to load is the problem to report
+            problems.append(f"the `{FAULT_HEADING}` example does not load as a config: {exc}")
+            continue
+        if "fault_injector" not in resolved.enabled:
+            problems.append(f"the `{FAULT_HEADING}` example does not enable {FAULT_PLUGIN}")
+    return problems
+
+
 def check_plugin_table(text: str) -> list[str]:
     found = table(text, "Plugins", "plugin")
     if found is None:
@@ -188,6 +253,8 @@ CHECKS: dict[str, Callable[[str], list[str]]] = {
     "plugin table": check_plugin_table,
     "commands": check_commands,
     "hooks": check_hooks,
+    "fault options": check_fault_options,
+    "fault example": check_fault_example,
 }
 
 
@@ -197,10 +264,41 @@ def test_readme_matches_the_code(name: str) -> None:
 
 
 def test_every_option_has_a_description() -> None:
-    models = {"core": CoreOptions, **{n: catalog().option_models[n] for n in builtin_names()}}
+    models = {"core": CoreOptions, "fault_injector": FaultOptions, **{n: catalog().option_models[n] for n in builtin_names()}}
     for owner, model in models.items():
         for key, field in (model.model_fields.items() if model else []):
             assert field.description, f"{owner}.{key} has no description"
+
+
+def reference_problems(reference: str) -> list[str]:
+    """Every FaultInjector option must have its line in `harness plugins --config-reference`: name, type, default, description."""
+    lines = {m.group(1): m.group(0) for m in re.finditer(r"^- `fault_injector\.(\w+)` \(.*$", reference, re.M)}
+    problems = [] if "## fault_injector " in reference else ["no `## fault_injector` section in the config reference"]
+    for key, field in FaultOptions.model_fields.items():
+        line = lines.get(key)
+        if line is None:
+            problems.append(f"fault_injector option `{key}` is missing from the config reference")
+            continue
+        default = field.get_default(call_default_factory=True)
+        if f"default `{default!r}`" not in line or not line.endswith(f": {field.description}"):
+            problems.append(f"fault_injector option `{key}`: the config reference says {line!r}")
+    return problems + [f"fault_injector option `{k}` is in the config reference but not in the code" for k in lines if k not in FaultOptions.model_fields]
+
+
+def test_the_config_reference_lists_every_fault_option() -> None:
+    assert FAULT_PLUGIN in REFERENCE_PATH_PLUGINS
+    assert reference_problems(config_reference(catalog())) == []
+
+
+def test_the_config_reference_check_can_fail() -> None:
+    reference = config_reference(catalog())
+    dropped = "\n".join(line for line in reference.splitlines() if not line.startswith("- `fault_injector.corrupt_rows`"))
+    assert "fault_injector option `corrupt_rows` is missing from the config reference" in reference_problems(dropped)
+    line = "- `fault_injector.grad_scale` (float, default `1.5`)"
+    assert line in reference
+    changed = reference.replace(line, line.replace("1.5", "2.5"))
+    assert any("`grad_scale`: the config reference says" in p for p in reference_problems(changed))
+    assert reference_problems(reference.replace("## fault_injector ", "## faults ")) == ["no `## fault_injector` section in the config reference"]
 
 
 PATH_IN_BACKTICKS = re.compile(r"`((?:harness|plugins|stages|tests|benchmarks|examples|scripts|playbooks)/[\w./-]+\.(?:py|md|yaml|txt))`")
@@ -258,13 +356,16 @@ def synthetic_readme() -> str:
     sub = next(a for a in build_parser()._actions if a.dest == "cmd")
     commands = "\n".join(f"| `harness {c} [ARGS]` | does |" for c in sub.choices)  # type: ignore[union-attr]
     hooks = ", ".join(f"`{h}`" for h in HOOK_NAMES)
+    faults = "\n".join(f"| `{k}` | `{v}` | `{v}` | meaning |" for k, v in defaults(FaultOptions).items())
     return (
         f"# t\n\n## Commands\n\n| command | what it does |\n|---|---|\n{commands}\n\n"
         f"## Config\n\n| option | default | meaning |\n|---|---|---|\n{core}\n\n"
         f"## Plugins\n\n| plugin | default | what it does |\n|---|---|---|\n{plugins}\n\n"
         f"**`packing_check`.** the experiment runs every 500 steps; see `on_loss` in prose.\n\n"
         f"### Plugin options\n\n| option | default |\n|---|---|\n{options}\n\n"
-        f"## Writing a plugin\n\nHooks (documented in `harness/core/hookspecs.py`: when each fires):\n{hooks}.\n"
+        f"## Writing a plugin\n\nHooks (documented in `harness/core/hookspecs.py`: when each fires):\n{hooks}.\n\n"
+        f"## {FAULT_HEADING}\n\n```yaml\nplugins: [\"{FAULT_PLUGIN}\"]\nfault_injector: {{nonfinite_loss_at_steps: [3]}}\n```\n\n"
+        f"| option | default | example | meaning |\n|---|---|---|---|\n{faults}\n\n## After\n"
     )
 
 
@@ -297,6 +398,16 @@ MUTATIONS = [
     ("hooks", _replace("`on_loss`, ", ""), "hook `on_loss` is missing"),  # on_loss stays in prose: that does not count
     ("hooks", _replace("`decide_action`.", "`decide_action`, `on_nothing`."), "hook `on_nothing` is in the README but not"),
     ("hooks", _replace("`on_log`, ", "`on_log` (after logging), "), "no single paragraph"),
+    ("fault options", _drop_line("| `nan_batch_on_rank` |"), "fault_injector option `nan_batch_on_rank` is missing"),
+    ("fault options", _replace("| `corrupt_rows` |", "| `corrupt_cols` | `null` | `1` | x |\n| `corrupt_rows` |"), "`corrupt_cols` is in the README but not"),
+    ("fault options", _replace("| `grad_scale` | `1.5` |", "| `grad_scale` | `2.0` |"), "says `2.0`, the code says `1.5`"),
+    ("fault options", _replace("| `lr_scale` | `100.0` | `100.0` |", "| `lr_scale` | `100.0` | `-1` |"), "`lr_scale`: the README's example `-1` is not valid"),
+    ("fault options", _replace("| `snapshot_steps` | `[]` | `[]` | meaning |", "| `snapshot_steps` | `[]` | `[]` |  |"), "`snapshot_steps` has no meaning"),
+    ("fault options", _replace("| option | default | example | meaning |", "| option | default | meaning | example |"), "columns are"),
+    ("fault example", _replace("nonfinite_loss_at_steps: [3]", "nonfinite_loss_at_step: 3"), "does not load as a config"),
+    ("fault example", _replace("fault_injector: {", "disable: [fault_injector]\nfault_injector: {"), "does not enable"),
+    ("fault example", _replace(f'plugins: ["{FAULT_PLUGIN}"]\n', ""), "does not load as a config"),
+    ("fault example", _replace("```yaml", "```text"), "no ```yaml example"),
 ]
 
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from harness.core.catalog import Catalog
 from harness.core.errors import ConfigError, did_you_mean
+from harness.core.manager import HarnessPluginManager
 from harness.core.options import (
     CONFIG_ENV,
     CORE_KEYS,
@@ -29,6 +30,7 @@ from harness.core.options import (
     CoreOptions,
     ResolvedConfig,
 )
+from harness.core.registry import entry_for
 
 __all__ = [
     "CONFIG_ENV", "CORE_KEYS", "NAMES_CODES", "ONLY_ENV", "PLUGINS_ENV", "REFERENCE_HINT", "REPORT_PLOTS_ENV", "Catalog",
@@ -253,6 +255,11 @@ def _names(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
+# Plugins shipped in the package that a config enables by their 'module:Class' path only (never by name, never by
+# default): test support. They are not in the catalog, so the reference lists them from here, under that path.
+REFERENCE_PATH_PLUGINS = ("harness.testing:FaultInjector",)
+
+
 def config_reference(catalog: Catalog) -> str:
     """Every option with type, default and description, as markdown."""
     lines = ["# harness config reference", "", "## core options (top level)", ""]
@@ -261,7 +268,21 @@ def config_reference(catalog: Catalog) -> str:
         entry = catalog.entries[name]
         lines += ["", f"## {name} ({entry.source}{', on by default' if entry.default_enabled else ''})", "", entry.description, ""]
         lines += _model_reference(model, prefix=f"{name}.") if model is not None else ["(no options)"]
+    for target in REFERENCE_PATH_PLUGINS:
+        name, description, model = _path_plugin(target)
+        if name in catalog.option_models:
+            continue  # already listed above (a catalog that was given the path)
+        lines += ["", f"## {name} (shipped, off; enable it by path: `plugins: [defaults, \"{target}\"]`)", "", description, ""]
+        lines += _model_reference(model, prefix=f"{name}.") if model is not None else ["(no options)"]
     return "\n".join(lines) + "\n"
+
+
+def _path_plugin(target: str) -> tuple[str, str, type[BaseModel] | None]:
+    """Name, description and option model of a plugin given by path, read as the catalog would (the catalog left alone)."""
+    entry = entry_for(target, {})
+    manager = HarnessPluginManager()
+    manager.register(entry)
+    return entry.name, entry.description, manager.option_model(entry.name)
 
 
 def _type_name(annotation: Any) -> str:

@@ -4,11 +4,13 @@
 ``plugins: ["harness.testing:FaultInjector"]``) that raises, reports findings
 and records exact parameter/optimizer snapshots at chosen steps and ranks, so
 that tests can run unmodified scripts under ``harness wrap``, torchrun or
-DeepSpeed and then read what happened from the run directory.
+DeepSpeed and then read what happened from the run directory. Every option
+(``FaultOptions``) is described in the README's "Fault injection" section and
+listed by ``harness plugins --config-reference``; ``tests/test_docs.py`` keeps
+both in step with this model.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.core.actions import HarnessStop
 from harness.core.appendfile import open_append
 from harness.core.findings import FindingCode, Severity
+from harness.core.strictjson import dumps
 from harness.lib.fingerprints import optimizer_tensors, param_tensors
 from harness.testing.module_faults import ModuleFaults
 from harness.testing.oom_fault import OomRaiser
@@ -34,12 +37,18 @@ TEST_FAULT = FindingCode("TEST_FAULT", Severity.WARNING, "A fault injected on pu
 class FaultOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    report_at_step: int | None = Field(None, description="Report a TEST_FAULT finding in inspect_batch of this step.")
+    report_at_step: int | None = Field(None, description="Report a TEST_FAULT finding at this step, from the hook report_in names.")
     report_on_rank: int | None = Field(None, description="Only on this rank (default: every rank).")
-    report_in: str = Field("inspect_batch", description="Hook that reports: inspect_batch, on_step_end or on_log.")
+    report_in: str = Field("inspect_batch", description="Hook that reports: inspect_batch (first micro-batch), on_step_end or on_log.")
     stop_at_step: int | None = Field(None, description="Raise harness.HarnessStop in on_loss of this step.")
-    action: str = Field("continue", description="Action the plugin decides for TEST_FAULT.")
-    raise_in: str | None = Field(None, description="Hook in which to raise RuntimeError (e.g. inspect_batch, on_loss).")
+    action: str = Field(
+        "continue", description="Action the plugin decides for TEST_FAULT (continue, skip_step, rollback, save_and_stop, "
+        "stop); the config's policy wins.",
+    )
+    raise_in: str | None = Field(
+        None, description="Hook in which to raise RuntimeError: inspect_batch, on_loss, on_before_optimizer_step or "
+        "on_step_end (an INTERNAL_PLUGIN_ERROR finding).",
+    )
     raise_at_step: int | None = Field(None, description="Raise only at this step (default: every call).")
     break_methods: list[str] = Field(
         default_factory=list, description="`plugin.method` names (e.g. data_hash._read_hashes): that plugin's own helper "
@@ -72,7 +81,9 @@ class FaultOptions(BaseModel):
     nan_batch_on_rank_at_steps: list[int] = Field(
         default_factory=list, description="Steps at which only nan_batch_on_rank's first micro-batch gets the NaN sample of nan_batch_at_steps."
     )
-    nan_forward_on_rank: int | None = Field(None, description="With nan_forward_at_step: the rank whose every forward pass yields NaN.")
+    nan_forward_on_rank: int | None = Field(
+        None, description="With nan_forward_at_step: the rank whose every forward pass yields NaN (default: rank 0)."
+    )
     nan_forward_at_step: int | None = Field(
         None, description="The step during which every forward pass on nan_forward_on_rank yields NaN, a rerun's included (a bad device)."
     )
@@ -83,8 +94,12 @@ class FaultOptions(BaseModel):
     lr_scale: float = Field(100.0, gt=0, description="Factor applied to the learning rate at lr_scale_at_steps / from lr_scale_from_step.")
     lr_scale_at_steps: list[int] = Field(default_factory=list, description="Steps whose update uses the LR times lr_scale.")
     lr_scale_from_step: int | None = Field(None, description="Every update from this step on uses the LR times lr_scale (divergence).")
-    nan_param_at_step: int | None = Field(None, description="Write a NaN into one parameter just before this step's update.")
-    hang_at_step: int | None = Field(None, description="Sleep (for kill -9 tests) in inspect_batch of this step.")
+    nan_param_at_step: int | None = Field(
+        None, description="Write a NaN into the first o_proj.weight just before this step's update (its name goes to nan_param.txt)."
+    )
+    hang_at_step: int | None = Field(
+        None, description="Sleep 600 s (for kill -9 tests) in inspect_batch of this step, after creating hanging.rank-<r>."
+    )
     kill_at_step: int | None = Field(
         None, description="SIGKILL the process in inspect_batch of this step (once per run directory: a resumed run goes on)."
     )
@@ -106,12 +121,13 @@ class FaultOptions(BaseModel):
         None, description="Right after the save of this step (rank 0, before the harness marks the save complete), cut the "
         "checkpoint's weights file to half its size (a truncated write).")
     snapshot_steps: list[int] = Field(
-        default_factory=list, description="Record whether params and optimizer state changed across these steps."
+        default_factory=list, description="Record whether params and optimizer state changed across these steps (one line per step in "
+        "fault_injector.rank-<r>.jsonl)."
     )
     advance_scheduler_at_steps: list[int] = Field(
         default_factory=list,
-        description="Step the Trainer's LR scheduler once more at the end of these steps (a training loop that advances the "
-        "schedule although the update was skipped).",
+        description="Step the Trainer's LR scheduler once more at the end of these steps when they were skipped (a training loop "
+        "that advances the schedule although the update was skipped).",
     )
     oom_at_step: int | None = Field(
         None, description="Raise torch.OutOfMemoryError from the forward of the model's first decoder layer in this step's first "
@@ -424,4 +440,4 @@ class FaultInjector(Plugin):
         self.snapshots.append(record)
         self._before = {}
         with open_append(ctx.path(f"fault_injector.rank-{ctx.rank}.jsonl")) as handle:
-            handle.write(json.dumps(record) + "\n")
+            handle.write(dumps(record) + "\n")

@@ -124,7 +124,7 @@ def test_cli_shows_which_plugins_a_config_enables(tmp_path: Path) -> None:
 def test_cli_prints_reference_with_every_option(tmp_path: Path) -> None:
     out = harness_cli("plugins", "--config-reference")
     assert out.returncode == 0, out.stderr
-    for key in ("`plugins`", "`policy`", "`severity`", "`max_plugin_errors`", "## metrics_log"):
+    for key in ("`plugins`", "`policy`", "`severity`", "`max_plugin_errors`", "## metrics_log", "## fault_injector", "`fault_injector.corrupt_at_steps`"):
         assert key in out.stdout
     assert "(undocumented)" not in out.stdout
 
