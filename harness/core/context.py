@@ -12,7 +12,7 @@ from harness.core.deferred import DeferredReads
 from harness.core.errors import HarnessError
 from harness.core.distributed import DistInfo, all_reduce_max, alone, exchange_rows, gather_to_main
 from harness.core.exchange import StepExchange
-from harness.core.findings import Finding, FindingCode, FindingsFile, Severity, findings_path
+from harness.core.findings import Finding, FindingCode, FindingsFile, Severity, findings_path, iter_findings
 from harness.core.manager import HarnessPluginManager
 from harness.core.options import ResolvedConfig
 from harness.core.protocols import PluginContext  # noqa: F401 - re-exported: it was defined here
@@ -27,12 +27,48 @@ class FindingsHub:
     ``ranks/findings.rank-<r>.jsonl`` at once (so a kill loses nothing) and
     queue the finding; the queue is gathered to rank 0 at the next point
     where all ranks meet, and rank 0's file drops ids it already holds.
+    What no such point carries (a finding made in ``on_run_end``, after the
+    last one; a watchdog's off-thread finding; a queue a crash cut off) rank 0
+    copies from the spill files at the end of the call, with no collective
+    (:meth:`merge_rank_files`): the same ids, so each lands once.
     """
 
     def __init__(self, run_dir: Path, dist: DistInfo) -> None:
         self.dist = dist
+        self.run_dir = Path(run_dir)
         self.file = FindingsFile(findings_path(run_dir, 0 if dist.is_main else dist.rank))
         self.outbox: list[str] = []
+        self._earlier: set[str] = set()  # ids the spill files held when this train() call began (rank 0)
+
+    def _rank_files(self) -> list[Path]:
+        """This job's other ranks' spill files (a larger earlier job's are left to the report, which reads them all)."""
+        return [findings_path(self.run_dir, rank) for rank in range(1, self.dist.world_size)]
+
+    def note_rank_files(self) -> None:
+        """Rank 0, as a train() call begins: remember the findings other ranks' spill files already hold (an earlier call's)."""
+        if not self.dist.is_main:
+            return
+        self._earlier = {f.id for path in self._rank_files() if path.is_file() for f in iter_findings(path)}
+
+    def merge_rank_files(self) -> tuple[list[Finding], list[Finding]]:
+        """Rank 0: append the findings of other ranks' spill files that ``findings.jsonl`` lacks.
+
+        Returns ``(made in this call, left over from an earlier one)``, both
+        now in ``findings.jsonl`` (an earlier call's: a rank 0 killed before
+        it could copy them). Reads files only: a rank that is gone blocks
+        nothing; a torn last line (a rank still writing, or killed) is skipped.
+        """
+        if not self.dist.is_main:
+            return [], []
+        current: list[Finding] = []
+        earlier: list[Finding] = []
+        for path in self._rank_files():
+            if not path.is_file():
+                continue
+            for finding in iter_findings(path):
+                if self.file.append(finding):
+                    (earlier if finding.id in self._earlier else current).append(finding)
+        return current, earlier
 
     def record(self, finding: Finding) -> None:
         self.file.append(finding)
@@ -184,8 +220,15 @@ class RunContext:
         evidence: dict[str, Any] | None = None,
         severity: Severity | str | None = None,
         plugin: str | None = None,
+        decided: Action | None = None,
     ) -> Finding:
-        """Make a finding: written to disk at once, its action decided, ``on_finding`` fired."""
+        """Make a finding: written to disk at once, its action decided, ``on_finding`` fired.
+
+        ``decided``: the action this finding's step already asked for with
+        :meth:`ask` (a finding written after the ranks agreed, from what they
+        shared): recorded with the finding, not asked for again, since a late
+        ask would act on the next step instead.
+        """
         declared = self.codes.get(code)
         if declared is None:
             raise ValueError(f"finding code '{code}' was not declared by any plugin (declare it in declare_codes()).")
@@ -200,15 +243,25 @@ class RunContext:
             evidence=dict(evidence or {}),
             playbook=declared.playbook,
         )
-        action = self._decide(finding)
+        action = self.decide(finding) if decided is None else decided
         finding.action = action.value
         self._hub.record(finding)
         self.findings.append(finding)
-        self.pending_action = strongest(self.pending_action, action)
+        if decided is None:
+            self.ask(action)
         self._announce(finding)
         return finding
 
-    def _decide(self, finding: Finding) -> Action:
+    def ask(self, action: Action) -> None:
+        """Ask for ``action`` at this step's agreement (the strongest ask of all ranks wins), before the finding exists.
+
+        For a plugin that can only write its finding once the ranks agreed
+        (it needs what they shared) but whose action must count at this step.
+        """
+        self.pending_action = strongest(self.pending_action, action)
+
+    def decide(self, finding: Finding) -> Action:
+        """The action a finding gets: the config's ``policy`` for its code, else the first plugin's ``decide_action``."""
         if finding.code in UNDECIDED_CODES:
             return Action.CONTINUE
         chosen = self.options.policy.get(finding.code)
@@ -316,6 +369,25 @@ class RunContext:
         if outgoing:
             self.collect_findings()
         self._switch_off(votes, "end of training")
+
+    def note_rank_findings(self) -> None:
+        """Rank 0, as a train() call begins: what other ranks' spill files already hold is not this call's news."""
+        self._hub.note_rank_files()
+
+    def merge_rank_findings(self) -> list[Finding]:
+        """Rank 0, at the end of a train() call: other ranks' findings that no exchange carried, into ``findings.jsonl``.
+
+        No collective (a rank may be gone): rank 0 reads the spill files, once
+        the other ranks' run ends are over or waited for. The findings made in
+        this call are announced (console, ``on_finding``, trackers) as the
+        exchange would have; an earlier call's are only written. Returns the
+        findings appended.
+        """
+        current, earlier = self._hub.merge_rank_files()
+        for finding in current:
+            self.findings.append(finding)
+            self._announce(finding)
+        return current + earlier
 
     def close(self) -> None:
         self._hub.close()

@@ -71,6 +71,7 @@ class RunLifecycle:
         self.ctx.resumed_from = resumed
         self._attempt = None
         self._mark_attempt("running")
+        self._note_rank_findings()
         status, error = "completed", None
         try:
             result = train(*args, **kwargs)
@@ -84,7 +85,6 @@ class RunLifecycle:
             self.ctx.status = status
             try:
                 self.ctx.manager.hooks.on_run_end(self.ctx, status, error)
-                self._after_run_end()
                 self._finish_run(status, error)
             finally:  # also after a KeyboardInterrupt while the report is written
                 self._release_lock()
@@ -94,6 +94,34 @@ class RunLifecycle:
         if status == "stopped" and notice is not None and notice.ends_training:
             self._after_stop(notice)
         return result
+
+    def _note_rank_findings(self) -> None:
+        if self.ctx.is_main and self.ctx.world_size > 1:
+            try:
+                self.ctx.note_rank_findings()
+            except Exception:  # noqa: BLE001 - at worst an earlier call's leftovers are announced at this call's end
+                log.warning("harness: could not read the other ranks' findings files", exc_info=True)
+
+    def _collect_rank_ends(self, status: str) -> None:
+        """Rank 0, after its ``on_run_end``: wait (bounded) for the other ranks' run ends, then merge their findings.
+
+        Other ranks write their run-end files (contamination summaries, spilled
+        findings) in their own ``on_run_end``, after the last step exchange:
+        rank 0 waits a bounded time for their end markers (no collective:
+        after a crash a rank may be gone, so it does not wait then), then
+        copies the findings no exchange carried into ``findings.jsonl``
+        (``RunContext.merge_rank_findings``), before the trackers take the
+        last findings and the report is written.
+        """
+        ctx = self.ctx
+        if not ctx.is_main or ctx.world_size <= 1:
+            return
+        try:
+            if status != "crashed":
+                self._wait_for_ranks(RANK_END_WAIT_S)
+            ctx.merge_rank_findings()
+        except Exception:  # noqa: BLE001 - the spill files stay, and every report reads them
+            log.warning("harness: could not merge the other ranks' findings into %s", ctx.run_dir / "findings.jsonl", exc_info=True)
 
     def _after_run_end(self) -> None:
         if self.after_run_end is not None:
@@ -143,10 +171,8 @@ class RunLifecycle:
     def _finish_run(self, status: str, error: BaseException | None) -> None:
         """Record how this train() call ended, write the report (rank 0), hand it to ``on_report``.
 
-        Other ranks write their run-end files (contamination summaries, spilled
-        findings) in their own ``on_run_end``; rank 0 waits a bounded time for
-        their end markers before reading them (no collective: after a crash a
-        rank may be gone, so it does not wait then).
+        Rank 0 first collects the other ranks' run ends (``_collect_rank_ends``),
+        then hands the trackers the last findings (``after_run_end``).
         """
         ctx = self.ctx
         if not ctx.is_main:
@@ -155,8 +181,9 @@ class RunLifecycle:
         files = None
         known = len(ctx.findings)
         try:
-            if ctx.world_size > 1 and status != "crashed":
-                self._wait_for_ranks(RANK_END_WAIT_S)
+            self._collect_rank_ends(status)
+            self._after_run_end()
+            known = len(ctx.findings)  # what comes after this came while the trackers closed
             end_attempt(ctx.run_dir, status, int(self.trainer.state.global_step), error, self._attempt)
             if ctx.options.report:
                 files = self._write_report()

@@ -8,8 +8,11 @@ this rank's findings file instead (``findings.jsonl`` on rank 0,
 through its own :class:`~harness.core.findings.FindingsFile`: one line per
 ``write``, flushed and fsynced at once, in append mode, so that it lands
 whole beside the lines the training thread's own handle appends. No hook
-fires for it and it is not shipped to rank 0 in the step exchange: rank 0's
-report reads the spill files (:func:`harness.core.findings.read_run_findings`).
+fires for it and it is not shipped to rank 0 in the step exchange: rank 0
+copies it into ``findings.jsonl`` from the spill file at the end of its
+``train()`` call (``RunContext.merge_rank_findings``, which announces it
+there, on rank 0's training thread), and every report reads
+the spill files too (:func:`harness.core.findings.read_run_findings`).
 """
 from __future__ import annotations
 
