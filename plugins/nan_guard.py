@@ -20,18 +20,6 @@ Under FSDP (FSDP2 DTensor shards, FSDP1 flat slices) every check reads the
 rank's own shard only (no hidden collective); a hit on any rank's shard
 becomes the step's agreed skip, so every rank leaves its shard and its
 optimizer state untouched.
-
-With several ranks the gradient all-reduce (reduce-scatter under FSDP/ZeRO)
-hands one rank's NaN to every rank, so a rank whose own losses were all finite
-cannot tell from its gradients alone whose fault it is. Each flagged rank
-puts one integer in the step's exchange (its loss non-finite; its gradients
-non-finite, and whether a rerun of its own backward reproduces them), and a
-rank whose losses were finite writes its ``NONFINITE_GRAD`` after the ranks
-agreed, from that shared view: when another rank's loss (or that rank's own
-backward) was non-finite it names that rank, as information (the skip is that
-rank's finding's); otherwise it is the error it always was. Its skip (or
-escalation) is asked for before the agreement all the same, so that a step no
-rank's loss explains is never applied.
 """
 from __future__ import annotations
 
@@ -42,11 +30,10 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.core.actions import Action
 from harness.lib.capture import sample_ids, write_capture
 from harness.lib.first_bad import nonfinite_names
-from harness.lib.first_bad_grads import RERUN, GradScan
 from harness.lib.first_bad_trainer import trainer_grad_scan, trainer_locate
+from harness.lib.nonfinite_origin import nonfinite_steps
 from harness.core.findings import Finding, FindingCode, Severity
 from harness.lib.sharding import local_tensor
 from harness.core.hookspecs import hookimpl
@@ -79,11 +66,6 @@ SKIPPED_STEPS = FindingCode(
     "How many optimizer steps were skipped in the run, and whether the LR scheduler held still during them.",
     "numeric-health#skipped_steps",
 )
-
-# this rank's part of the step exchange (one int64, shared on flagged steps only; a rank that shares nothing was clean)
-SLOT = "nonfinite"
-LOSS, GRAD_REPRODUCED, GRAD_NOT_REPRODUCED, GRAD = 1, 2, 3, 4  # GRAD: no rerun of this rank's own backward to tell
-GRAD_STATES = (GRAD_REPRODUCED, GRAD_NOT_REPRODUCED, GRAD)
 
 
 class NanGuardOptions(BaseModel):
@@ -132,14 +114,9 @@ class NanGuard(Plugin):
         self.skipped_steps: list[int] = []
         self.optimizer_skips: list[int] = []
         self.scheduler_moved: list[int] = []
-        self._held: dict[str, Any] | None = None  # a NONFINITE_GRAD written once the ranks agreed (several ranks only)
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
-        if ctx.world_size > 1:
-            ctx.reserve(SLOT, 1, owner=self.name)  # first, on every rank alike
-        self._held = None
-        self.idle_hooks("on_step_agreed")  # called only on a step whose NONFINITE_GRAD waits for the other ranks' view
         self._log_filter = bool(getattr(trainer.args, "logging_nan_inf_filter", False))
         engine_fp16 = getattr(getattr(trainer, "model_wrapped", None), "fp16_enabled", None)
         self._fp16 = bool(getattr(trainer.args, "fp16", False)) or bool(callable(engine_fp16) and engine_fp16())
@@ -177,15 +154,11 @@ class NanGuard(Plugin):
 
     @hookimpl
     def on_before_optimizer_step(self, ctx: Any, step: int, model: Any, grad_norm: float | None, micro_losses: list[float]) -> None:
-        if self._held is not None:  # the last step's guard never reached its agreement: written with this rank's view alone
-            self._write_held(ctx, None)
         self._schedule_position = _scheduler_position(ctx.trainer)
         losses = micro_losses
         bad = [i for i, value in enumerate(losses) if not math.isfinite(value)]
         if bad:
             self._consecutive += 1
-            if ctx.world_size > 1:
-                ctx.share(SLOT, [LOSS], owner=self.name)  # the other ranks' NONFINITE_GRAD then names this rank
             self._report_loss(ctx, step, bad, [batch for _, batch in ctx.step_batches], losses)  # batches kept by the loop
             return
         grad_ok: bool | None = None  # under fp16 a loss scaler owns gradient overflows: it skips and lowers its scale
@@ -197,95 +170,22 @@ class NanGuard(Plugin):
             batches = [batch for _, batch in ctx.step_batches]  # the step's micro-batches, kept by the loop
             scan = trainer_grad_scan(ctx.trainer, ctx.rank, norm, batches)  # this step only: one read, or a rerun of backward
             evidence = {"grad_norm": norm, "consecutive": self._consecutive, "micro_batches": len(losses), **scan.evidence()}
-            if ctx.world_size > 1:
-                self._hold_grad(ctx, step, norm, scan, evidence)
-                return
+            spread = ""
+            if ctx.world_size > 1:  # written before the ranks meet: whose NaN it was, the report's "Non-finite steps" says
+                evidence["world_size"] = ctx.world_size
+                spread = (f"; with {ctx.world_size} ranks the gradient all-reduce hands one rank's NaN to every rank: the rank it "
+                          f"started on has a NONFINITE_LOSS at step {step}, or a NONFINITE_GRAD its own backward reproduces, and the "
+                          "report's 'Non-finite steps' names it")
             self.report(
                 NONFINITE_GRAD.code,
-                f"gradient norm is {norm} at step {step} on rank {ctx.rank} although every micro-batch loss was finite; "
-                f"{scan.describe()} ({self._consecutive} non-finite step(s) in a row); the update is not applied.",
+                f"gradient norm is {norm} at step {step} on rank {ctx.rank} although every micro-batch loss on this rank was "
+                f"finite; {scan.describe(ctx.world_size)}{spread} ({self._consecutive} non-finite step(s) in a row); "
+                "the update is not applied.",
                 step=step,
                 evidence=evidence,
             )
             return
         self._consecutive = 0
-
-    # -- several ranks: whose NaN reached this rank's gradients ------------------------------------------
-
-    def _hold_grad(self, ctx: Any, step: int, norm: float | None, scan: GradScan, evidence: dict[str, Any]) -> None:
-        """Ask for the skip now, share this rank's state, and write the finding once the ranks agreed (``on_step_agreed``).
-
-        The finding cannot be written yet: whether another rank's loss was
-        non-finite arrives with the agreement. Its action cannot wait: when no
-        rank's loss explains the NaN, this rank's own ask is what skips the step.
-        """
-        if scan.source == RERUN and not scan.unavailable:
-            state = GRAD_REPRODUCED if scan.reproduced else GRAD_NOT_REPRODUCED
-        else:
-            state = GRAD
-        provisional = Finding(code=NONFINITE_GRAD.code, severity=NONFINITE_GRAD.severity, plugin=self.name, message="",
-                              step=step, rank=ctx.rank, evidence=evidence)
-        asked = ctx.decide(provisional)  # the config's policy, then this plugin's ladder: as if written now
-        ctx.ask(asked)
-        ctx.share(SLOT, [state], owner=self.name)
-        self._held = {"step": step, "norm": norm, "scan": scan, "evidence": evidence, "state": state, "asked": asked}
-        self.idle_hooks("on_step_agreed", idle=False)
-
-    @hookimpl
-    def on_step_agreed(self, ctx: Any, step: int, action: Any) -> None:
-        self._write_held(ctx, ctx.shared(SLOT, owner=self.name), action)
-
-    def _write_held(self, ctx: Any, rows: list[list[int] | None] | None, agreed: Any = None) -> None:
-        """The held NONFINITE_GRAD, with every rank's state (``rows``; None: this rank's view alone)."""
-        held, self._held = self._held, None
-        self.idle_hooks("on_step_agreed")
-        if held is None:
-            return
-        step, norm, scan, state = held["step"], held["norm"], held["scan"], held["state"]
-        states = {rank: row[0] for rank, row in enumerate(rows or []) if row}
-        states[ctx.rank] = state
-        loss_ranks = sorted(r for r, s in states.items() if s == LOSS)
-        grad_ranks = sorted(r for r, s in states.items() if s in GRAD_STATES)
-        reproduced = sorted(r for r, s in states.items() if s == GRAD_REPRODUCED)
-        clean = sorted(r for r, s in states.items() if s == GRAD_NOT_REPRODUCED)
-        # the ranks whose own computation made the NaN that reached this one (none when this rank's own backward makes it)
-        sources = [] if state == GRAD_REPRODUCED else (loss_ranks or reproduced)
-        evidence = {**held["evidence"], "nonfinite_loss_on_ranks": loss_ranks, "nonfinite_grad_on_ranks": grad_ranks,
-                    "backward_reproduced_on_ranks": reproduced, "from_ranks": sources,
-                    "agreed_action": getattr(agreed, "value", agreed), "ranks_seen": rows is not None}
-        in_a_row = f"{held['evidence']['consecutive']} non-finite step(s) in a row"
-        what = f"gradient norm is {norm} at step {step} on rank {ctx.rank} although every micro-batch loss on this rank was finite"
-        severity: Severity | None = None
-        if sources:
-            whose, its = _ranks(sources), "its" if len(sources) == 1 else "their"
-            cause = (f"the loss of {whose} was non-finite at this step ({its} NONFINITE_LOSS)" if loss_ranks
-                     else f"a rerun of {whose}'s own backward gives non-finite gradients ({its} NONFINITE_GRAD)")
-            here = (f"nothing on this rank made them ({_local(scan)})" if state == GRAD_NOT_REPRODUCED
-                    else f"this rank's gradients after the all-reduce: {scan.describe()}")
-            message = (f"{what}: {cause}, and {its} non-finite gradients reached this rank through the gradient all-reduce; "
-                       f"{here}. The cause is {whose}'s, see {its} finding of step {step}; the update is not applied on any rank "
-                       f"({in_a_row}).")
-            severity = Severity.INFO  # a consequence: the finding that explains the step (and asks for its skip) is the other rank's
-        elif rows is None:
-            message = f"{what}; {scan.describe()}; the other ranks' view of this step never arrived ({in_a_row}); the update is not applied."
-        elif state == GRAD_REPRODUCED:
-            also = f"; the loss of {_ranks(loss_ranks)} was non-finite at this step too" if loss_ranks else ""
-            message = f"{what}; {scan.describe()}: this rank's own backward makes them{also} ({in_a_row}); the update is not applied."
-        elif state == GRAD_NOT_REPRODUCED and clean == grad_ranks:
-            message = (f"{what}; {_local(scan)}, as on every flagged rank ({_ranks(clean)}), and no rank's loss was non-finite: "
-                       "not reproduced anywhere, a transient fault (a device, or the all-reduce itself) or one outside the model "
-                       f"({in_a_row}); the update is not applied.")
-        elif state == GRAD_NOT_REPRODUCED:
-            unknown = [r for r in grad_ranks if r not in clean]
-            message = (f"{what}; {_local(scan)}; no rank's loss was non-finite, and {_ranks(unknown)} could not rerun "
-                       f"{'its' if len(unknown) == 1 else 'their'} own backward: the NaN may have reached this rank from there "
-                       f"through the gradient all-reduce, or it was a transient fault ({in_a_row}); the update is not applied.")
-        else:
-            message = (f"{what}; {scan.describe()}; no rank's loss was non-finite at this step (non-finite gradients on "
-                       f"{_ranks(grad_ranks)}) ({in_a_row}); the update is not applied.")
-        # its action was asked for before the agreement (_hold_grad); another rank's NaN: that rank's finding asks for the step
-        decided = Action.CONTINUE if sources else held["asked"]
-        self.report(NONFINITE_GRAD.code, message, step=step, evidence=evidence, severity=severity, decided=decided)
 
     def _report_loss(self, ctx: Any, step: int, bad: list[int], batches: list[dict[str, Any]], losses: list[float]) -> None:
         first = bad[0]
@@ -380,7 +280,6 @@ class NanGuard(Plugin):
 
     @hookimpl
     def on_run_end(self, ctx: Any) -> None:
-        self._write_held(ctx, None)  # a step that never reached its agreement: written with this rank's view alone
         if not self.skipped_steps:
             return
         moved = self.scheduler_moved
@@ -394,23 +293,35 @@ class NanGuard(Plugin):
             severity=Severity.WARNING if moved else None,
         )
 
+    @hookimpl
+    def report_sections(self, run: Any) -> Any:
+        """With several ranks: per non-finite step, whose loss or gradients were non-finite, and the rank it started on."""
+        from harness.lib.textsafe import md_escape
+        from harness.report.model import ReportSection, md_table
+
+        steps = [s for s in nonfinite_steps(run.findings) if s.several_ranks]
+        if not steps:
+            return None  # one process: each finding tells the whole story
+        rows = [[str(s.step), _listed(s.loss_ranks), _listed(s.grad_ranks), md_escape(s.origin())] for s in steps[:MAX_SECTION_ROWS]]
+        more = f"\n({len(steps) - MAX_SECTION_ROWS} more steps in findings.jsonl)\n" if len(steps) > MAX_SECTION_ROWS else ""
+        text = ("The gradient all-reduce hands one rank's NaN to every rank: a rank whose losses were finite reports the NaN it "
+                "received. The rank it started on:\n\n")
+        return ReportSection("Non-finite steps", text + md_table(
+            ["step", "loss non-finite on", "gradients non-finite (losses finite) on", "started on"], rows) + more + "\n")
+
+
+MAX_SECTION_ROWS = 50  # nan_guard reports ten steps, then every hundredth
+
+
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks) or "-"
+
 
 def _scheduler_position(trainer: Any) -> int | None:
     """The scheduler's step counter: it must not move on a skipped step."""
     scheduler = getattr(trainer, "lr_scheduler", None)  # every step: the counter alone (scheduler_state's test, without its LR)
     position = getattr(scheduler, "last_epoch", None)
     return position if isinstance(position, int) and callable(getattr(scheduler, "get_last_lr", None)) else None
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
-
-
-def _local(scan: GradScan) -> str:
-    """What this rank's own gradients say, without calling a NaN that came through the all-reduce a transient fault."""
-    if scan.source == RERUN and not scan.unavailable and not scan.names:
-        return "a rerun of this rank's own backward on the same weights, which does not all-reduce, gave finite gradients"
-    return scan.describe()
 
 
 def _as_float(value: Any) -> float | None:

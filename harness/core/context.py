@@ -220,15 +220,8 @@ class RunContext:
         evidence: dict[str, Any] | None = None,
         severity: Severity | str | None = None,
         plugin: str | None = None,
-        decided: Action | None = None,
     ) -> Finding:
-        """Make a finding: written to disk at once, its action decided, ``on_finding`` fired.
-
-        ``decided``: the action this finding's step already asked for with
-        :meth:`ask` (a finding written after the ranks agreed, from what they
-        shared): recorded with the finding, not asked for again, since a late
-        ask would act on the next step instead.
-        """
+        """Make a finding: written to disk at once, its action decided, ``on_finding`` fired."""
         declared = self.codes.get(code)
         if declared is None:
             raise ValueError(f"finding code '{code}' was not declared by any plugin (declare it in declare_codes()).")
@@ -243,25 +236,15 @@ class RunContext:
             evidence=dict(evidence or {}),
             playbook=declared.playbook,
         )
-        action = self.decide(finding) if decided is None else decided
+        action = self._decide(finding)
         finding.action = action.value
         self._hub.record(finding)
         self.findings.append(finding)
-        if decided is None:
-            self.ask(action)
+        self.pending_action = strongest(self.pending_action, action)
         self._announce(finding)
         return finding
 
-    def ask(self, action: Action) -> None:
-        """Ask for ``action`` at this step's agreement (the strongest ask of all ranks wins), before the finding exists.
-
-        For a plugin that can only write its finding once the ranks agreed
-        (it needs what they shared) but whose action must count at this step.
-        """
-        self.pending_action = strongest(self.pending_action, action)
-
-    def decide(self, finding: Finding) -> Action:
-        """The action a finding gets: the config's ``policy`` for its code, else the first plugin's ``decide_action``."""
+    def _decide(self, finding: Finding) -> Action:
         if finding.code in UNDECIDED_CODES:
             return Action.CONTINUE
         chosen = self.options.policy.get(finding.code)
@@ -359,9 +342,7 @@ class RunContext:
 
     def collect_findings(self) -> None:
         """Collective: bring queued findings of other ranks to rank 0 (which announces them)."""
-        for finding in self._hub.exchange():
-            self.findings.append(finding)
-            self._announce(finding)
+        self._take_in(self._hub.exchange())
 
     def flush_findings(self) -> None:
         """Collective at a point every rank reaches: deliver whatever is still queued."""
@@ -384,10 +365,14 @@ class RunContext:
         findings appended.
         """
         current, earlier = self._hub.merge_rank_files()
-        for finding in current:
+        self._take_in(current)
+        return current + earlier
+
+    def _take_in(self, arrived: list[Finding]) -> None:
+        """Rank 0: other ranks' findings, newly in ``findings.jsonl``, join this run's list and are announced."""
+        for finding in arrived:
             self.findings.append(finding)
             self._announce(finding)
-        return current + earlier
 
     def close(self) -> None:
         self._hub.close()

@@ -49,10 +49,14 @@ class GradScan:
                 "nonfinite_param_count": len(self.names), "grad_tensors_checked": self.checked, "grad_scope": self.scope,
                 "grad_source": self.source, **extra}
 
-    def describe(self) -> str:
+    def describe(self, ranks: int = 1) -> str:
+        """What the scan found; with ``ranks`` > 1 a clean rerun is no verdict: the NaN may have come from another rank."""
         if self.unavailable:
             return f"which parameters: unavailable ({self.unavailable})"
         if not self.names:
+            if self.source == RERUN and ranks > 1:
+                return (f"{self.source}, which does not all-reduce, gave finite gradients: this rank's own backward did not make "
+                        "the NaN (another rank's, or a transient fault)")
             if self.source == RERUN:
                 return f"{self.source} gave finite gradients (not reproduced: a transient fault, or one outside the model)"
             return f"no non-finite gradient in the {self.scope} ({self.checked} tensors checked)"

@@ -85,6 +85,9 @@ def test_a_rerun_of_backward_finds_the_first_in_true_backward_order_and_leaves_g
     assert scan.evidence()["reproduced_in_backward"] is True and scan.evidence()["grad_source"].startswith("a rerun")
     clean = locate_backward(net, [lambda: net(x).sum()])
     assert clean.reproduced is False and clean.first_backward is None and "not reproduced" in clean.describe()
+    # with several ranks a clean rerun (no all-reduce) clears this rank's backward: the NaN may be another rank's
+    across = clean.describe(ranks=2)
+    assert "did not make the NaN" in across and "another rank" in across and "not reproduced" not in across
 
 
 def test_locate_names_the_overflowing_module_with_finite_input() -> None:
