@@ -25,7 +25,6 @@ What each engine replicates: :mod:`harness.lib.replicas`.
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections import Counter
@@ -46,6 +45,7 @@ from harness.lib.replicas import Parallelism, parallelism
 from harness.lib.hashing import device_row_hashes
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
+from harness.core.strictjson import dumps
 
 GRAD_DESYNC = FindingCode(
     "GRAD_DESYNC",
@@ -288,7 +288,7 @@ class GradSync(Plugin):
             "data_wait_s": [round(t[0] / t[2], 6) if t[2] else None for t in (g["timing"] for g in gathered)],
         }
         with open_append(ctx.path("grad_sync.jsonl")) as handle:
-            handle.write(json.dumps(record) + "\n")
+            handle.write(dumps(record) + "\n")
 
     def _compare_exact(self, ctx: Any, step: int, per_rank: list[list[Any] | None], code: str, what: str,
                        replica_groups: list[tuple[int, ...]]) -> bool:

@@ -23,7 +23,6 @@ the caller.
 """
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 from collections import deque
@@ -35,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
+from harness.core.strictjson import dumps
 from harness.lib.capture import strict_json, write_capture
 from harness.lib.memory_stats import capacity, device_of, gib, largest_tensors, memory_counters, tensor_names
 from harness.lib.oom_batch import describe_micro_batch, padded_shape, training_setup
@@ -234,7 +234,7 @@ class OomForensics(Plugin):
 
     def _write(self, ctx: Any, kind: str, data: dict[str, Any]) -> Any:
         path = ctx.path("oom", f"{kind}.rank-{ctx.rank}.json")
-        path.write_text(json.dumps(strict_json(data), indent=1, default=str), encoding="utf-8")
+        path.write_text(dumps(data, indent=1, default=str), encoding="utf-8")
         return path
 
     def _message(self, step: int | None, micro: int | None, phase: str, failing: dict[str, Any], at_oom: dict[str, Any],

@@ -27,7 +27,6 @@ at their first test.
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -36,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
+from harness.core.strictjson import dumps
 from harness.lib.dropout import describe, dropout_sources
 from harness.lib.rng_digest import STREAM_NAMES, stream_digests
 from harness.lib.rng_ranks import WIDTH, RankRow, SharedStream, majority_seed, pack, rows_of, sampler_mismatch, shared_streams
@@ -142,7 +142,7 @@ class RankRng(Plugin):
         if mismatch:
             self._report_mismatch(ctx, step, mismatch)
         try:
-            safe_write_text(ctx.run_dir, ctx.path("rank_rng.json"), json.dumps(self.record, indent=1))
+            safe_write_text(ctx.run_dir, ctx.path("rank_rng.json"), dumps(self.record, indent=1))
         except Exception as exc:  # noqa: BLE001 - the findings are made; the file is a convenience
             log.warning("harness rank_rng: could not write rank_rng.json: %s", exc)
 

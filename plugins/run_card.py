@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.lib.cost import duration, memory_per_device, peak_for
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
+from harness.core.strictjson import dumps
 from harness.lib.runinfo import run_facts
 from harness.lib.sharding import full_parameter_counts, trainer_sharding
 
@@ -155,7 +156,7 @@ class RunCard(Plugin):
         if self._path is None:
             return
         tmp = self._path.with_name(f".{CARD_FILE}.tmp")
-        tmp.write_text(json.dumps(self.card, indent=2, default=str), encoding="utf-8")
+        tmp.write_text(dumps(self.card, indent=2, default=str), encoding="utf-8")
         os.replace(tmp, self._path)
 
     @hookimpl

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 from harness.core.appendfile import open_append
+from harness.core.strictjson import dumps
 
 LEDGER_DIR = "ledger"
 
@@ -203,7 +204,7 @@ class LedgerWriter:
             self._scan.known = (stat.st_size, stat.st_mtime_ns)  # only this attempt's start line came after the shared pass
 
     def write_step(self, records: list[dict[str, Any]]) -> None:
-        self._append_step("".join(json.dumps({"attempt": self.attempt, **record}, separators=(",", ":")) + "\n" for record in records))
+        self._append_step("".join(dumps({"attempt": self.attempt, **record}, separators=(",", ":")) + "\n" for record in records))
 
     def write_hashes(self, step: int, epoch: int, batches: list[tuple[int, str, list[str], list[Any] | None]]) -> None:
         """One step's records, ``(micro-batch, batch hash, sample hashes, sample ids)`` each (hashes as hex64 strings),
@@ -211,7 +212,7 @@ class LedgerWriter:
         lines = []
         for micro, batch_hash, samples, ids in batches:
             listed = '["' + '","'.join(samples) + '"]' if samples else "[]"
-            named = "null" if ids is None else json.dumps(ids, separators=(",", ":"))
+            named = "null" if ids is None else dumps(ids, separators=(",", ":"))
             lines.append(f'{{"attempt":{self.attempt},"step":{step},"micro_batch":{micro},"epoch":{epoch},'
                          f'"batch_hash":"{batch_hash}","sample_hashes":{listed},"sample_ids":{named}}}\n')
         self._append_step("".join(lines))
@@ -231,7 +232,7 @@ class LedgerWriter:
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._handle is not None:
-            self._handle.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._handle.write(dumps(record, separators=(",", ":")) + "\n")
 
     def sync(self) -> None:
         if self._handle is not None:

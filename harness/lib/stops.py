@@ -17,6 +17,7 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+from harness.core.strictjson import dumps
 
 STOP_DIR_ENV = "HARNESS_STOP_DIR"
 EXIT_STOPPED = 75  # EX_TEMPFAIL (sysexits.h): not 1 (a crash) nor 2 (a harness usage error)
@@ -66,7 +67,7 @@ class StopNotice:
         return f" after {', '.join(self.codes)}" if self.codes else ""
 
     def to_json(self) -> str:
-        return json.dumps({"format": MARKER_FORMAT, **asdict(self)}, sort_keys=True)
+        return dumps({"format": MARKER_FORMAT, **asdict(self)}, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StopNotice":

@@ -12,6 +12,7 @@ import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from harness.core.strictjson import dumps
 
 STATUSES = ("clean", "partial", "dirty")
 ORDER = {"too_short": 0, "clean": 0, "partial": 1, "dirty": 2}
@@ -26,7 +27,7 @@ def write_summary(out: Path, rank: int, rows: list[dict[str, Any]], checked_toke
                "complete": complete,
                "examples": [{k: v for k, v in r.items() if k != "locations"} for r in rows if r["status"] != "clean"]}
     tmp = out / f".summary.rank-{rank}.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    tmp.write_text(dumps(summary, indent=1), encoding="utf-8")
     tmp.replace(out / f"summary.rank-{rank}.json")
     for status in STATUSES:
         (out / f"{status}_ids.rank-{rank}.txt").write_text(
