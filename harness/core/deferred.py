@@ -27,11 +27,21 @@ class DeferredReads:
     def __init__(self, join_host: bool = False) -> None:
         """``join_host``: read host tensors as device ones are read (joined, one copy); only worth it in tests, which
         thereby run the device path on a machine without a device."""
-        self.join_host = join_host
+        self._join_host = join_host
         self._host_run = not join_host  # try the host loop first, until a device tensor shows this is a device run
         self._pending: list[tuple[Key, torch.Tensor]] = []
         self._values: dict[Key, list[Any]] = {}
         self.reads = 0  # host transfers made (for the sync benchmark and tests)
+
+    @property
+    def join_host(self) -> bool:
+        return self._join_host
+
+    @join_host.setter
+    def join_host(self, value: bool) -> None:
+        """Set after construction too (the sync benchmark does, on an attached run): the host loop follows it."""
+        self._join_host = value
+        self._host_run = not value
 
     def defer(self, owner: str, key: str, tensor: Any) -> None:
         """Queue a tensor; a host value (a number, a list, a bool a plugin computed from CPU data) is kept as it is and

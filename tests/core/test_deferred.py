@@ -56,6 +56,23 @@ def test_everything_queued_is_read_in_one_transfer(join_host: bool) -> None:
     assert reads.values("q", "mask") == [[True, False]]
 
 
+def test_joining_host_tensors_set_after_construction_takes_the_joined_path() -> None:
+    """The sync benchmark sets ``join_host`` on an attached run's reads: the host loop must not read them one by one."""
+    reads = DeferredReads()
+    reads.join_host = True
+    for i in range(3):
+        reads.defer("p", f"k{i}", torch.tensor(float(i)))
+    with CountReads() as mode:
+        reads.read()
+    assert mode.calls.count("cpu") + mode.calls.count("numpy") == 1 and "tolist" not in mode.calls
+    assert [reads.values("p", f"k{i}") for i in range(3)] == [[0.0], [1.0], [2.0]]
+    reads.join_host = False  # and back: one tolist each
+    reads.defer("p", "k", torch.tensor(5.0))
+    with CountReads() as mode:
+        reads.read()
+    assert mode.calls == ["tolist"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_floats_come_back_bit_exact_with_nan_and_inf(dtype: torch.dtype, join_host: bool) -> None:
     tiny = torch.finfo(dtype).tiny / 4  # a subnormal of this dtype
