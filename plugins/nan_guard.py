@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.lib.capture import sample_ids, write_capture
 from harness.lib.first_bad import nonfinite_names
 from harness.lib.first_bad_trainer import trainer_grad_scan, trainer_locate
-from harness.lib.nonfinite_origin import nonfinite_steps
+from harness.lib.nonfinite_origin import listed, nonfinite_steps
 from harness.core.findings import Finding, FindingCode, Severity
 from harness.lib.sharding import local_tensor
 from harness.core.hookspecs import hookimpl
@@ -296,13 +296,12 @@ class NanGuard(Plugin):
     @hookimpl
     def report_sections(self, run: Any) -> Any:
         """With several ranks: per non-finite step, whose loss or gradients were non-finite, and the rank it started on."""
-        from harness.lib.textsafe import md_escape
         from harness.report.model import ReportSection, md_table
 
         steps = [s for s in nonfinite_steps(run.findings) if s.several_ranks]
         if not steps:
             return None  # one process: each finding tells the whole story
-        rows = [[str(s.step), _listed(s.loss_ranks), _listed(s.grad_ranks), md_escape(s.origin())] for s in steps[:MAX_SECTION_ROWS]]
+        rows = [[str(s.step), listed(s.loss_ranks), listed(s.grad_ranks), s.origin()] for s in steps[:MAX_SECTION_ROWS]]
         more = f"\n({len(steps) - MAX_SECTION_ROWS} more steps in findings.jsonl)\n" if len(steps) > MAX_SECTION_ROWS else ""
         text = ("The gradient all-reduce hands one rank's NaN to every rank: a rank whose losses were finite reports the NaN it "
                 "received. The rank it started on:\n\n")
@@ -311,10 +310,6 @@ class NanGuard(Plugin):
 
 
 MAX_SECTION_ROWS = 50  # nan_guard reports ten steps, then every hundredth
-
-
-def _listed(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks) or "-"
 
 
 def _scheduler_position(trainer: Any) -> int | None:

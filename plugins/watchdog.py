@@ -51,11 +51,11 @@ RANK_HANG = FindingCode(
 )
 
 
-
 def stall_in_ms(stalled_s: float, threshold_s: float) -> tuple[float, float]:
     """Both to the millisecond, outwards (the stall up, the threshold down): the evidence keeps the stall over its
     threshold, as it was (rounding both to the nearest ms made a 2.0004 s stall over 2 s read 2.0 over 2.0)."""
-    return math.ceil(stalled_s * 1000) / 1000, math.floor(threshold_s * 1000) / 1000
+    return math.ceil(stalled_s * 1000 - 1e-9) / 1000, math.floor(threshold_s * 1000 + 1e-9) / 1000  # 1.001 s * 1000 is 1000.9999...
+
 
 class WatchdogOptions(BaseModel):
     """Options of the ``watchdog`` plugin."""

@@ -20,7 +20,7 @@ import math
 from typing import Any, Callable
 
 NONFINITE = ("nan", "inf", "-inf")  # how a non-finite float is written: str() of it
-_STRICT = json.JSONEncoder(allow_nan=False)  # json.dumps builds an encoder per call when given any option: this one is kept
+_ENCODERS: dict[tuple[tuple[str, Any], ...], json.JSONEncoder] = {}  # json.dumps builds one per call when given options
 
 
 def json_float(value: float | None) -> float | str | None:
@@ -74,11 +74,20 @@ def dumps(value: Any, **kwargs: Any) -> str:
     the encoder refuses a float is the value converted and encoded again.
     """
     try:
-        return _STRICT.encode(value) if not kwargs else json.dumps(value, allow_nan=False, **kwargs)
+        return _encoder(kwargs).encode(value)
     except ValueError as exc:
         if not str(exc).startswith("Out of range float"):
             raise  # a cycle: the caller's to handle, as with json.dumps
     return json.dumps(strict_json(value, kwargs.get("default")), allow_nan=False, **kwargs)
+
+
+def _encoder(kwargs: dict[str, Any]) -> json.JSONEncoder:
+    """A strict encoder for these ``json.dumps`` options, built once per option set (the ledger's compact one per step)."""
+    key = tuple(sorted(kwargs.items()))
+    encoder = _ENCODERS.get(key)
+    if encoder is None:
+        encoder = _ENCODERS[key] = json.JSONEncoder(allow_nan=False, **kwargs)
+    return encoder
 
 
 def as_float(value: Any) -> float | None:

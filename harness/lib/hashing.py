@@ -97,7 +97,7 @@ def combine_row_hashes(hashes: list[int]) -> int:
 
 def content_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> list[str]:
     """``device_row_hashes`` as hex strings: the sample hashes of the ledger, captures and reports (one host read)."""
-    return [hex64(h) for h in device_row_hashes(ids, mask if torch.is_tensor(mask) else None).tolist()]
+    return hex64_all(device_row_hashes(ids, mask if torch.is_tensor(mask) else None).tolist())
 
 
 def from_hex64(text: str) -> int:

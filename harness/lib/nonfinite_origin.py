@@ -53,7 +53,7 @@ def nonfinite_steps(findings: Iterable[Any]) -> list[NonfiniteStep]:
         entry = steps.setdefault(step, NonfiniteStep(step))
         evidence = getattr(finding, "evidence", None)
         evidence = evidence if isinstance(evidence, dict) else {}
-        if rank > 0 or (as_int(evidence.get("world_size")) or 1) > 1:
+        if rank > 0 or (_as_int(evidence.get("world_size")) or 1) > 1:
             entry.several_ranks = True
         if code == LOSS_CODE:
             _add(entry.loss_ranks, rank)
@@ -67,7 +67,7 @@ def nonfinite_steps(findings: Iterable[Any]) -> list[NonfiniteStep]:
     return [steps[s] for s in sorted(steps)]
 
 
-def as_int(value: Any) -> int | None:
+def _as_int(value: Any) -> int | None:
     """An int field of the evidence (a bool is not one), else None."""
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -76,6 +76,11 @@ def _add(ranks: list[int], rank: int) -> None:
     if rank not in ranks:
         ranks.append(rank)
         ranks.sort()
+
+
+def listed(ranks: list[int]) -> str:
+    """A report cell: ``0, 1``, or ``-`` for none."""
+    return ", ".join(str(r) for r in ranks) or "-"
 
 
 def _ranks(ranks: list[int]) -> str:
