@@ -4,7 +4,9 @@ Per micro-batch it hashes each row where the batch lives (a random linear
 hash over the token ids, no per-token Python, no host sync) and queues the
 hashes for the step guard's one device read (``defer``); the step's hashes
 ride the guard's one cross-rank exchange (``ctx.share``) and are appended to
-``ledger/rank-<r>.jsonl``. From the ledger it finds samples repeated
+``ledger/rank-<r>.jsonl`` (at once: a shared mapping, no system call). It
+checks them against the epoch's seen samples every ``CHECK_EVERY``
+micro-batches, in one call. From the ledger it finds samples repeated
 within an epoch (the classic broken resume: the loader restarted at the
 epoch's beginning), samples the interrupted run would have trained next but
 the resumed one never did, duplicate content, and data-parallel ranks that
@@ -58,6 +60,7 @@ RESUME_DATA_CHANGED = FindingCode(
 )
 HASH_KEYS = ("input_ids", "chosen_input_ids")  # what a batch's samples are made of (LM / SFT, then DPO pairs)
 MASK_KEYS = {"input_ids": "attention_mask", "chosen_input_ids": "chosen_attention_mask"}
+CHECK_EVERY = 16  # micro-batches checked for repeats and duplicates at once (a finding comes at most this many later)
 log = logging.getLogger(__name__)
 
 
@@ -105,6 +108,7 @@ class DataHash(Plugin):
         self.options = DataHashOptions()
         self._writer: LedgerWriter | None = None
         self._pending: list[tuple[int, int, list[Any] | None]] = []  # (micro-batch, rows, sample ids), hashes deferred
+        self._unchecked: list[tuple[int, int, list[int], list[Any] | None]] = []  # (step, epoch, hashes, ids), checked in groups
         self._read: list[list[int]] | None = None  # the step's hashes per micro-batch, read at the guard
         self._capacity = 0  # hashes per rank and step in the exchange (0: no overlap check)
         self._shared_step: int | None = None  # the step whose hashes were shared (ctx.shared is that step's)
@@ -145,7 +149,7 @@ class DataHash(Plugin):
         self._writer = LedgerWriter(ctx.run_dir, ctx.rank, self.options.fsync_every, resume_step=resume_step)
         self._writer.start(trainer.state.global_step, ctx.world_size, resumed)
         self._epoch = self._current_epoch(trainer)
-        self._pending, self._read, self._shared_step = [], None, None
+        self._pending, self._read, self._shared_step, self._unchecked = [], None, None, []
         self.idle_hooks("on_before_optimizer_step", idle=not self._capacity)  # one process: the step end reads the hashes
         self._position, self._padding = 0, self._epoch_padding(ctx, trainer)
 
@@ -230,14 +234,30 @@ class DataHash(Plugin):
         if not pending:
             return
         epoch = self._step_epoch
-        if epoch != self._epoch:
-            self._epoch, self._seen, self._position = epoch, self._seen.clear(), 0
         records = []
+        unchecked = self._unchecked
         for (micro, _, ids), hashes in zip(pending, read):
             records.append((micro, hex64(combine_row_hashes(hashes)), hex64_all(hashes), ids))
-            self._check_samples(ctx, step, hashes, ids)
+            unchecked.append((step, epoch, hashes, ids))
         if self._writer is not None:
             self._writer.write_hashes(step, epoch, records)
+        if len(unchecked) >= CHECK_EVERY:
+            self._check_unchecked(ctx)
+
+    def _check_unchecked(self, ctx: Any) -> None:
+        """The repeat and duplicate checks of the micro-batches written since the last call, in training order.
+
+        Checked in groups of ``CHECK_EVERY`` micro-batches (and at checkpoints
+        and the run end): one call walks them all while its code is warm,
+        where a call per step ran cold between two steps at several times the
+        cost. A finding comes up to that many micro-batches later, with the
+        step it happened at; the ledger line of every step is written at once.
+        """
+        unchecked, self._unchecked = self._unchecked, []
+        for step, epoch, hashes, ids in unchecked:
+            if epoch != self._epoch:
+                self._epoch, self._seen, self._position = epoch, self._seen.clear(), 0
+            self._check_samples(ctx, step, hashes, ids)
 
     def _epoch_padding(self, ctx: Any, trainer: Any) -> EpochPadding | None:
         """How the distributed sampler pads this run's epochs (None: one process, or a dataset without a length)."""
@@ -349,6 +369,7 @@ class DataHash(Plugin):
 
     @hookimpl
     def checkpoint_state(self, ctx: Any, step: int) -> dict[str, Any] | None:
+        self._check_unchecked(ctx)  # the epoch stored is the one of the last step trained
         if self._writer is not None:
             self._writer.sync()  # the ledger up to this checkpoint is on disk before the checkpoint counts
         return {"fingerprint": self.fingerprint, "epoch": self._epoch}
@@ -382,6 +403,7 @@ class DataHash(Plugin):
 
     @hookimpl
     def on_run_end(self, ctx: Any) -> None:
+        self._check_unchecked(ctx)
         if self._interrupted and self._resume_step is not None:
             reached = ctx.step
             missing = {key: s for key, s in self._interrupted.items() if s <= reached and key not in self._since_resume}

@@ -1,7 +1,9 @@
 """The data ledger: which samples every rank trained on at every step, in append-only files that survive a kill.
 
-One JSON line per micro-batch in ``<run_dir>/ledger/rank-<r>.jsonl``, flushed
-every step (a ``kill -9`` loses at most the step in flight) and fsynced every
+One JSON line per micro-batch in ``<run_dir>/ledger/rank-<r>.jsonl``, in the
+file's page cache at every step (written through a shared mapping,
+``harness.core.mapped_lines``: a ``kill -9`` loses at most the step in
+flight, and the step pays no system call) and fsynced every
 ``fsync_every`` steps and at every checkpoint. Each process that trains
 starts an *attempt* with a header line (the step it starts from), so a
 resumed run's ledger holds both the interrupted run's steps past the
@@ -15,9 +17,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import Any, Iterator
 
-from harness.core.appendfile import open_append
+from harness.core.mapped_lines import MappedLines
 from harness.core.strictjson import dumps
 
 LEDGER_DIR = "ledger"
@@ -179,14 +181,14 @@ def around_resume(run_dir: Path, rank: int, resume_step: int) -> tuple[list[dict
 
 
 class LedgerWriter:
-    """Appends one rank's records; flushes each step, fsyncs every ``fsync_every`` steps."""
+    """Appends one rank's records; each step is in the page cache at once, fsynced every ``fsync_every`` steps."""
 
     def __init__(self, run_dir: Path, rank: int, fsync_every: int = 100, resume_step: int | None = None) -> None:
         """``resume_step``: this attempt resumes from that step; the one pass that numbers the attempt also
         answers ``around_resume`` for it, so the plugins checking the resume do not read the ledger again."""
         self.path = ledger_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle: IO[str] | None = open_append(self.path)  # a torn last line is closed first: the start line stays readable
+        self._handle: MappedLines | None = MappedLines(self.path)  # a torn last line is closed first: the start line stays readable
         self._scan: _Scan | None = _Scan(self.path, resume_step, before_running=True)
         self.attempt = self._scan.highest + 1
         if resume_step is not None:
@@ -200,7 +202,7 @@ class LedgerWriter:
         self._write({"event": "start", "attempt": self.attempt, "step": step, "world_size": world_size, "resumed_from": resumed_from})
         self.sync()
         if self._scan is not None and self._handle is not None:
-            stat = os.fstat(self._handle.fileno())
+            stat = os.stat(self.path)
             self._scan.known = (stat.st_size, stat.st_mtime_ns)  # only this attempt's start line came after the shared pass
 
     def write_step(self, records: list[dict[str, Any]]) -> None:
@@ -221,23 +223,18 @@ class LedgerWriter:
         if self._scan is not None:
             self._forget_scan()  # every look at the resume happens before the first step of the attempt is written
         if self._handle is not None:
-            # straight to the file, one system call: the text layer holds nothing (every write here is flushed), so
-            # skipping it keeps the order; each step is on disk (for a kill -9) at the cost of the write alone
-            data, fd = text.encode("utf-8"), self._handle.fileno()
-            while data:
-                data = data[os.write(fd, data):]
+            self._handle.write(text.encode("utf-8"))  # into the mapped page cache: kept through a kill -9, no system call
         self._steps += 1
         if self._steps % self.fsync_every == 0:
             self.sync()
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._handle is not None:
-            self._handle.write(dumps(record, separators=(",", ":")) + "\n")
+            self._handle.write((dumps(record, separators=(",", ":")) + "\n").encode("utf-8"))
 
     def sync(self) -> None:
         if self._handle is not None:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
+            self._handle.sync()
 
     def _forget_scan(self) -> None:
         """The resume is behind us: free the records kept for it (a later ``around_resume`` reads the file afresh)."""
@@ -248,8 +245,7 @@ class LedgerWriter:
     def close(self) -> None:
         self._forget_scan()
         if self._handle is not None:
-            self.sync()
-            self._handle.close()
+            self._handle.close(sync=True)
             self._handle = None
 
 

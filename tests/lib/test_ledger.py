@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.lib.ledger import LedgerWriter, around_resume, last_attempt, ledger_path, read_ledger
+from harness.lib.ledger import LedgerWriter, around_resume, iter_records, last_attempt, ledger_path, read_ledger
 
 
 def _record(step: int, micro_batch: int = 0) -> dict[str, object]:
@@ -80,3 +80,38 @@ def test_the_per_step_fast_path_writes_the_same_lines_as_records(tmp_path: Path)
     writer.close()
     lines = [line for line in writer.path.read_text().splitlines() if '"event"' not in line]
     assert len(lines) == 6 and lines[:3] == lines[3:]
+
+
+KILLED_ATTEMPT = """
+import os, signal, sys
+from pathlib import Path
+from harness.lib.ledger import LedgerWriter
+writer = LedgerWriter(Path(sys.argv[1]), rank=0, fsync_every=1000)
+writer.start(step=0, world_size=1, resumed_from=None)
+for step in range(1, 7):
+    writer.write_hashes(step, 0, [(0, f"{step:016x}", [f"{step:016x}"], [step])])
+os.kill(os.getpid(), signal.SIGKILL)  # no close, no fsync: what the page cache holds is all there is
+"""
+
+
+def test_a_kill_9_loses_no_step_and_the_resumed_attempt_continues_the_file(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", KILLED_ATTEMPT, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    kept = [r.get("step") for r in iter_records(ledger_path(tmp_path, 0))]  # as the killed run left it: with its unwritten window
+    assert kept == [0, 1, 2, 3, 4, 5, 6]
+    resumed = LedgerWriter(tmp_path, rank=0, resume_step=4)
+    resumed.start(step=4, world_size=1, resumed_from="checkpoint-4")
+    before, after = around_resume(tmp_path, 0, 4)
+    assert resumed.attempt == 2 and [r["step"] for r in before] == [1, 2, 3, 4] and [r["step"] for r in after] == [5, 6]
+    for step in range(5, 8):
+        resumed.write_step([_record(step)])
+    resumed.close()
+    raw = ledger_path(tmp_path, 0).read_bytes()
+    assert b"\0" not in raw and raw.endswith(b"\n")
+    frame = read_ledger(tmp_path)
+    assert sorted(set(zip(frame.attempt, frame.step))) == [(1, s) for s in range(1, 7)] + [(2, s) for s in range(5, 8)]
+    assert sorted(set(frame.step[frame.superseded])) == [5, 6]

@@ -104,3 +104,18 @@ def test_two_ranks_reading_the_same_stream_overlap(tmp_path: Path) -> None:
     assert overlap[0]["step"] == 1 and overlap[0]["evidence"]["ranks"] == [0, 1] and overlap[0]["evidence"]["shared_samples"] == 4
     # The negative case, two ranks on the Trainer's own sharded loader finding no overlap, is the clean 200-step DDP run of
     # tests/plugins/test_grad_sync.py::test_clean_two_process_run_of_200_steps_is_silent (default plugins: no data finding).
+
+
+def test_a_checkpoint_stores_the_epoch_of_its_own_step_though_repeats_are_checked_in_groups(make_trainer: Any) -> None:
+    """Repeats are checked every CHECK_EVERY micro-batches; a save checks what is pending first, so its state is current."""
+    import json
+
+    from harness.plugins.data_hash import CHECK_EVERY
+
+    trainer = make_trainer(max_steps=15, gradient_accumulation_steps=2, save_strategy="steps", save_steps=14)  # epoch 1 from 13
+    assert 14 * 2 % CHECK_EVERY  # the save lands between two group checks
+    harness.attach(trainer)
+    trainer.train()
+    state = json.loads((Path(trainer.args.output_dir) / "checkpoint-14" / "harness_state" / "rank-0.json").read_text())
+    assert state["data_hash"]["epoch"] == 1
+    assert _data_findings(trainer.args.output_dir) == []

@@ -32,3 +32,25 @@ def test_the_card_holds_the_plan_and_the_measured_estimate(make_trainer: Any) ->
     assert "## Plan and estimates (run_card)" in report and f"| parameters | {params:,} |" in report
     assert "| acceptance | eval_loss below 4.0 |" in report and "[run_card.json](run_card.json)" in report
     assert findings_of(trainer.args.output_dir) == []
+
+
+def test_an_estimate_that_cannot_be_written_costs_the_card_only(make_trainer: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The measured card is written by a thread the step does not wait for; its failure is a warning, and the run end
+    does not wait for a file that will never come."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class BlockTheCard(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 2:
+                (ctx.run_dir / ".run_card.json.tmp").mkdir()  # the card's temporary file cannot be created any more
+
+    trainer = make_trainer(max_steps=8, callbacks=[BlockTheCard()])
+    ctx = harness.attach(trainer, config={"plugins": ["metrics_log", "run_card"], "run_card": {"measure_after": 4}})
+    began = time.monotonic()
+    trainer.train()
+    assert time.monotonic() - began < 25  # the run end's wait is for a thread that ended, not its 30 s timeout
+    assert trainer.state.global_step == 8
+    assert "run_card: could not write" in caplog.text
+    assert json.loads((ctx.run_dir / "run_card.json").read_text(encoding="utf-8"))["measured"] is None  # the card before it
