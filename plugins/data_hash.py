@@ -25,6 +25,7 @@ import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
+from harness.core.actions import Action
 from harness.lib.capture import sample_ids
 from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
@@ -61,6 +62,7 @@ RESUME_DATA_CHANGED = FindingCode(
 HASH_KEYS = ("input_ids", "chosen_input_ids")  # what a batch's samples are made of (LM / SFT, then DPO pairs)
 MASK_KEYS = {"input_ids": "attention_mask", "chosen_input_ids": "chosen_attention_mask"}
 CHECK_EVERY = 16  # micro-batches checked for repeats and duplicates at once (a finding comes at most this many later)
+CHECKED_CODES = ("DATA_REPEATED", "DUPLICATE_SAMPLES")  # the findings of those checks: with a policy action, checked every step
 log = logging.getLogger(__name__)
 
 
@@ -109,6 +111,7 @@ class DataHash(Plugin):
         self._writer: LedgerWriter | None = None
         self._pending: list[tuple[int, int, list[Any] | None]] = []  # (micro-batch, rows, sample ids), hashes deferred
         self._unchecked: list[tuple[int, int, list[int], list[Any] | None]] = []  # (step, epoch, hashes, ids), checked in groups
+        self._check_every = CHECK_EVERY
         self._read: list[list[int]] | None = None  # the step's hashes per micro-batch, read at the guard
         self._capacity = 0  # hashes per rank and step in the exchange (0: no overlap check)
         self._shared_step: int | None = None  # the step whose hashes were shared (ctx.shared is that step's)
@@ -146,10 +149,15 @@ class DataHash(Plugin):
             ctx.reserve("hashes", self._capacity, owner=self.name)
         resumed = str(ctx.resumed_from) if ctx.resumed_from is not None else None
         resume_step = trainer.state.global_step if resumed is not None else None  # one ledger pass serves the whole resume
+        if self._writer is not None:  # a writer an earlier call left open would hold the ledger's lock
+            self._writer.close()
         self._writer = LedgerWriter(ctx.run_dir, ctx.rank, self.options.fsync_every, resume_step=resume_step)
         self._writer.start(trainer.state.global_step, ctx.world_size, resumed)
         self._epoch = self._current_epoch(trainer)
         self._pending, self._read, self._shared_step, self._unchecked = [], None, None, []
+        policy = getattr(getattr(ctx, "options", None), "policy", None) or {}
+        acted = any(Action(policy.get(code, Action.CONTINUE)) is not Action.CONTINUE for code in CHECKED_CODES)
+        self._check_every = 1 if acted else CHECK_EVERY  # an action the user tied to these findings comes at their step
         self.idle_hooks("on_before_optimizer_step", idle=not self._capacity)  # one process: the step end reads the hashes
         self._position, self._padding = 0, self._epoch_padding(ctx, trainer)
 
@@ -241,7 +249,7 @@ class DataHash(Plugin):
             unchecked.append((step, epoch, hashes, ids))
         if self._writer is not None:
             self._writer.write_hashes(step, epoch, records)
-        if len(unchecked) >= CHECK_EVERY:
+        if len(unchecked) >= self._check_every:
             self._check_unchecked(ctx)
 
     def _check_unchecked(self, ctx: Any) -> None:
@@ -251,10 +259,13 @@ class DataHash(Plugin):
         and the run end): one call walks them all while its code is warm,
         where a call per step ran cold between two steps at several times the
         cost. A finding comes up to that many micro-batches later, with the
-        step it happened at; the ledger line of every step is written at once.
+        step it happened at (every step when the config's ``policy`` ties an
+        action to one of ``CHECKED_CODES``); the ledger line of every step is
+        written at once.
         """
-        unchecked, self._unchecked = self._unchecked, []
-        for step, epoch, hashes, ids in unchecked:
+        unchecked = self._unchecked
+        while unchecked:  # one at a time: a check that raises costs its own micro-batch, the rest wait for the next call
+            step, epoch, hashes, ids = unchecked.pop(0)
             if epoch != self._epoch:
                 self._epoch, self._seen, self._position = epoch, self._seen.clear(), 0
             self._check_samples(ctx, step, hashes, ids)
@@ -369,9 +380,11 @@ class DataHash(Plugin):
 
     @hookimpl
     def checkpoint_state(self, ctx: Any, step: int) -> dict[str, Any] | None:
-        self._check_unchecked(ctx)  # the epoch stored is the one of the last step trained
-        if self._writer is not None:
-            self._writer.sync()  # the ledger up to this checkpoint is on disk before the checkpoint counts
+        try:
+            self._check_unchecked(ctx)  # the epoch stored is the one of the last step trained
+        finally:
+            if self._writer is not None:
+                self._writer.sync()  # the ledger up to this checkpoint is on disk before the checkpoint counts
         return {"fingerprint": self.fingerprint, "epoch": self._epoch}
 
     @hookimpl
@@ -403,22 +416,24 @@ class DataHash(Plugin):
 
     @hookimpl
     def on_run_end(self, ctx: Any) -> None:
-        self._check_unchecked(ctx)
-        if self._interrupted and self._resume_step is not None:
-            reached = ctx.step
-            missing = {key: s for key, s in self._interrupted.items() if s <= reached and key not in self._since_resume}
-            if missing:
-                steps = sorted(set(missing.values()))
-                self.report(
-                    DATA_SKIPPED.code,
-                    f"{len(missing)} samples the interrupted run trained at steps {steps[0]}-{steps[-1]} (after the checkpoint of step "
-                    f"{self._resume_step}) were not trained in the same epoch by the resumed run on rank {ctx.rank}, which reached "
-                    f"step {reached}: the resumed data order differs from the interrupted one.",
-                    step=reached,
-                    evidence={"missing": len(missing), "steps": steps[:50], "hashes": [hex64(h) for _, h in list(missing)[:10]],
-                              "epochs": sorted({e for e, _ in missing})},
-                    limit=self.options.max_reports,
-                )
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        try:
+            self._check_unchecked(ctx)
+            if self._interrupted and self._resume_step is not None:
+                reached = ctx.step
+                missing = {key: s for key, s in self._interrupted.items() if s <= reached and key not in self._since_resume}
+                if missing:
+                    steps = sorted(set(missing.values()))
+                    self.report(
+                        DATA_SKIPPED.code,
+                        f"{len(missing)} samples the interrupted run trained at steps {steps[0]}-{steps[-1]} (after the checkpoint of step "
+                        f"{self._resume_step}) were not trained in the same epoch by the resumed run on rank {ctx.rank}, which reached "
+                        f"step {reached}: the resumed data order differs from the interrupted one.",
+                        step=reached,
+                        evidence={"missing": len(missing), "steps": steps[:50], "hashes": [hex64(h) for _, h in list(missing)[:10]],
+                                  "epochs": sorted({e for e, _ in missing})},
+                        limit=self.options.max_reports,
+                    )
+        finally:  # the ledger is closed (trimmed, and its lock released for the next train() call) whatever failed above
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None

@@ -148,8 +148,9 @@ class RunCard(Plugin):
         # the estimate's file is written off the training thread (the one write inside the run's steps), by a thread
         # that this step does not wait for: ``Thread.start`` waits until the new thread runs, ~0.4 ms in place; the run
         # end waits for the file instead (the report reads the card)
-        self._written = threading.Event()
-        _thread.start_new_thread(self._write_off_thread, (self._written,))
+        written = threading.Event()
+        _thread.start_new_thread(self._write_off_thread, (written,))
+        self._written = written  # only once the thread runs: the run end waits for it
 
     def _write_off_thread(self, written: threading.Event) -> None:
         try:

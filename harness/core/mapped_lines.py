@@ -3,7 +3,7 @@
 The data ledger gets a line per optimizer step on every rank. A ``write``
 per line keeps every line through a ``kill -9``, but the system call runs
 between two steps with the kernel's code and data out of the caches: about
-40 us in place on a 2-core machine (0.5 us in a tight loop), the largest
+35-40 us in place on a 2-core machine (0.5 us in a tight loop), the largest
 single item of the harness's time per step. Buffering in the process would
 lose the buffer to a kill. (``steps.jsonl`` buffers ten steps anyway: its
 cost is the encoding, not the write.)
@@ -14,13 +14,15 @@ process reads the line at once, and the kernel keeps it when the process is
 killed (the same durability as a ``write`` without ``fsync``; ``sync`` is
 the ``fsync``). A mapped page that cannot be written faults (``SIGBUS``, which kills the
 process) where a ``write`` would return an error, so the mapping is kept to
-where that cannot happen on a healthy disk: the window is allocated before
-it is mapped (``posix_fallocate``; a full disk or quota fails there, as an
-error), and only on the local file systems whose fault on an allocated
-block needs no new space (ext2/3/4, XFS, tmpfs, and overlayfs over them:
-``MAPPABLE_FS``). Elsewhere (btrfs reserves space at the fault; network
-file systems; no ``posix_fallocate``; a failed allocation) the file gets one
-``write`` per line, as before.
+where that cannot happen on a healthy disk: only pages this writer
+allocated itself are mapped (``posix_fallocate`` first: a full disk or
+quota fails there, as an error; the partly filled page the file already
+had, which a reflink copy may share with another file, is written with
+``write``), and only on the local file systems whose fault on an allocated
+block needs no new space (ext2/3/4, XFS, tmpfs: ``MAPPABLE_FS``).
+Elsewhere (btrfs reserves space at the fault; overlayfs may sit on it;
+network file systems; no ``posix_fallocate``; a failed allocation) the file
+gets one ``write`` per line, as before.
 
 While the file is open, and after a kill, it ends in the unwritten rest of
 the window: NUL bytes after the last line, without a newline. JSON text
@@ -29,15 +31,19 @@ newline (a torn line), so the readers need no change; ``close`` cuts the
 NULs off, and the next writer of the file cuts off what a killed one left.
 
 Only the one writer that holds the file's lock (``flock``) maps and trims
-it, and only in the process that opened it (a forked DataLoader worker
-never trims its parent's file): a second live writer of the same file
-appends with one ``write`` per line and cuts nothing, so no mapping ever
-reaches past the end of its file.
+it, and only in the process that opened it: a forked child (a DataLoader
+worker) closes its inherited copy at the fork, so it neither trims the
+file nor keeps the lock alive after its parent is killed. A second live
+writer of the same file appends with one ``write`` per line at the file's
+end and cuts nothing; the owner stops mapping when it sees the file grown
+past its window, so no mapping reaches another writer's lines or past the
+end of its file.
 """
 from __future__ import annotations
 
 import mmap
 import os
+import weakref
 from pathlib import Path
 
 try:
@@ -45,7 +51,7 @@ try:
 except ImportError:  # not POSIX: no shared-mapping writer either (no posix_fallocate)
     fcntl = None  # type: ignore[assignment]
 
-MAPPABLE_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "tmpfs", "overlay"})
+MAPPABLE_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "tmpfs"})
 WINDOW = 1 << 20  # bytes mapped (and allocated ahead) at a time: about 4,000 steps of ledger, one remap each
 _BLOCK = 1 << 16  # bytes read at a time when looking for the end of a killed writer's lines
 
@@ -60,6 +66,19 @@ def written_end(fd: int) -> int:
             return start + len(block)
         end = start
     return 0
+
+
+_OPEN: weakref.WeakSet[MappedLines] = weakref.WeakSet()  # the writers open in this process (for the fork handler)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child drops its copies of the open writers: no trim of the parent's file, no lock kept alive by it."""
+    for writer in list(_OPEN):
+        writer._forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def file_system(path: str | os.PathLike[str]) -> str | None:
@@ -106,6 +125,7 @@ class MappedLines:
         self._base = 0  # file offset of the mapping's first byte
         self._room = 0  # bytes the mapping holds
         self._pid = os.getpid()
+        _OPEN.add(self)
         self.owner = _lock(self._fd)  # the file's only live writer: it may map and trim
         # False where a fault could SIGBUS, and once a mapping could not be made
         self.mapped = self.owner and hasattr(os, "posix_fallocate") and file_system(self.path) in MAPPABLE_FS
@@ -116,6 +136,7 @@ class MappedLines:
             os.pwrite(self._fd, b"\n", end)
             end += 1
         self.end = end  # bytes of lines in the file (the owner's count; a second writer appends at the file's end)
+        self._own_pages_from = -(-end // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY  # allocated by this writer
 
     @property
     def closed(self) -> bool:
@@ -135,9 +156,18 @@ class MappedLines:
         """The mapping is full (or there is none yet): map the next window, else write to the file."""
         if self._fd is None:
             raise ValueError(f"{self.path}: write to a closed line file")
+        if self.mapped and self.end < self._own_pages_from:
+            head, data = data[:self._own_pages_from - self.end], data[self._own_pages_from - self.end:]
+            self._write_plainly(head)  # the page the file had: never mapped (a reflink copy may share its block)
+            if not data:
+                return
         if self.mapped and self._remap(len(data)):
             self.write(data)
             return
+        self._write_plainly(data)
+
+    def _write_plainly(self, data: bytes) -> None:
+        assert self._fd is not None
         at = self.end if self.owner else os.lseek(self._fd, 0, os.SEEK_END)
         written = 0
         while written < len(data):
@@ -147,7 +177,11 @@ class MappedLines:
     def _remap(self, need: int) -> bool:
         """Map a window from the page holding the end, allocated on disk first; False (and no mapping from now on) if it fails."""
         assert self._fd is not None
+        expected = self._base + self._room if self._map is not None else self.end  # the file's size if nobody else wrote
         self._unmap()
+        if os.fstat(self._fd).st_size != expected:
+            self.mapped, self.owner = False, False  # another writer appended: from now on, plain writes at the file's end
+            return False
         base = self.end - self.end % mmap.ALLOCATIONGRANULARITY
         room = self._window
         while self.end - base + need > room:
@@ -157,7 +191,7 @@ class MappedLines:
             self._map = mmap.mmap(self._fd, room, access=mmap.ACCESS_WRITE, offset=base)
         except (OSError, ValueError):
             self.mapped = False
-            os.ftruncate(self._fd, self.end)  # the allocation may have grown the file
+            os.ftruncate(self._fd, self.end)  # the allocation may have grown the file (checked above: only this writer's)
             return False
         self._base, self._room = base, room
         return True
@@ -179,11 +213,11 @@ class MappedLines:
         """Unmap, cut the unwritten rest of the window off, close (``fsync`` first with ``sync``)."""
         if self._fd is None:
             return
-        fd, self._fd = self._fd, None
-        if os.getpid() != self._pid:  # a forked child's copy: the parent's file and mapping are not its to cut
-            self._map = None
-            os.close(fd)
+        if os.getpid() != self._pid:  # a forked child's copy (where the fork handler did not run): not its file to cut
+            self._forget()
             return
+        fd, self._fd = self._fd, None
+        _OPEN.discard(self)
         try:
             mapped_to = self._base + self._room if self._map is not None else None
             self._unmap()
@@ -193,6 +227,13 @@ class MappedLines:
                 os.fsync(fd)
         finally:
             os.close(fd)  # and the lock with it
+
+    def _forget(self) -> None:
+        """Drop this process's copy without touching the file (a forked child's: the parent still writes it)."""
+        fd, self._fd, self._map, self._room = self._fd, None, None, 0
+        _OPEN.discard(self)
+        if fd is not None:
+            os.close(fd)  # the child's reference only: the parent's lock and mapping stay
 
     def __del__(self) -> None:
         try:

@@ -129,9 +129,9 @@ SECOND_WRITER = textwrap.dedent("""
 """)
 
 
-def _in_a_process(script: str, path: Path) -> None:
+def _in_a_process(script: str, path: Path, *args: str) -> None:
     """Run ``script`` in its own interpreter: a mapping cut short is a SIGBUS, which must fail this test, not end the session."""
-    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script, str(path), *args], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
 
 
@@ -172,13 +172,14 @@ def test_the_file_system_is_the_one_of_the_longest_mount_point_holding_the_path(
 
 
 FORKED_CHILD = textwrap.dedent("""
-    import os, sys
+    import ctypes, os, sys
     from harness.core.mapped_lines import MappedLines
     line = lambda i: ('{"i":%d}\\n' % i).encode()
     writer = MappedLines(sys.argv[1], window=4096)
     writer.write(line(0))
-    pid = os.fork()
-    if pid == 0:  # a DataLoader worker, say: it drops its copy (close, or the collector at exit)
+    fork = os.fork if sys.argv[2] == "os" else ctypes.CDLL(None).fork  # libc's own fork: Python's fork handlers do not run
+    pid = fork()
+    if pid == 0:  # a DataLoader worker, or a C library's child running Python: it drops its copy
         writer.close()
         os._exit(0)
     os.waitpid(pid, 0)
@@ -189,7 +190,73 @@ FORKED_CHILD = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork: POSIX only")
-def test_a_forked_child_never_cuts_its_parents_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fork", ["os", "libc"])
+def test_a_forked_child_never_cuts_its_parents_file(tmp_path: Path, fork: str) -> None:
     path = tmp_path / "lines.jsonl"
-    _in_a_process(FORKED_CHILD, path)
+    _in_a_process(FORKED_CHILD, path, fork)
     assert path.read_bytes() == b"".join(f'{{"i":{i}}}\n'.encode() for i in range(200))
+
+
+def test_the_page_the_file_already_had_is_written_not_mapped(tmp_path: Path) -> None:
+    """A reflink copy may share the file's last block with another file: a mapped write there could need new space at the
+    fault (SIGBUS when the disk is full). Only pages this writer allocated are mapped."""
+    path = tmp_path / "lines.jsonl"
+    path.write_bytes(_line(0))  # an earlier run's lines: a partly filled first page
+    writer = MappedLines(path, window=PAGE)
+    for i in range(1, 200):
+        writer.write(_line(i))
+        if writer._map is not None:
+            assert writer._base >= PAGE  # the mapping starts past the page that held the earlier lines
+    writer.close()
+    assert path.read_bytes() == b"".join(_line(i) for i in range(200))
+
+
+GROWN_BY_ANOTHER = textwrap.dedent("""
+    import sys
+    from harness.core.mapped_lines import MappedLines
+    line = lambda i: ('{"i":%d,"pad":"%s"}\\n' % (i, "x" * 60)).encode()
+    owner = MappedLines(sys.argv[1], window=4096)
+    owner.write(line(0))
+    other = MappedLines(sys.argv[1], window=4096)  # not the lock holder: appends at the file's end, after the owner's window
+    other.write(line(1))
+    for i in range(2, 200):  # past the owner's window: it must see the file grown and append after the other's line
+        owner.write(line(i))
+    assert not owner.mapped
+    other.close()
+    owner.close()
+""")
+
+
+def test_an_owner_whose_file_another_writer_grew_stops_mapping_and_overwrites_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "lines.jsonl"
+    _in_a_process(GROWN_BY_ANOTHER, path)
+    records = [line for line in path.read_bytes().split(b"\n") if line.strip(b"\0")]
+    assert sorted(records) == sorted(('{"i":%d,"pad":"%s"}' % (i, "x" * 60)).encode() for i in range(200))
+
+
+KILLED_WITH_A_WORKER = textwrap.dedent("""
+    import os, signal, sys, time
+    from harness.core.mapped_lines import MappedLines
+    writer = MappedLines(sys.argv[1], window=4096)
+    for i in range(10):
+        writer.write(('{"i":%d}\\n' % i).encode())
+    if os.fork() == 0:  # a DataLoader worker outliving its killed parent for a while
+        quiet = os.open(os.devnull, os.O_RDWR)
+        os.dup2(quiet, 1)
+        os.dup2(quiet, 2)  # the test's pipes close with the parent: the test goes on while this process still lives
+        time.sleep(10)
+        os._exit(0)
+    print("forked", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_forked_worker_that_outlives_its_killed_parent_does_not_keep_the_file_locked(tmp_path: Path) -> None:
+    path = tmp_path / "lines.jsonl"
+    result = subprocess.run([sys.executable, "-c", KILLED_WITH_A_WORKER, str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL and "forked" in result.stdout, result.stderr
+    writer = MappedLines(path, window=PAGE)  # the resumed run, while the old worker still sleeps
+    assert writer.owner and writer.mapped
+    writer.write(b'{"i":10}\n')
+    writer.close()
+    assert path.read_bytes() == b"".join(f'{{"i":{i}}}\n'.encode() for i in range(11))

@@ -37,7 +37,7 @@ def test_the_ledger_holds_every_micro_batch_and_reads_back(make_trainer: Any, lm
     assert _data_findings(trainer.args.output_dir) == []  # a new epoch may see its samples again
 
 
-def _interrupted_then_resumed(make_trainer: Any, out: Path, **resume_args: Any) -> Any:
+def _interrupted_then_resumed(make_trainer: Any, out: Path, policy: dict[str, str] | None = None, **resume_args: Any) -> Any:
     """A run that got to step 20 (checkpoints every 5), resumed from checkpoint-10 as if it had died at 20."""
     first = make_trainer(output_dir=out, max_steps=20, save_strategy="steps", save_steps=5)
     harness.attach(first)
@@ -45,7 +45,7 @@ def _interrupted_then_resumed(make_trainer: Any, out: Path, **resume_args: Any) 
     shutil.rmtree(out / "checkpoint-15")
     shutil.rmtree(out / "checkpoint-20")
     resumed = make_trainer(output_dir=out, max_steps=20, save_strategy="steps", save_steps=5, **resume_args)
-    harness.attach(resumed, config={"policy": {"RESUME_DATA_POSITION": "continue"}})  # data_hash's view alone: train on
+    harness.attach(resumed, config={"policy": {"RESUME_DATA_POSITION": "continue", **(policy or {})}})  # data_hash's view alone
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-10"))
     return resumed
 
@@ -69,6 +69,15 @@ def test_ignore_data_skip_repeats_the_epoch_and_skips_what_came_next(make_traine
     assert "follows a resume" in repeated[0]["message"]
     (skipped,) = findings_of(out, "DATA_SKIPPED")
     assert skipped["evidence"]["missing"] == 40 and skipped["evidence"]["steps"] == list(range(11, 21))
+
+
+def test_an_action_tied_to_data_repeated_comes_at_the_step_of_the_repeat(make_trainer: Any, tmp_path: Path) -> None:
+    """Repeats are checked in groups of CHECK_EVERY micro-batches, unless the policy acts on them: then at every step."""
+    out = tmp_path / "run"
+    resumed = _interrupted_then_resumed(make_trainer, out, policy={"DATA_REPEATED": "stop"}, ignore_data_skip=True)
+    repeated = findings_of(out, "DATA_REPEATED")
+    assert repeated[0]["step"] == 11 and repeated[0]["action"] == "stop"
+    assert resumed.state.global_step == 11  # stopped at the repeat, not at the next group check or the run end
 
 
 def test_duplicate_rows_are_reported_once_and_may_recur_within_an_epoch(make_trainer: Any, repetitive_rows: Any) -> None:
@@ -119,3 +128,21 @@ def test_a_checkpoint_stores_the_epoch_of_its_own_step_though_repeats_are_checke
     state = json.loads((Path(trainer.args.output_dir) / "checkpoint-14" / "harness_state" / "rank-0.json").read_text())
     assert state["data_hash"]["epoch"] == 1
     assert _data_findings(trainer.args.output_dir) == []
+
+
+def test_a_check_that_raises_still_leaves_the_ledger_closed_and_whole(make_trainer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin's error is isolated; the ledger is still closed at the run end (trimmed, every step in it)."""
+    from harness.plugins.data_hash import DataHash
+
+    def broken(self: Any, *args: Any) -> None:
+        raise RuntimeError("a broken repeat check")
+
+    monkeypatch.setattr(DataHash, "_check_samples", broken)
+    trainer = make_trainer(max_steps=20)
+    harness.attach(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 20
+    assert any("a broken repeat check" in f["message"] for f in findings_of(trainer.args.output_dir, "INTERNAL_PLUGIN_ERROR"))
+    raw = (Path(trainer.args.output_dir) / "harness" / "ledger" / "rank-0.jsonl").read_bytes()
+    assert b"\0" not in raw and raw.endswith(b"\n")
+    assert sorted(read_ledger(trainer.args.output_dir)["step"].unique()) == list(range(1, 21))

@@ -54,3 +54,20 @@ def test_an_estimate_that_cannot_be_written_costs_the_card_only(make_trainer: An
     assert trainer.state.global_step == 8
     assert "run_card: could not write" in caplog.text
     assert json.loads((ctx.run_dir / "run_card.json").read_text(encoding="utf-8"))["measured"] is None  # the card before it
+
+
+def test_a_writer_thread_that_cannot_start_is_not_waited_for(make_trainer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    import harness.plugins.run_card as run_card
+
+    def no_threads(*args: Any) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(run_card._thread, "start_new_thread", no_threads)
+    trainer = make_trainer(max_steps=6)
+    harness.attach(trainer, config={"plugins": ["metrics_log", "run_card"], "run_card": {"measure_after": 3}})
+    began = time.monotonic()
+    trainer.train()
+    assert time.monotonic() - began < 25 and trainer.state.global_step == 6  # not the run end's 30 s wait
+    assert any("can't start new thread" in f["message"] for f in findings_of(trainer.args.output_dir, "INTERNAL_PLUGIN_ERROR"))
