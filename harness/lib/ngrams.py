@@ -240,15 +240,13 @@ class NgramIndex:
             return hits
         width = rows.shape[1]
         flat = np.ascontiguousarray(rows).reshape(-1)
-        for length, table in self.tables.items():
-            if width < length:
-                continue
-            hashes = window_hashes(flat, length)
-            candidates = self._maybe(hashes)
-            candidates = candidates[candidates % width <= width - length]  # a window inside one row
+        # the C kernel's one rolling pass with the bitmap (when built): the training thread's checker, every micro-batch
+        for length, candidates, wanted in self._window_candidates(flat, [n for n in self.tables if n <= width]):
+            table = self.tables[length]
+            inside = candidates % width <= width - length  # a window inside one row
+            candidates, wanted = candidates[inside], wanted[inside]
             if not len(candidates):
                 continue
-            wanted = hashes[candidates]
             left = np.searchsorted(table.hashes, wanted, side="left")
             right = np.searchsorted(table.hashes, wanted, side="right")
             found = right > left

@@ -145,3 +145,21 @@ def test_window_candidates_refuses_what_it_cannot_read() -> None:
         KERNELS.window_candidates(np.zeros(5, dtype=np.int32), 2, np.zeros(1 << 13, dtype=np.uint8), 16)
     with pytest.raises(ValueError, match="2\\^bits"):
         KERNELS.window_candidates(np.zeros(5, dtype=np.uint64), 2, np.zeros(8, dtype=np.uint8), 16)
+
+
+def test_query_rows_finds_the_same_hits_either_way_and_never_across_rows(numpy_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The contamination checker's lookup of a micro-batch: every window inside a row that is an indexed eval window."""
+    rng = np.random.default_rng(5)
+    examples = [EvalExample("e", f"x{k}", None, [rng.integers(0, 50_000, 24).astype(np.int64)]) for k in range(40)]
+    index = NgramIndex.build(examples, n=8, template_min_examples=0)
+    rows = rng.integers(0, 50_000, (32, 40)).astype(np.int64)
+    for k in range(20):  # whole windows inside a row, at every offset from the start to the last that fits
+        at = k % 33
+        rows[k, at : at + 8] = examples[k].variants[0][:8]
+    rows[30, 36:], rows[31, :4] = examples[30].variants[0][:4], examples[30].variants[0][4:8]  # one cut by the row's end
+    windows = {tuple(e.variants[0][i : i + 8].tolist()) for e in examples for i in range(17)}
+    expected = sorted((r, p) for r in range(32) for p in range(33) if tuple(rows[r, p : p + 8].tolist()) in windows)
+    slow = sorted((h.row, h.position) for h in index.query_rows(rows))
+    monkeypatch.setattr(ngrams, "KERNELS", KERNELS)
+    fast = sorted((h.row, h.position) for h in index.query_rows(rows))
+    assert fast == slow == expected and len(expected) >= 20 and all(r != 30 or p < 33 for r, p in expected)
