@@ -110,6 +110,7 @@ from transformers.modeling_outputs import CausalLMOutput  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import harness  # noqa: E402
+from harness.core.mapped_lines import written_end  # noqa: E402
 
 VOCAB_SIZE = 512
 HIDDEN = 16
@@ -189,12 +190,18 @@ def rss_mb() -> float:
 
 
 def tree_bytes(folder: Path) -> int:
-    """Total size of the files under ``folder`` (what the harness wrote so far)."""
+    """Total size of the files under ``folder`` (what the harness wrote so far).
+
+    An open data ledger is longer than its lines: its mapped window (``harness.core.mapped_lines``) is allocated ahead,
+    a megabyte at a time, and holds NULs past the last line. Only the lines count (``written_end``), so bytes per step
+    measure what was written, not when the next window happened to be allocated.
+    """
     total = 0
     for root, _, files in os.walk(folder):
         for name in files:
             with contextlib.suppress(OSError):
-                total += os.path.getsize(os.path.join(root, name))
+                with open(os.path.join(root, name), "rb") as handle:
+                    total += written_end(handle.fileno())
     return total
 
 
