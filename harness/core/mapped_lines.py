@@ -46,6 +46,8 @@ import os
 import weakref
 from pathlib import Path
 
+from harness.core.appendfile import ends_torn
+
 try:
     import fcntl
 except ImportError:  # not POSIX: no shared-mapping writer either (no posix_fallocate)
@@ -129,18 +131,15 @@ class MappedLines:
         self.owner = _lock(self._fd)  # the file's only live writer: it may map and trim
         # False where a fault could SIGBUS, and once a mapping could not be made
         self.mapped = self.owner and hasattr(os, "posix_fallocate") and file_system(self.path) in MAPPABLE_FS
-        end = written_end(self._fd) if self.owner else os.fstat(self._fd).st_size
-        if end != os.fstat(self._fd).st_size:
+        size = os.fstat(self._fd).st_size
+        end = written_end(self._fd) if self.owner else size
+        if end != size:
             os.ftruncate(self._fd, end)
-        if end and os.pread(self._fd, 1, end - 1) != b"\n":
+        if ends_torn(self.path):  # the file is ``end`` long now
             os.pwrite(self._fd, b"\n", end)
             end += 1
         self.end = end  # bytes of lines in the file (the owner's count; a second writer appends at the file's end)
         self._own_pages_from = -(-end // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY  # allocated by this writer
-
-    @property
-    def closed(self) -> bool:
-        return self._fd is None
 
     def write(self, data: bytes) -> None:
         """Append ``data`` (whole lines, newline-terminated): a copy into the mapping on the common path."""
