@@ -48,15 +48,6 @@ def steady_allocator() -> str:
 
 
 def time_hook_calls(manager: Any, record: Callable[[str, str, dict[str, Any], float], None]) -> None:
-    """Time every plugin hook call of ``manager`` (its one dispatch point, ``_call_one``): ``record(hook, plugin,
-    kwargs, seconds)`` after each, with the clock stopped before the benchmark's own bookkeeping."""
-    call_one = manager._call_one
-
-    def timed(hook: str, plugin_name: str, function: Any, argnames: Any, kwargs: dict[str, Any]) -> Any:
-        began = time.perf_counter()
-        try:
-            return call_one(hook, plugin_name, function, argnames, kwargs)
-        finally:
-            record(hook, plugin_name, kwargs, time.perf_counter() - began)
-
-    manager._call_one = timed
+    """Time every plugin hook call of ``manager`` through its call monitor: ``record(hook, plugin, kwargs, seconds)``
+    after each, with the clock stopped before the benchmark's own bookkeeping."""
+    manager.monitor_calls(record)

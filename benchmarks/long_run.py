@@ -168,7 +168,7 @@ class Batches:
 
 
 class HookTimer:
-    """Time inside plugin hooks, accumulated per step (wraps ``manager._call_one``, as benchmarks/overhead.py does)."""
+    """Time inside plugin hooks, accumulated per step (through the manager's call monitor, as benchmarks/overhead.py does)."""
 
     def __init__(self, manager: Any) -> None:
         self.seconds = 0.0

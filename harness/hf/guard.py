@@ -73,26 +73,31 @@ class StepGuard:
         record.values_read = True
         # under DeepSpeed the guard runs inside the last micro-batch's backward: loss_sum lacks that micro-batch yet
         sum_complete = not self._in_training_step()
-        for key, value in (("step_loss", record.step_loss), ("grad_norm", record.grad_norm),
-                           ("loss_sum", record.loss_sum if sum_complete else None)):
-            if _is_tensor(value):
-                ctx.defer(key, value, owner=HARNESS)
+        reads = ctx.reads  # the harness's own values join the plugins' queue under its own name (no owner lookup each)
+        step_loss, grad_norm, loss_sum = record.step_loss, record.grad_norm, record.loss_sum if sum_complete else None
+        if hasattr(step_loss, "detach"):  # a tensor (None and host floats have no detach)
+            reads.defer(HARNESS, "step_loss", step_loss)
+        if hasattr(grad_norm, "detach"):
+            reads.defer(HARNESS, "grad_norm", grad_norm)
+        if hasattr(loss_sum, "detach"):
+            reads.defer(HARNESS, "loss_sum", loss_sum)
         micro = record.micro_losses
         # one micro-batch whose loss is the step loss itself (the tap's part of a step without accumulation): read once
-        same = len(micro) == 1 and micro[0] is record.step_loss and _is_tensor(record.step_loss)
+        same = len(micro) == 1 and micro[0] is step_loss and hasattr(step_loss, "detach")
         if micro and not same and all(_is_tensor(m) for m in micro):
-            ctx.defer("micro_losses", _stack(micro), owner=HARNESS)
+            reads.defer(HARNESS, "micro_losses", _stack(micro))
         ctx.read_deferred()
-        step_loss = ctx.deferred("step_loss", owner=HARNESS)
+        values = reads.values
+        step_loss_read = values(HARNESS, "step_loss")
         if same:
-            record.micro_losses = [float(step_loss[-1])] if step_loss else [float(micro[0])]
+            record.micro_losses = [float(step_loss_read[-1])] if step_loss_read else [float(micro[0])]
         elif micro:
-            read = ctx.deferred("micro_losses", owner=HARNESS)
+            read = values(HARNESS, "micro_losses")
             record.micro_losses = [float(v) for v in read[-1]] if read else [float(m) for m in micro]
-        record.step_loss = _host(step_loss, record.step_loss)
-        record.grad_norm = _host(ctx.deferred("grad_norm", owner=HARNESS), record.grad_norm)
+        record.step_loss = _host(step_loss_read, step_loss)
+        record.grad_norm = _host(values(HARNESS, "grad_norm"), grad_norm)
         if sum_complete:
-            record.logged_loss = _host(ctx.deferred("loss_sum", owner=HARNESS), record.loss_sum)
+            record.logged_loss = _host(values(HARNESS, "loss_sum"), record.loss_sum)
             if record.step_loss is None:
                 record.step_loss = record.logged_loss  # a training_step that never called compute_loss
         elif record.step_loss is not None:

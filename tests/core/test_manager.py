@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from harness.core.actions import HarnessStop
 from harness.core.errors import PluginError
 from harness.core.hookspecs import hookimpl
 from harness.core.manager import AUTOLOAD_ENV, HarnessPluginManager, PluginEntry, discover
@@ -201,3 +202,70 @@ def test_an_idle_hook_is_not_called_until_it_is_woken() -> None:
     assert seen == ["busy:1", "quiet:1", "busy:2", "quiet-log:2", "busy:3", "quiet:3"]  # pluggy: the last registered first
     with pytest.raises(PluginError, match="on_step_ends"):
         manager.set_idle("quiet", ["on_step_ends"])
+
+
+@pytest.mark.parametrize("monitored", [False, True], ids=["inline", "monitored"])
+def test_call_isolates_names_and_restores_the_current_plugin_on_both_paths(monitored: bool) -> None:
+    """``call`` writes ``_call_one``'s isolation out in its loop; a call monitor sends every call through ``_call_one``.
+    Both must name the running plugin (nested calls included), isolate errors, pass stops on, and tell the monitor."""
+    seen: list[tuple[str, str | None]] = []
+    manager = HarnessPluginManager()
+
+    class Outer:
+        @hookimpl
+        def on_step_end(self, step: int) -> None:
+            seen.append(("outer", manager.current_plugin))
+            manager.call("on_log", ctx=None, step=step, logs={})  # a nested call (report -> on_finding does this)
+            seen.append(("outer after nested", manager.current_plugin))
+
+    class Inner:
+        @hookimpl
+        def on_log(self, step: int) -> None:
+            seen.append(("inner", manager.current_plugin))
+
+    class Failing:
+        @hookimpl
+        def on_step_end(self, step: int) -> str:
+            raise ValueError("failing on purpose")
+
+    class Stopping:
+        @hookimpl
+        def on_step_end(self, step: int) -> str:
+            raise HarnessStop("stop now")
+
+    class Answering:
+        @hookimpl
+        def on_step_end(self, step: int) -> str:
+            return f"answer {step}"
+
+    for plugin, name in ((Answering(), "answering"), (Stopping(), "stopping"), (Failing(), "failing"), (Inner(), "inner"), (Outer(), "outer")):
+        manager.register(_entry(plugin, name))
+    errors: list[tuple[str, str]] = []
+    stops: list[tuple[str, str]] = []
+    monitored_calls: list[tuple[str, str, int, float]] = []
+    manager.on_error = lambda plugin, hook, exc, tb: errors.append((plugin, hook))
+    manager.on_stop = lambda plugin, hook, stop, tb: stops.append((plugin, hook))
+    if monitored:
+        manager.monitor_calls(lambda hook, plugin, kwargs, seconds: monitored_calls.append((hook, plugin, kwargs["step"], seconds)))
+    manager.current_plugin = "the caller"
+    results = manager.call("on_step_end", ctx=None, step=7, metrics={})
+    assert results == [("answering", "answer 7")]
+    assert seen == [("outer", "outer"), ("inner", "inner"), ("outer after nested", "outer")]
+    assert errors == [("failing", "on_step_end")] and stops == [("stopping", "on_step_end")]
+    assert manager.current_plugin == "the caller"
+    manager.on_stop = None  # no handler: the stop reaches the caller, with the current plugin restored
+    with pytest.raises(HarnessStop):
+        manager.call("on_step_end", ctx=None, step=8, metrics={})
+    assert manager.current_plugin == "the caller"
+    if monitored:
+        assert [(h, p, s) for h, p, s, _ in monitored_calls[:5]] == [
+            ("on_log", "inner", 7), ("on_step_end", "outer", 7), ("on_step_end", "failing", 7), ("on_step_end", "stopping", 7),
+            ("on_step_end", "answering", 7),
+        ]
+        assert all(seconds >= 0 for *_, seconds in monitored_calls)
+        manager.monitor_calls(None)
+        count = len(monitored_calls)
+        manager.call("on_log", ctx=None, step=9, logs={})
+        assert len(monitored_calls) == count  # switched off
+    else:
+        assert not monitored_calls
