@@ -107,6 +107,7 @@ class LossBaseline(Plugin):
         # a resumed run is past its first steps; a preference or policy-gradient loss (DPO: ln 2 at the start, GRPO's
         # near 0) is not a token loss to hold against ln(vocab)
         self._first_done = ctx.resumed_from is not None or not _token_loss(trainer)
+        self.idle_hooks("on_step_end", idle=self._first_done)  # the first step's check is its only work
 
     @hookimpl
     def inspect_batch(self, batch: dict[str, Any], micro_step: int) -> None:
@@ -164,6 +165,7 @@ class LossBaseline(Plugin):
         if self._first_done or metrics.get("loss") is None:
             return
         self._first_done = True
+        self.idle_hooks("on_step_end")  # done for this train() call
         if not ctx.is_main:
             return  # judged once for the job (rank 0), not once per rank
         # the step loss as the Trainer logs it (micro-batch losses combined as it combines them)

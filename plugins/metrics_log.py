@@ -69,13 +69,11 @@ class MetricsLog(Plugin):
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
         if self._steps is None:
             return
-        get = metrics.get
-        step_tokens = int(get("tokens") or 0) * ctx.world_size
+        step_tokens = int(metrics.get("tokens") or 0) * ctx.world_size
         self._tokens += step_tokens
-        # a tuple per step (the record is built at the flush, off the per-step path); the wall time places a finding on
-        # the right record when a resume replays steps
-        self._pending.append((step, self._tokens, step_tokens, get("loss"), get("grad_norm"), get("lr"), get("skipped"),
-                              get("optimizer_skipped"), get("step_time"), get("data_time"), time.time()))
+        # the step's metrics dict by reference (the bridge builds a new one per step; the record is built at the flush, off
+        # the per-step path); the wall time places a finding on the right record when a resume replays steps
+        self._pending.append((step, self._tokens, step_tokens, metrics, time.time()))
         if len(self._pending) >= self.options.flush_every:
             self._flush()
 
@@ -111,10 +109,11 @@ class MetricsLog(Plugin):
 
 def _record(pending: tuple[Any, ...]) -> dict[str, Any]:
     """One line of steps.jsonl from the tuple ``on_step_end`` queued."""
-    step, tokens, step_tokens, loss, grad_norm, lr, skipped, optimizer_skipped, step_time, data_time, wall = pending
-    return {"step": step, "tokens": tokens, "step_tokens": step_tokens, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-            "skipped": bool(skipped), "optimizer_skipped": bool(optimizer_skipped), "step_time": step_time,
-            "data_time": data_time, "time": round(wall, 3)}
+    step, tokens, step_tokens, metrics, wall = pending
+    get = metrics.get
+    return {"step": step, "tokens": tokens, "step_tokens": step_tokens, "loss": get("loss"), "grad_norm": get("grad_norm"),
+            "lr": get("lr"), "skipped": bool(get("skipped")), "optimizer_skipped": bool(get("optimizer_skipped")),
+            "step_time": get("step_time"), "data_time": get("data_time"), "time": round(wall, 3)}
 
 
 _PLAIN = frozenset({float, int, bool, str, type(None)})

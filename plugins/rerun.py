@@ -106,6 +106,8 @@ class Rerun(Plugin):
             ctx.reserve(SLOT, 2)  # every rank, first: [flagged, outcome]
         self._off = why_not(trainer, ctx.world_size)
         self._findings_seen = len(ctx.findings)
+        # one process: the verdict has nothing to wait for but a rerun of this rank's own, so it is called only after one
+        self.idle_hooks("on_step_agreed", idle=ctx.world_size == 1)
         if self._off:
             log.info("harness rerun: flagged steps will not be recomputed on rank %s: %s", ctx.rank, self._off)
 
@@ -156,6 +158,8 @@ class Rerun(Plugin):
                 rerun = recompute_step(ctx.trainer, batches, rng)
                 comparison = compare(losses, rerun.losses, self.tolerance.value, original_norm=grad_norm, rerun_norm=rerun.grad_norm,
                                      rerun_grads_finite=rerun.grads_finite, norms_comparable=ctx.world_size == 1)
+                if ctx.world_size == 1:
+                    self.idle_hooks("on_step_agreed", idle=False)  # this step's verdict (idle again once given)
                 self._pending = {"step": step, "flags": flags, "batches": batches, "rng": rng, "losses": losses, "grad_norm": grad_norm,
                                  "rerun": rerun, "comparison": comparison}
                 outcome = comparison.outcome
@@ -201,6 +205,7 @@ class Rerun(Plugin):
     def on_step_agreed(self, ctx: Any, step: int) -> None:
         pending, self._pending = self._pending, None
         if ctx.world_size == 1:
+            self.idle_hooks("on_step_agreed")
             if pending is not None:
                 self._report_local(ctx, pending)
             return

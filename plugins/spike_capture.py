@@ -95,6 +95,11 @@ def _surged(ctx: Any, step: int) -> list[Any]:
     return surged_before(run_dir, step) if run_dir is not None else []
 
 
+def _micros(kept: list[tuple[int, Any]], losses: list[float]) -> list[Micro]:
+    """The step's micro-batches with their losses (NaN where none was read)."""
+    return [(m, b, losses[i] if i < len(losses) else math.nan) for i, (m, b) in enumerate(kept)]
+
+
 _ADMITTED: Any = object()  # in ``_loss_seen``: the loss was admitted unjudged (clearly normal); judge it on demand
 Micro = tuple[int, dict[str, Any], float]  # (micro_step, batch, its loss as a host float)
 
@@ -178,11 +183,9 @@ class SpikeCapture(Plugin):
         kept, self._copies = (self._copies if self.options.copy_batches else ctx.step_batches), []
         for m, b in kept:
             self._ring.append((step, m, b))
-        losses = micro_losses
-        current = [(m, b, losses[i] if i < len(losses) else math.nan) for i, (m, b) in enumerate(kept)]
         if loss is None:
             return
-        self._judge(ctx, step, float(loss), grad_norm, current)
+        self._judge(ctx, step, float(loss), grad_norm, kept, micro_losses)
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
@@ -196,7 +199,9 @@ class SpikeCapture(Plugin):
         if grad is not None:
             self._report_grad_spike(ctx, step, grad, current, capture, weights_moved=True)
 
-    def _judge(self, ctx: Any, step: int, loss: float, norm: float | None, current: list[Micro]) -> None:
+    def _judge(self, ctx: Any, step: int, loss: float, norm: float | None, kept: list[tuple[int, Any]], losses: list[float]) -> None:
+        """``loss`` and ``norm`` against their baselines; ``kept``: the step's (micro-batch, batch) pairs, with ``losses`` made
+        into the capture's micro-batches only where a capture, a report or a later grad judgement needs them."""
         o = self.options
         if not math.isfinite(loss):
             self.history.append((step, loss, norm))
@@ -219,6 +224,7 @@ class SpikeCapture(Plugin):
         grad = self._grad_judgement(norm) if norm is not None else None
         capture: CaptureResult | None = None
         if spike and episode_started and j is not None:
+            current = _micros(kept, losses)
             capture = self._capture(ctx, step, LOSS_SPIKE.code, f"loss {loss:.4f} vs running median {j.median:.4f}", current)
             self._report_loss_spike(ctx, step, j, grad, capture, current)
         if self.elevated_run >= o.divergence_patience and not self.divergence_reported and j is not None:
@@ -229,9 +235,9 @@ class SpikeCapture(Plugin):
                 log.info("spike_capture: the loss moved to a new level before its baseline filled; rebuilding it from step %s", step)
             self.loss_base.clear()  # reported once; from here the new level is the baseline (min_history steps to rebuild)
         if norm is None:
-            self._grad_pending = (step, current, capture)
+            self._grad_pending = (step, _micros(kept, losses), capture)
         elif grad is not None:
-            self._report_grad_spike(ctx, step, grad, current, capture, weights_moved=False)
+            self._report_grad_spike(ctx, step, grad, _micros(kept, losses), capture, weights_moved=False)
         self.history.append((step, loss, norm))
 
     def _grad_judgement(self, norm: float) -> Judgement | None:

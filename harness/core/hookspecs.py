@@ -281,6 +281,8 @@ def on_step_end(ctx: "PluginContext", step: int, metrics: "dict[str, Any]") -> N
     fast ranks wait for slow ones there, so ``data_time`` is usually the part
     that is each rank's own (not with accelerate's ``dispatch_batches``,
     where rank 0 loads for everyone, nor at an epoch's first batch).
+    The dict is new every step and shared by every plugin: read it, do not
+    change it (``metrics_log`` keeps it by reference until its next write).
     """
 
 

@@ -21,6 +21,7 @@ callback's events to them; each part lives in its own module.
 """
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -65,13 +66,15 @@ class Bridge:
         for name in manager.names:
             manager.hooks.configure(name, ctx, resolved.options_for(name))
         self.record = StepRecord()  # replaced at every step begin, never reset field by field
-        self.tap = MicroBatchTap(ctx, trainer, self._current_record)
+        # the record and the tap's flag are read several times a step: through partial(getattr, ...), a C-level call
+        current_record = functools.partial(getattr, self, "record")
+        self.tap = MicroBatchTap(ctx, trainer, current_record)
         self.guard = StepGuard(
             ctx,
-            self._current_record,
+            current_record,
             rollback_available=rollback is not None,
-            in_training_step=lambda: self.tap.in_training_step,
-            current_lr=lambda: current_lr(trainer),
+            in_training_step=functools.partial(getattr, self.tap, "in_training_step"),
+            current_lr=functools.partial(current_lr, trainer),
         )
         self.actions = ActionExecutor(ctx, rollback)
         self.checkpoint_state = CheckpointState(ctx, trainer)
@@ -87,9 +90,6 @@ class Bridge:
             self.lifecycle.after_run_end = lambda: self.feed.flush_findings(trainer.state.global_step, final=True)
         self.tap.install(trainer)
         trainer.train = self.lifecycle.wrap_train(trainer.train)
-
-    def _current_record(self) -> StepRecord:
-        return self.record
 
     def run_train(self, train: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run one ``train()`` call under the harness (also used by ``harness wrap``'s auto-attach)."""

@@ -138,3 +138,23 @@ def test_a_grad_norm_that_moves_to_a_new_level_becomes_the_baseline_and_later_sp
     grad_spikes = [step for code, step in ctx.codes() if code == "GRAD_NORM_SPIKE"]
     assert grad_spikes[0] == 31 and grad_spikes[-1] == 120, ctx.codes()  # the shift once, then the real spike on the new level
     assert len(plugin.grad_base) > 10 and abs(plugin.grad_base.median() - 1.5) < 0.1
+
+
+def test_a_grad_spike_names_the_rows_of_its_step_whether_the_norm_came_at_the_guard_or_at_step_end() -> None:
+    """DeepSpeed computes the grad norm inside its own step: the guard sees none and the judgement waits for step end,
+    with the step's micro-batches kept for it. Either way the finding names the spiking step's rows, not another step's."""
+    from harness.lib.sample_rows import DATASET_INDEX_KEY
+
+    for norm_at_guard in (True, False):
+        rng = random.Random(3)
+        losses = [3.0 + 0.01 * rng.random() for _ in range(30)]
+        norms = [1.0 + 0.02 * rng.random() for _ in range(30)]
+        norms[24] = 5.0
+        plugin, ctx = _plugin(max_captures=0)
+        for step, (loss, norm) in enumerate(zip(losses, norms), 1):
+            ctx.step_batches = [(0, {DATASET_INDEX_KEY: [2 * step, 2 * step + 1]})]
+            plugin.on_before_optimizer_step(ctx, step, norm if norm_at_guard else None, loss, [loss])
+            ctx.step_batches = [(0, {DATASET_INDEX_KEY: [-1, -1]})]  # the loop moved on: a later look must not see these
+            plugin.on_step_end(ctx, step, {"grad_norm": norm})
+        assert ctx.codes() == [("GRAD_NORM_SPIKE", 25)], norm_at_guard
+        assert ctx.made[0]["evidence"]["dataset_indices"] == [[50, 51]], norm_at_guard
