@@ -27,6 +27,20 @@ def test_a_blown_up_initialisation_is_far_above(make_trainer: Any) -> None:
     assert "far above" in finding["message"]
 
 
+def test_a_second_train_call_checks_its_first_loss_again(make_trainer: Any) -> None:
+    """The step-end hook idles after the first step's check; the next train() call wakes it for its own first step."""
+    trainer = make_trainer(max_steps=2)
+    for p in trainer.model.lm_head.parameters():
+        p.data.mul_(200.0)
+    ctx = harness.attach(trainer, config={"plugins": ["loss_baseline"]})
+    trainer.train()
+    assert ctx.manager.is_idle("loss_baseline", "on_step_end")
+    for p in trainer.model.lm_head.parameters():
+        p.data.mul_(200.0)  # blown up again for the second call
+    trainer.train()
+    assert len(findings_of(trainer.args.output_dir, "INITIAL_LOSS_ANOMALY")) == 2
+
+
 @pytest.mark.parametrize(("expect", "severity"), [("scratch", "warning"), ("auto", None)])
 def test_a_model_that_already_knows_the_data_is_far_below(make_trainer: Any, lm_rows: Any, tmp_path: Any, expect: str, severity: str | None) -> None:
     """Told 'scratch', a low first loss is a warning; 'auto' sees trained weights (norms moved) and expects it low."""

@@ -119,3 +119,21 @@ def test_logged_values_of_any_kind_are_strict_json(tmp_path: Path) -> None:
     assert log == {"step": 1, "loss": "inf", "grad_norm": "-inf", "eval_loss": "nan", "lr": 1e-3}
     (step,) = _strict_lines(tmp_path / "steps.jsonl")
     assert step["loss"] == 1.5 and step["grad_norm"] == "nan" and step["tokens"] == 8
+
+
+def test_no_default_plugin_changes_the_step_metrics_it_keeps_by_reference(make_trainer: Any, monkeypatch: Any) -> None:
+    """metrics_log keeps each step's metrics dict until its next write: every default plugin must only read it. With a
+    read-only view handed to on_step_end, a plugin that wrote to it would raise (an INTERNAL_PLUGIN_ERROR finding)."""
+    from types import MappingProxyType
+
+    from conftest import findings_of
+    from harness.hf.step_record import StepRecord
+
+    built = StepRecord.metrics
+    monkeypatch.setattr(StepRecord, "metrics", lambda self, step_time: MappingProxyType(built(self, step_time)))
+    trainer = make_trainer(max_steps=12, logging_steps=5)
+    harness.attach(trainer)
+    trainer.train()
+    assert findings_of(trainer.args.output_dir, "INTERNAL_PLUGIN_ERROR") == []
+    rows = read_jsonl(Path(trainer.args.output_dir) / "harness" / "steps.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 13)) and all(r["loss"] > 0 and r["lr"] is not None for r in rows)

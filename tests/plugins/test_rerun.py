@@ -94,6 +94,29 @@ def test_a_nan_batch_is_reproduced(make_trainer: Any) -> None:
     assert trainer.state.global_step == 3 and all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
 
 
+def test_two_flagged_steps_in_one_process_get_a_verdict_each(make_trainer: Any) -> None:
+    """One process: the verdict hook is called only after a rerun (idle otherwise); woken twice, it gives both verdicts."""
+    trainer, ctx = _train(make_trainer, {"nan_batch_at_steps": [2, 4]}, max_steps=4)
+    assert _verdicts(trainer) == [("FAULT_REPRODUCED", 2), ("FAULT_REPRODUCED", 4)]
+    assert ctx.manager.is_idle("rerun", "on_step_agreed")  # idle again after the last verdict
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_verdict_hook_idles_only_in_one_process(world_size: int) -> None:
+    """With several ranks every rank shares and agrees at every step: its verdict hook must run at every step."""
+    from types import SimpleNamespace
+
+    from harness.core.manager import HarnessPluginManager, PluginEntry
+    from harness.plugins.rerun import Rerun
+
+    manager = HarnessPluginManager()
+    plugin = manager.register(PluginEntry("rerun", "object", Rerun))
+    ctx = SimpleNamespace(manager=manager, world_size=world_size, rank=0, findings=[], reserve=lambda *args, **kwargs: None)
+    plugin.configure(ctx, None)
+    plugin.on_run_start(ctx, trainer=None)
+    assert manager.is_idle("rerun", "on_step_agreed") is (world_size == 1)
+
+
 @pytest.mark.slow  # a real run beyond the quick tier's per-test budget
 def test_one_shot_infinite_gradients_are_transient(make_trainer: Any) -> None:
     trainer, _ = _train(make_trainer, {"inf_grad_at_steps": [3]})
