@@ -158,11 +158,11 @@ class RunContext:
 
     def defer(self, key: str, tensor: Any, *, owner: str | None = None) -> None:
         """Queue a device tensor; the step guard reads every queued tensor in one transfer (``deferred``)."""
-        self.reads.defer(owner or self.manager.current_plugin or "harness", key, tensor)  # _owner, inline: per step
+        self.reads.defer(self._owner(owner), key, tensor)
 
     def deferred(self, key: str, *, owner: str | None = None) -> list[Any]:
         """Host values of ``key`` from the last read (one per ``defer`` call, in order; [] if none)."""
-        return self.reads.values(owner or self.manager.current_plugin or "harness", key)  # _owner, inline: per step
+        return self.reads.values(self._owner(owner), key)
 
     def read_deferred(self) -> None:
         """The step's one device-to-host transfer (called by the step guard, and at step end if no guard ran)."""
