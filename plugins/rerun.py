@@ -91,6 +91,7 @@ class Rerun(Plugin):
         self.calibration: dict[str, Any] | None = None
         self.reruns = 0
         self._calibration_tried = False
+        self._in_exchange = False  # inside the neighbour check's collectives (a failure there cannot be joined again)
         self._calibrating: tuple[int, PendingRecompute, list[float], float | None] | None = None  # read with the next step
         self._off: str | None = None
         self._rng: dict[str, Any] | None = None
@@ -218,7 +219,7 @@ class Rerun(Plugin):
         reproduced = [r for r, o in outcomes.items() if o is Outcome.REPRODUCED]
         everywhere = len(reproduced) == ctx.world_size  # every rank reproduced: no one device to blame, no check needed
         check = self.options.neighbour_check and reproduced and not everywhere
-        neighbour = {src: self._neighbour_check(ctx, src, pending) for src in reproduced} if check else {}
+        neighbour = {src: self._neighbour_check_or_join(ctx, src, pending) for src in reproduced} if check else {}
         if pending is None:
             return
         outcome = outcomes.get(ctx.rank)
@@ -230,11 +231,33 @@ class Rerun(Plugin):
             return  # one event: reported once, by the lowest rank
         self._report_local(ctx, pending, neighbour="everywhere" if everywhere else neighbour.get(ctx.rank, "off"))
 
+    def _neighbour_check_or_join(self, ctx: Any, src: int, pending: dict[str, Any] | None) -> Any:
+        """``_neighbour_check``, or, where it fails on this rank before its first collective, this rank's part in the
+        others' collectives with nothing to give (a source sends "nothing", a neighbour "failed"): every rank calls it
+        together, so a rank that left it would keep the others waiting for the process group's timeout."""
+        self._in_exchange = False
+        try:
+            return self._neighbour_check(ctx, src, pending)
+        except Exception as exc:
+            if self._in_exchange:
+                raise  # failed between two collectives: joining again would not match them; the manager reports it
+            log.warning("harness rerun: the neighbour check of rank %s's step failed on rank %s before its exchange (%s); "
+                        "taking part with nothing", src, ctx.rank, exc)
+            from harness.lib.rerun_exchange import broadcast_result, broadcast_step
+
+            sent = broadcast_step(src, ctx.rank, [], None, [])  # the source sends "nothing"; any other rank receives
+            if sent is not None:
+                broadcast_result((src + 1) % ctx.world_size, ctx.rank, len(sent[2]), None)  # as the neighbour: "failed"
+            # an INTERNAL_PLUGIN_ERROR on this rank, after the others were met; the next source's check still runs here
+            ctx.manager.record_error(self.name, "on_step_agreed", exc)
+            return None
+
     def _neighbour_check(self, ctx: Any, src: int, pending: dict[str, Any] | None) -> Any:
         """Every rank together: ``src`` broadcasts its micro-batches, its neighbour recomputes them, the result comes back."""
         from harness.lib.rerun_exchange import broadcast_result, broadcast_step
 
         mine = pending if ctx.rank == src and pending is not None else {}
+        self._in_exchange = True
         sent = broadcast_step(src, ctx.rank, mine.get("batches", []), mine.get("rng"), mine.get("losses", []))
         if sent is None:
             return None

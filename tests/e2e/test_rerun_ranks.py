@@ -45,3 +45,22 @@ def test_each_verdict_on_two_ranks_in_one_run(tmp_path: Path) -> None:
     assert neighbour["rank"] == 0 and all(isinstance(v, float) for v in neighbour["losses"])  # rank 0 computed them clean
     assert suspect["evidence"]["original_losses"] == ["nan"] and suspect["evidence"]["rerun_losses"] == ["nan"]
     assert {(f["rank"], f["step"]) for f in findings_of(out, "NONFINITE_LOSS") if f["step"] == 9} == {(1, 9)}
+
+
+def test_a_neighbour_check_failing_on_one_rank_still_meets_the_other(tmp_path: Path) -> None:
+    """Rank 1's device turns a step NaN and its neighbour check fails before its first collective: rank 1 still takes
+    part (sending nothing), so rank 0 is not left in the broadcast; the failure is rank 1's INTERNAL_PLUGIN_ERROR.
+    Before, rank 0 waited in the broadcast until the watchdog (here after 20 s) aborted the job."""
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {
+        "plugins": ["nan_guard", "rerun", "watchdog", FAULTS],
+        "watchdog": {"floor_s": 20, "hang_action": "abort"},
+        "fault_injector": {"nan_forward_on_rank": 1, "nan_forward_at_step": 3, "break_methods": ["rerun._neighbour_check"],
+                           "break_on_rank": 1, "break_at_step": 3},
+    })
+    result = wrapped_example(out, config, launcher=torchrun(2), steps=5, save_steps=0)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert findings_of(out, "RANK_HANG") == []
+    errors = findings_of(out, "INTERNAL_PLUGIN_ERROR")
+    assert {(f["plugin"], f["rank"], f["step"]) for f in errors} == {("rerun", 1, 3)}
+    assert {(f["rank"], f["step"]) for f in findings_of(out, "NONFINITE_LOSS")} == {(1, 3)}
