@@ -2,7 +2,9 @@
 
 At each save (rank 0, which writes the weights) the training thread takes the
 loss of one small fixed reference batch with the model in memory (eval mode,
-no gradients: one forward pass of ``reference_rows`` rows, at saves only) and
+no gradients: one forward pass of ``reference_rows`` rows, at saves only; a
+few more when that batch gives a non-finite loss, as a NaN step's batch
+does with any weights: an older recent batch replaces it) and
 queues the checkpoint for a background thread, which checks that the folder
 is complete, that the weights load on the CPU with finite values and the
 model's shapes, and that a copy of the model rebuilt from its config with
@@ -16,6 +18,7 @@ newest proven checkpoint. Per step: one attribute check.
 """
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ from harness.core.plugin import Plugin
 from harness.lib.checkpoint_verify import Layout
 
 CRASH_WAIT_S = 10.0  # after a crash or a preemption the run end waits at most this long for checks still running
+MAX_REFERENCE_TRIES = 4  # forward passes at one save, looking for a reference batch with a finite loss
 
 CHECKPOINT_CORRUPT = FindingCode(
     "CHECKPOINT_CORRUPT", Severity.ERROR,
@@ -52,7 +56,7 @@ class CheckpointProofOptions(BaseModel):
 
     check_loss: bool = Field(True, description="Compare the reference-batch loss of the weights on disk with the model's at the save "
                              "(false: completeness and weights only, and a checkpoint is proven without it).")
-    reference_rows: int = Field(2, ge=1, description="Rows of a training micro-batch kept as the reference batch (taken at the first save).")
+    reference_rows: int = Field(2, ge=1, description="Rows of a training micro-batch kept as the reference batch (taken at the first save; a later one when it gives a non-finite loss, as the batch of a NaN step does).")
     reference_tokens: int = Field(64, ge=8, description="Tokens per reference row (the rest is cut).")
     loss_rtol: float | None = Field(None, gt=0, description="Relative loss difference allowed (default: 1e-4 in fp32, 2e-2 under bf16/fp16).")
     max_model_mb: float = Field(4096.0, gt=0, description="Largest model (fp32 MiB) rebuilt on the CPU for the loss check; above it the "
@@ -146,17 +150,28 @@ class CheckpointProof(Plugin):
             job.no_loss_reason = (f"the model is {size_mb:.0f} MiB in fp32, above max_model_mb ({self.options.max_model_mb:g}); raise it "
                                   "or set check_loss: false")
             return
-        if self._batch is None:
-            for _, _, batch in reversed(ctx.recent_batches):
-                self._batch = reference_batch(batch, self.options.reference_rows, self.options.reference_tokens)
-                if self._batch is not None:
-                    break
-        if self._batch is None:
-            job.no_loss_reason = "no causal-LM micro-batch (input_ids and labels) was seen to take a reference batch from"
-            return
-        job.reference = take_reference(model, trainer, self._batch)
-        if job.reference is None:
-            job.no_loss_reason = "the model has no config to rebuild it from, or returned no loss"
+        # the kept reference batch first, then the recent micro-batches, newest first: the first that gives a finite loss with
+        # the model in memory (the batch of a step that went NaN, often the one a stop saves after, compares nothing)
+        candidates = [self._batch] if self._batch is not None else []
+        candidates += [batch for _, _, batch in reversed(ctx.recent_batches)]
+        tried = 0
+        for candidate in candidates:
+            cut = candidate if candidate is self._batch else reference_batch(candidate, self.options.reference_rows, self.options.reference_tokens)
+            if cut is None:
+                continue
+            tried += 1
+            job.reference = take_reference(model, trainer, cut)
+            if job.reference is None:
+                job.no_loss_reason = "the model has no config to rebuild it from, or returned no loss"
+                return
+            if math.isfinite(job.reference.loss):
+                self._batch = cut
+                return
+            if tried >= MAX_REFERENCE_TRIES:
+                break
+        job.reference = None
+        job.no_loss_reason = ("every reference batch tried gives a non-finite loss with the model in memory: the loss check cannot tell"
+                              if tried else "no causal-LM micro-batch (input_ids and labels) was seen to take a reference batch from")
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int) -> None:

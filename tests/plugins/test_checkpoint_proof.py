@@ -106,3 +106,16 @@ def test_a_resume_keeps_the_proof_of_the_attempt_before_and_the_folder_it_writes
 
     forget_proof(out, out / "checkpoint-8")
     assert not (out / "checkpoint-8" / MARKER).exists()
+
+
+def test_a_save_after_nan_steps_takes_a_reference_batch_that_compares(make_trainer: Any, tmp_path: Path) -> None:
+    """Three NaN batches in a row stop the run at step 7 with a save: the newest batch, the reference a first save took,
+    gives NaN with any weights. The proof takes an older batch with a finite loss and proves the checkpoint; before, it
+    compared NaN with the loss from disk and called a good checkpoint corrupt, and resume-point found none."""
+    out, _ = _run(make_trainer, tmp_path, faults={"nan_batch_at_steps": [5, 6, 7]}, max_steps=20, save_steps=10)
+    assert findings_of(out, "CHECKPOINT_CORRUPT") == []
+    assert _checkpoints(out) == ["checkpoint-7"]
+    record = json.loads((out / "checkpoint-7" / MARKER).read_text())
+    assert "reference_loss" in record["checks"] and abs(record["loss_from_disk"] - record["loss_at_save"]) <= 1e-4 * record["loss_at_save"]
+    result = harness_cli("resume-point", str(out))
+    assert result.returncode == 0 and result.stdout.strip() == str(out / "checkpoint-7")
