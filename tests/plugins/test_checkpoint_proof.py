@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import harness
 from conftest import FAULTS, findings_of, harness_cli
 from harness.lib.proven import MARKER
@@ -108,6 +110,7 @@ def test_a_resume_keeps_the_proof_of_the_attempt_before_and_the_folder_it_writes
     assert not (out / "checkpoint-8" / MARKER).exists()
 
 
+@pytest.mark.slow  # a real run beyond the quick tier's per-test budget
 def test_a_save_after_nan_steps_takes_a_reference_batch_that_compares(make_trainer: Any, tmp_path: Path) -> None:
     """Three NaN batches in a row stop the run at step 7 with a save: the newest batch, the reference a first save took,
     gives NaN with any weights. The proof takes an older batch with a finite loss and proves the checkpoint; before, it
