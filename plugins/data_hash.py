@@ -109,8 +109,9 @@ class DataHash(Plugin):
     def __init__(self) -> None:
         self.options = DataHashOptions()
         self._writer: LedgerWriter | None = None
-        self._pending: list[tuple[int, int, list[Any] | None]] = []  # (micro-batch, rows, sample ids), hashes deferred
-        self._unchecked: list[tuple[int, int, list[int], list[Any] | None]] = []  # (step, epoch, hashes, ids), checked in groups
+        self._pending: list[tuple[int, int, list[Any] | None, int]] = []  # (micro-batch, rows, sample ids, position), hashes deferred
+        # (step, epoch, hashes, ids, position), checked in groups
+        self._unchecked: list[tuple[int, int, list[int], list[Any] | None, int]] = []
         self._check_every = CHECK_EVERY
         self._read: list[list[int]] | None = None  # the step's hashes per micro-batch, read at the guard
         self._capacity = 0  # hashes per rank and step in the exchange (0: no overlap check)
@@ -125,7 +126,9 @@ class DataHash(Plugin):
         self._twins = 0
         self._repeats_total = 0
         self._padding_repeats = 0  # repeats that were the sampler's end-of-epoch padding (not reported)
-        self._position = 0  # samples this rank has trained in the current epoch
+        # samples this rank has trained in the current epoch, counted as batches arrive (before anything that may fail): a
+        # micro-batch whose hashes are lost to an error still holds its place, so the epoch's padded end is still known
+        self._position = 0
         self._padding: EpochPadding | None = None
         self._resume_step: int | None = None
         self._interrupted: dict[tuple[int, int], int] = {}  # (epoch, hash) -> step the interrupted attempt trained it at
@@ -153,7 +156,7 @@ class DataHash(Plugin):
             self._writer.close()
         self._writer = LedgerWriter(ctx.run_dir, ctx.rank, self.options.fsync_every, resume_step=resume_step)
         self._writer.start(trainer.state.global_step, ctx.world_size, resumed)
-        self._epoch = self._current_epoch(trainer)
+        self._epoch = self._step_epoch = self._current_epoch(trainer)
         self._pending, self._read, self._shared_step, self._unchecked = [], None, None, []
         policy = getattr(getattr(ctx, "options", None), "policy", None) or {}
         acted = any(Action(policy.get(code, Action.CONTINUE)) is not Action.CONTINUE for code in CHECKED_CODES)
@@ -202,14 +205,18 @@ class DataHash(Plugin):
         key = _hash_key(batch)
         if key is None:
             return
-        mask = batch.get(MASK_KEYS[key])
-        rows = device_row_hashes(batch[key], mask if torch.is_tensor(mask) else None)
-        count = int(rows.shape[0])
-        ids = sample_ids(batch)
         if micro_step == 0:
-            self._step_epoch = self._current_epoch(ctx.trainer)  # before the Trainer advances state.epoch at step end
+            epoch = self._current_epoch(ctx.trainer)  # before the Trainer advances state.epoch at step end
+            if epoch != self._step_epoch:
+                self._step_epoch, self._position = epoch, 0
+        tokens = batch[key]
+        count = int(tokens.shape[0]) if tokens.dim() > 1 else 1  # rows, as device_row_hashes hashes them
+        position, self._position = self._position, self._position + count
+        mask = batch.get(MASK_KEYS[key])
+        rows = device_row_hashes(tokens, mask if torch.is_tensor(mask) else None)
+        ids = sample_ids(batch)
         self.defer("hashes", rows)  # read with every plugin's tensors in the guard's one transfer
-        self._pending.append((micro_step, count, ids))
+        self._pending.append((micro_step, count, ids, position))
 
     # -- per optimizer step: the guard's read and exchange, the ledger, the checks -------------------------
 
@@ -244,9 +251,9 @@ class DataHash(Plugin):
         epoch = self._step_epoch
         records = []
         unchecked = self._unchecked
-        for (micro, _, ids), hashes in zip(pending, read):
+        for (micro, _, ids, position), hashes in zip(pending, read):
             records.append((micro, hex64(combine_row_hashes(hashes)), hex64_all(hashes), ids))
-            unchecked.append((step, epoch, hashes, ids))
+            unchecked.append((step, epoch, hashes, ids, position))
         if self._writer is not None:
             self._writer.write_hashes(step, epoch, records)
         if len(unchecked) >= self._check_every:
@@ -265,10 +272,10 @@ class DataHash(Plugin):
         """
         unchecked = self._unchecked
         while unchecked:  # one at a time: a check that raises costs its own micro-batch, the rest wait for the next call
-            step, epoch, hashes, ids = unchecked.pop(0)
+            step, epoch, hashes, ids, position = unchecked.pop(0)
             if epoch != self._epoch:
-                self._epoch, self._seen, self._position = epoch, self._seen.clear(), 0
-            self._check_samples(ctx, step, hashes, ids)
+                self._epoch, self._seen = epoch, self._seen.clear()
+            self._check_samples(ctx, step, hashes, ids, position)
 
     def _epoch_padding(self, ctx: Any, trainer: Any) -> EpochPadding | None:
         """How the distributed sampler pads this run's epochs (None: one process, or a dataset without a length)."""
@@ -284,7 +291,8 @@ class DataHash(Plugin):
         epoch = getattr(getattr(trainer, "state", None), "epoch", None) or 0.0
         return int(math.floor(float(epoch) + 1e-6))
 
-    def _check_samples(self, ctx: Any, step: int, hashes: list[int], ids: list[Any] | None) -> None:
+    def _check_samples(self, ctx: Any, step: int, hashes: list[int], ids: list[Any] | None, position: int) -> None:
+        """``position``: how many samples this rank trained in the epoch before this micro-batch."""
         repeated = []
         untracked = self._seen.untracked
         for i, h in enumerate(hashes):
@@ -308,7 +316,6 @@ class DataHash(Plugin):
                             step=step, evidence={"sample_id": key, "same_as": first, "hash": hex64(h), "source": "training"},
                             limit=self.options.max_reports,
                         )
-        position, self._position = self._position, self._position + len(hashes)
         if repeated and is_padding(self._padding, position, len(repeated)):
             self._padding_repeats += len(repeated)
             log.info(

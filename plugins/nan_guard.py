@@ -176,10 +176,15 @@ class NanGuard(Plugin):
                 spread = (f"; with {ctx.world_size} ranks the gradient all-reduce hands one rank's NaN to every rank: the rank it "
                           f"started on has a NONFINITE_LOSS at step {step}, or a NONFINITE_GRAD its own backward reproduces, and the "
                           "report's 'Non-finite steps' names it")
+            head = f"gradient norm is {norm} at step {step} on rank {ctx.rank}"
+            if ctx.world_size > 1 and scan.reproduced is False:  # the verdict first: the console line shows only the start
+                head += (", not made by this rank's own data or backward (another rank's NaN through the gradient all-reduce, "
+                         "or a transient fault): every micro-batch loss on this rank was finite; ")
+            else:
+                head += " although every micro-batch loss on this rank was finite; "
             self.report(
                 NONFINITE_GRAD.code,
-                f"gradient norm is {norm} at step {step} on rank {ctx.rank} although every micro-batch loss on this rank was "
-                f"finite; {scan.describe(ctx.world_size)}{spread} ({self._consecutive} non-finite step(s) in a row); "
+                f"{head}{scan.describe(ctx.world_size)}{spread} ({self._consecutive} non-finite step(s) in a row); "
                 "the update is not applied.",
                 step=step,
                 evidence=evidence,

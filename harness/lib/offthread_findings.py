@@ -7,7 +7,9 @@ this rank's findings file instead (``findings.jsonl`` on rank 0,
 ``ranks/findings.rank-<r>.jsonl`` elsewhere: the files every report reads),
 through its own :class:`~harness.core.findings.FindingsFile`: one line per
 ``write``, flushed and fsynced at once, in append mode, so that it lands
-whole beside the lines the training thread's own handle appends. No hook
+whole beside the lines the training thread's own handle appends. On rank 0
+its console line is printed from this thread at once (the console is all
+a user watching a hung job sees; it never raises). No hook
 fires for it and it is not shipped to rank 0 in the step exchange: rank 0
 copies it into ``findings.jsonl`` from the spill file at the end of its
 ``train()`` call (``RunContext.merge_rank_findings``, which announces it
@@ -38,6 +40,9 @@ def record_offthread(ctx: Any, code: FindingCode, message: str, *, step: int, ev
     findings = getattr(ctx, "findings", None)
     if isinstance(findings, list):
         findings.append(finding)  # rank 0's live report and tests see it (a list append is atomic)
+    console = getattr(ctx, "console", None)
+    if console is not None:
+        console.show(finding)  # rank 0's live line: a hung training thread makes no other (show never raises)
     return finding
 
 

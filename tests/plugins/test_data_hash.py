@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 import harness
-from conftest import findings_of, torchrun, wrapped_example, write_yaml
+from conftest import EXAMPLES, findings_of, harness_cli, read_jsonl, torchrun, wrapped_example, write_yaml
 from harness.lib.hashing import device_row_hashes, hex64
 from harness.lib.ledger import read_ledger
 
@@ -146,3 +148,34 @@ def test_a_check_that_raises_still_leaves_the_ledger_closed_and_whole(make_train
     raw = (Path(trainer.args.output_dir) / "harness" / "ledger" / "rank-0.jsonl").read_bytes()
     assert b"\0" not in raw and raw.endswith(b"\n")
     assert sorted(read_ledger(trainer.args.output_dir)["step"].unique()) == list(range(1, 21))
+
+
+@pytest.mark.slow
+def test_a_step_whose_hashes_are_lost_on_one_rank_leaves_the_epochs_padded_end_known(tmp_path: Path) -> None:
+    """Two ranks on a dataset whose epoch (9 steps) ends in the sampler's padding; rank 1 loses step 6's hashes to an error.
+
+    The padded last batch repeats samples from the epoch's start, which data_hash lets pass by its position in the epoch.
+    Before: that position counted only the micro-batches whose hashes were read, so after the lost step rank 1 put its last
+    batch 4 samples too early and reported the padding as DATA_REPEATED at step 9.
+    """
+    data, out = tmp_path / "data", tmp_path / "run"
+    subprocess.run([sys.executable, str(EXAMPLES / "clm_data.py"), "--out", str(data)], check=True, capture_output=True)
+    config = write_yaml(tmp_path / "h.yaml", {
+        "plugins": ["defaults", "harness.testing:FaultInjector"],
+        "fault_injector": {"break_methods": ["data_hash._read_hashes"], "break_on_rank": 1, "break_at_step": 6},
+    })
+    result = harness_cli(
+        "wrap", "--config", str(config), "--", *torchrun(), str(EXAMPLES / "run_clm.py"),
+        "--train_file", str(data / "train.txt"), "--validation_file", str(data / "validation.txt"), "--do_train",
+        "--output_dir", str(out), "--max_steps", "12", "--per_device_train_batch_size", "4", "--logging_steps", "1",
+        "--use_cpu", "--report_to", "none", "--save_steps", "0",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    errors = [(f["plugin"], f["rank"], f["step"]) for f in findings_of(out, "INTERNAL_PLUGIN_ERROR")]
+    assert errors == [("data_hash", 1, 6), ("data_hash", 1, 6)]  # the guard's read, then the step end's
+    steps = {r["step"] for r in read_jsonl(out / "harness" / "ledger" / "rank-1.jsonl") if r.get("event") is None}
+    assert steps == set(range(1, 13)) - {6}
+    # the run does end its epoch in padding, on both ranks, and both let it pass
+    for rank in (0, 1):
+        assert f"of the last batch of epoch 0 on rank {rank} were trained earlier in the epoch" in result.stdout + result.stderr, rank
+    assert _data_findings(out) == []

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAULTS, findings_of, read_jsonl, torchrun, wrapped_example, write_yaml
+from harness.core.console import shorten
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +37,8 @@ def test_a_nan_loss_on_rank_1_is_traced_to_rank_1_and_a_gradient_fault_everywher
     assert grad_3["evidence"]["reproduced_in_backward"] is False, grad_3["evidence"]
     assert "did not make the NaN" in grad_3["message"] and "all-reduce" in grad_3["message"], grad_3["message"]
     assert "not reproduced: a transient fault" not in grad_3["message"], grad_3["message"]
+    # the verdict leads: the live console line (the message's start) already clears rank 0
+    assert "not made by this rank's own data or backward" in shorten(grad_3["message"]), shorten(grad_3["message"])
     assert [(f["rank"], f["step"]) for f in findings_of(out, "FAULT_REPRODUCED")] == [(1, 3)]
 
     # steps 5-7: no rank's loss was non-finite; every rank reports its own NONFINITE_GRAD, the steps are skipped, the

@@ -38,7 +38,10 @@ def test_a_blocked_data_loader_is_found_at_its_step_and_named(make_trainer: Any,
     report = (ctx.run_dir / "report.md").read_text(encoding="utf-8")
     assert "RANK_HANG" in report and "rank 0 stalled first, at step 5" in report and "hangs/rank-0-step-5.txt" in report
     assert harness_main(["explain", str(trainer.args.output_dir)]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    # the live console line, once, from the watchdog thread while the training thread was still blocked
+    assert captured.err.count("[harness] step 5 RANK_HANG critical: rank 0 made no progress") == 1, captured.err[-2000:]
     assert "[critical] RANK_HANG" in out and "stalled first: rank 0 stalled first, at step 5" in " ".join(out.split())
     plugin = ctx.manager.plugin("watchdog")
     assert plugin._thread is None and len(plugin.fired) == 1  # stopped at run end
