@@ -20,8 +20,11 @@ class NanBatch:
     """A row of one poison token, repeated, gives NaN embeddings wherever it goes through the model (any rank, any rerun).
 
     ``mark`` writes the row into the batch (labels follow), as corrupt data
-    would arrive; the hook knows it by its content alone (every token the
-    poison id: a run no real text has), so the fault travels with the data.
+    would arrive; the hook knows it by its content alone (every token but the
+    last the poison id: a run no real text has), so the fault travels with
+    the data. The last token is a tag (``salt``: the step), so that rows
+    marked at two steps are two samples, not one trained twice (data_hash
+    would report the second as DATA_REPEATED).
     """
 
     def __init__(self, model: Any) -> None:
@@ -29,11 +32,12 @@ class NanBatch:
         self.token = int(embeddings.num_embeddings) - 1
         embeddings.register_forward_hook(self._forward)
 
-    def mark(self, batch: dict[str, Any], row: int = 0) -> None:
+    def mark(self, batch: dict[str, Any], row: int = 0, salt: int = 0) -> None:
         ids = batch.get("input_ids")
-        if not (torch.is_tensor(ids) and ids.dim() == 2 and row < ids.shape[0]):
+        if not (torch.is_tensor(ids) and ids.dim() == 2 and row < ids.shape[0] and ids.shape[1] >= 4):
             return
         ids[row].fill_(self.token)
+        ids[row, -1] = salt % self.token  # never the poison id itself
         labels = batch.get("labels")
         if torch.is_tensor(labels) and labels.shape == ids.shape:
             labels[row].copy_(torch.where(labels[row] == -100, labels[row], ids[row]))
@@ -42,7 +46,7 @@ class NanBatch:
         ids = inputs[0] if inputs else None
         if not torch.is_tensor(ids) or ids.dim() != 2 or ids.shape[1] < 4:
             return None
-        hit = (ids == self.token).all(dim=-1)  # device-side: no host read
+        hit = (ids[:, :-1] == self.token).all(dim=-1)  # device-side: no host read
         return torch.where(hit[:, None, None], torch.full_like(output, float("nan")), output)
 
 

@@ -96,8 +96,9 @@ def test_a_nan_batch_is_reproduced(make_trainer: Any) -> None:
 
 def test_two_flagged_steps_in_one_process_get_a_verdict_each(make_trainer: Any) -> None:
     """One process: the verdict hook is called only after a rerun (idle otherwise); woken twice, it gives both verdicts."""
-    trainer, ctx = _train(make_trainer, {"nan_batch_at_steps": [2, 4]}, max_steps=4)
+    trainer, ctx = _train(make_trainer, {"nan_batch_at_steps": [2, 4]}, plugins=("nan_guard", "rerun", "data_hash"), max_steps=4)
     assert _verdicts(trainer) == [("FAULT_REPRODUCED", 2), ("FAULT_REPRODUCED", 4)]
+    assert findings_of(trainer.args.output_dir, "DATA_REPEATED") == []  # two marked rows are two samples, not one trained twice
     assert ctx.manager.is_idle("rerun", "on_step_agreed")  # idle again after the last verdict
 
 
