@@ -291,8 +291,9 @@ class DataHash(Plugin):
         epoch = getattr(getattr(trainer, "state", None), "epoch", None) or 0.0
         return int(math.floor(float(epoch) + 1e-6))
 
-    def _check_samples(self, ctx: Any, step: int, hashes: list[int], ids: list[Any] | None, position: int) -> None:
-        """``position``: how many samples this rank trained in the epoch before this micro-batch."""
+    def _check_samples(self, ctx: Any, step: int, hashes: list[int], ids: list[Any] | None, position: int = 0) -> None:
+        """``position``: how many samples this rank trained in the epoch before this micro-batch (read only where the
+        distributed sampler pads the epoch)."""
         repeated = []
         untracked = self._seen.untracked
         for i, h in enumerate(hashes):

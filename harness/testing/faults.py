@@ -74,7 +74,7 @@ class FaultOptions(BaseModel):
     )
     overflow_at_step: int | None = Field(None, description="The step during which overflow_module overflows.")
     nan_batch_at_steps: list[int] = Field(
-        default_factory=list, description="Steps whose first micro-batch gets a NaN sample in row 0 (one poison token repeated, then a tag of the step, so two steps give two samples): wherever that row goes through "
+        default_factory=list, description="Steps whose first micro-batch gets a NaN sample in row 0 (one poison token repeated, then a tag of the step and rank, so two marks give two samples): wherever that row goes through "
         "the model again (a capture, a rerun, another rank) its embeddings are NaN (a fault in the data, reproducible).",
     )
     nan_batch_on_rank: int | None = Field(None, description="With nan_batch_on_rank_at_steps: the one rank whose batch gets the NaN sample.")
@@ -361,7 +361,7 @@ class FaultInjector(Plugin):
             step in self.options.nan_batch_at_steps
             or (step in self.options.nan_batch_on_rank_at_steps and ctx.rank == self.options.nan_batch_on_rank)
         ):
-            self._nan_batch.mark(batch, salt=step)
+            self._nan_batch.mark(batch, salt=step * 64 + ctx.rank)  # a sample of its own per step and rank
         if self._module_faults is not None:
             self._module_faults.overflowing = step == self.options.overflow_at_step
             self._module_faults.inf_grads = step in self.options.inf_grad_at_steps

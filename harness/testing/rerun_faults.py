@@ -38,6 +38,9 @@ class NanBatch:
             return
         ids[row].fill_(self.token)
         ids[row, -1] = salt % self.token  # never the poison id itself
+        mask = batch.get("attention_mask")
+        if torch.is_tensor(mask) and mask.shape == ids.shape:
+            mask[row].fill_(1)  # the tag counts where a right-padded row would mask it out (a row hash skips masked positions)
         labels = batch.get("labels")
         if torch.is_tensor(labels) and labels.shape == ids.shape:
             labels[row].copy_(torch.where(labels[row] == -100, labels[row], ids[row]))
