@@ -393,12 +393,16 @@ class DataHash(Plugin):
         finally:
             if self._writer is not None:
                 self._writer.sync()  # the ledger up to this checkpoint is on disk before the checkpoint counts
-        return {"fingerprint": self.fingerprint, "epoch": self._epoch}
+        # the samples this rank trained in the epoch so far, lost micro-batches included (the ledger lacks their lines)
+        return {"fingerprint": self.fingerprint, "epoch": self._epoch, "position": self._position, "position_epoch": self._step_epoch}
 
     @hookimpl
     def on_resume(self, ctx: Any, state: dict[str, Any] | None) -> None:
         self._resume_step = ctx.step
         self._restore_epoch_from_ledger(ctx)
+        position, epoch = (state or {}).get("position"), (state or {}).get("position_epoch")
+        if type(position) is int and position >= 0 and type(epoch) is int and epoch == self._step_epoch:
+            self._position = position  # the count at the save: the ledger's lines miss a step whose hashes an error lost
         stored = (state or {}).get("fingerprint")
         if stored and self.fingerprint and stored["digest"] != self.fingerprint["digest"] and ctx.is_main:
             self.report(

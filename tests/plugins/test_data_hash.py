@@ -1,6 +1,7 @@
 """data_hash: the ledger of every micro-batch, and the data faults of broken resumes, duplicates and unsharded ranks."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -151,12 +152,15 @@ def test_a_check_that_raises_still_leaves_the_ledger_closed_and_whole(make_train
 
 
 @pytest.mark.slow
-def test_a_step_whose_hashes_are_lost_on_one_rank_leaves_the_epochs_padded_end_known(tmp_path: Path) -> None:
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_step_whose_hashes_are_lost_on_one_rank_leaves_the_epochs_padded_end_known(tmp_path: Path, resumed: bool) -> None:
     """Two ranks on a dataset whose epoch (9 steps) ends in the sampler's padding; rank 1 loses step 6's hashes to an error.
 
     The padded last batch repeats samples from the epoch's start, which data_hash lets pass by its position in the epoch.
     Before: that position counted only the micro-batches whose hashes were read, so after the lost step rank 1 put its last
-    batch 4 samples too early and reported the padding as DATA_REPEATED at step 9.
+    batch 4 samples too early and reported the padding as DATA_REPEATED at step 9. ``resumed``: the run stops at a save at
+    step 8 and a second run resumes from it; the position comes back from the checkpoint (the ledger, which a resume also
+    reads, lacks the lost step's lines).
     """
     data, out = tmp_path / "data", tmp_path / "run"
     subprocess.run([sys.executable, str(EXAMPLES / "clm_data.py"), "--out", str(data)], check=True, capture_output=True)
@@ -164,13 +168,24 @@ def test_a_step_whose_hashes_are_lost_on_one_rank_leaves_the_epochs_padded_end_k
         "plugins": ["defaults", "harness.testing:FaultInjector"],
         "fault_injector": {"break_methods": ["data_hash._read_hashes"], "break_on_rank": 1, "break_at_step": 6},
     })
-    result = harness_cli(
-        "wrap", "--config", str(config), "--", *torchrun(), str(EXAMPLES / "run_clm.py"),
-        "--train_file", str(data / "train.txt"), "--validation_file", str(data / "validation.txt"), "--do_train",
-        "--output_dir", str(out), "--max_steps", "12", "--per_device_train_batch_size", "4", "--logging_steps", "1",
-        "--use_cpu", "--report_to", "none", "--save_steps", "0",
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+
+    def run(steps: int, save_steps: int) -> Any:
+        result = harness_cli(
+            "wrap", "--config", str(config), "--", *torchrun(), str(EXAMPLES / "run_clm.py"),
+            "--train_file", str(data / "train.txt"), "--validation_file", str(data / "validation.txt"), "--do_train",
+            "--output_dir", str(out), "--max_steps", str(steps), "--per_device_train_batch_size", "4", "--logging_steps", "1",
+            "--use_cpu", "--report_to", "none", "--save_steps", str(save_steps),
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        return result
+
+    if resumed:
+        run(8, 8)
+        assert (out / "checkpoint-8").is_dir()
+    result = run(12, 0 if not resumed else 100)  # run_clm resumes from the output directory's last checkpoint
+    if resumed:
+        attempts = json.loads((out / "harness" / "run.json").read_text())["attempts"]
+        assert len(attempts) == 2 and str(attempts[1]["resumed_from"]).endswith("checkpoint-8"), attempts
     errors = [(f["plugin"], f["rank"], f["step"]) for f in findings_of(out, "INTERNAL_PLUGIN_ERROR")]
     assert errors == [("data_hash", 1, 6), ("data_hash", 1, 6)]  # the guard's read, then the step end's
     steps = {r["step"] for r in read_jsonl(out / "harness" / "ledger" / "rank-1.jsonl") if r.get("event") is None}
