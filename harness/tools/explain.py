@@ -41,6 +41,9 @@ def scan_or_fail(path: Path) -> tuple[list[Path], list[Path]]:
     return found, links
 
 
+MESSAGE_CHARS = 600  # of a finding's message, as the HTML report's table shows it
+
+
 def print_explain(path: Path, width: int = 100) -> int:
     """The verdict and, for each finding code, what happened and the first step of its playbook."""
     from harness.report.build import group_findings, next_step
@@ -54,12 +57,12 @@ def print_explain(path: Path, width: int = 100) -> int:
         print(f"== {run_dir}")
         print(textwrap.fill(f"Verdict: {verdict_of(run).line()}", width, subsequent_indent="  "))
         for note in run.damage_notes():
-            print(textwrap.fill(f"Note: {note}", width, subsequent_indent="  "))
+            print(textwrap.fill(f"Note: {_clip(note)}", width, subsequent_indent="  "))
         groups = group_findings(run)
         explained: set[str] = set()
         for group in groups:
             print()
-            head = f"[{group.severity.value}] {group.code} x{group.count} (step {group.step_range}): {group.message}"
+            head = f"[{group.severity.value}] {group.code} x{group.count} (step {group.step_range}): {_clip(group.message)}"
             print(textwrap.fill(head, width, subsequent_indent="    "))
             if group.code == RANK_HANG_CODE and group.code not in explained:  # the ranks' watchdogs: which one stopped first
                 print(_fill(f"stalled first: {hang_summary(group.findings)}", width))
@@ -80,6 +83,15 @@ def print_explain(path: Path, width: int = 100) -> int:
         if not groups:
             print("No findings.")
     return 0
+
+
+def _clip(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """At most ``limit`` characters of a text a run directory holds (the wrapping of one long word is quadratic: a
+    received findings line of megabytes must not hold the terminal); the rest is in the file."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]} ... ({len(text):,} characters in all: the whole message is in findings.jsonl)"
 
 
 def _fill(text: str, width: int) -> str:

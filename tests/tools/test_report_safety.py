@@ -227,6 +227,17 @@ def test_report_survives_damaged_lines(tmp_path: Path, case: str) -> None:
     assert "NONFINITE_LOSS x2 (step 2-3)" in explain.stdout and " ".join(expected.split()) in " ".join(explain.stdout.split())
 
 
+def test_explain_shows_a_huge_message_cut_and_at_once(tmp_path: Path) -> None:
+    """A received findings line with a message of megabytes, one unbroken word: explain cuts it (wrapping it whole took
+    minutes) and says where the rest is; the report reads the same directory."""
+    out = tmp_path / "run"
+    make_run(out, findings=[_finding(message="A" * 4_000_000)])
+    explain = harness_cli("explain", str(out), timeout=60)
+    assert explain.returncode == 0, explain.stderr[-3000:]
+    assert "(4,000,000 characters in all: the whole message is in findings.jsonl)" in " ".join(explain.stdout.split())
+    assert len(explain.stdout) < 10_000, len(explain.stdout)
+
+
 # -- 15: --out for a read-only run directory ---------------------------------------------------------------------------
 
 def _run_with_capture(out: Path) -> Path:
