@@ -6,7 +6,10 @@ last the rank's completion marker: a checkpoint is complete for the harness
 only with every rank's marker (see :mod:`harness.lib.checkpoints`). On
 resume the state goes to each plugin's ``on_resume``. ``resume_from_checkpoint
 =True`` is resolved here to the last COMPLETE checkpoint, with a
-``CHECKPOINT_INCOMPLETE`` finding per newer folder passed over.
+``CHECKPOINT_INCOMPLETE`` finding per newer folder passed over; so is the
+path of the newest folder when a kill left it incomplete (what a script's own
+``get_last_checkpoint`` names). Any other incomplete checkpoint named is
+refused before the first step, with the fix.
 """
 from __future__ import annotations
 
@@ -91,16 +94,47 @@ class CheckpointState:
             return args, kwargs, None
         if resume is True or (isinstance(resume, str) and resume.strip().lower() == "last"):
             chosen = self.resolve_last()
-            value: Any = str(chosen) if chosen is not None else True  # no checkpoint at all: HF's own error
-            if positional:
-                args = (value, *args[1:])
-            else:
-                kwargs = {**kwargs, "resume_from_checkpoint": value}
-            return args, kwargs, chosen
-        return args, kwargs, Path(resume)
+        elif self._newest_and_incomplete(Path(resume)):
+            # a script that resumes by itself (HF's run_clm: get_last_checkpoint) names the newest folder, which a kill
+            # during its save left incomplete: the Trainer would die on it at every rerun of the same command
+            chosen = self.resolve_last(asked=f"resume_from_checkpoint={Path(resume).name} (the newest checkpoint folder)")
+        else:
+            named = Path(resume)
+            missing = checkpoints.trainer_missing(named) if named.is_dir() else []
+            if missing:
+                raise NoCompleteCheckpointError(
+                    f"resume_from_checkpoint={named}: that checkpoint is incomplete: it lacks {', '.join(missing)} (a save "
+                    "interrupted by a kill, a crash or a full disk). Fix: resume from the last complete checkpoint "
+                    f"(`harness resume-point {self.trainer.args.output_dir}` prints it), or pass resume_from_checkpoint=True "
+                    "and the harness resumes from it."
+                )
+            return args, kwargs, named
+        value: Any = str(chosen) if chosen is not None else True  # no checkpoint at all: HF's own error
+        if positional:
+            args = (value, *args[1:])
+        else:
+            kwargs = {**kwargs, "resume_from_checkpoint": value}
+        return args, kwargs, chosen
 
-    def resolve_last(self) -> Path | None:
-        """The last complete checkpoint of the output dir; a ``CHECKPOINT_INCOMPLETE`` finding per newer folder passed over."""
+    def _newest_and_incomplete(self, named: Path) -> bool:
+        """Whether ``named`` is the output dir's newest checkpoint folder and lacks what the Trainer needs to resume
+        (or rank 0 already set it aside as incomplete: the other ranks see only its new name)."""
+        newest = checkpoints.list_checkpoints(Path(self.trainer.args.output_dir))
+        if not named.is_dir():
+            if self.ctx.is_main:
+                return False  # rank 0 sets folders aside in this very call: absent before it, the name is simply wrong
+            aside = named.with_name(f"incomplete-{named.name}")
+            return checkpoints.checkpoint_step(named) is not None and aside.is_dir() and (
+                not newest or (checkpoints.checkpoint_step(newest[0]) or 0) < (checkpoints.checkpoint_step(named) or 0))
+        try:
+            is_newest = bool(newest) and newest[0].resolve() == named.resolve()
+        except OSError:
+            return False
+        return is_newest and bool(checkpoints.trainer_missing(named))
+
+    def resolve_last(self, asked: str = "resume_from_checkpoint=True") -> Path | None:
+        """The last complete checkpoint of the output dir; a ``CHECKPOINT_INCOMPLETE`` finding per newer folder passed over
+        (``asked``: what the train() call asked for, in the findings' and the error's words)."""
         ctx = self.ctx
         output_dir = Path(self.trainer.args.output_dir)
         found = checkpoints.resolve_last(output_dir, ctx.world_size)
@@ -113,7 +147,7 @@ class CheckpointState:
                     CHECKPOINT_INCOMPLETE.code,
                     f"{folder.name} is incomplete: it lacks {', '.join(missing)} (a save interrupted by a kill, a crash or a "
                     "full disk); "
-                    + (f"resume_from_checkpoint=True resumes from {chosen.name} instead." if chosen is not None
+                    + (f"{asked} resumes from {chosen.name} instead." if chosen is not None
                        else "no complete checkpoint is left to resume from.")
                     + (f" It was renamed {moved.name} (kept, outside the checkpoint-* names that the Trainer resumes from and "
                        "rotates)." if moved is not None else ""),
@@ -134,7 +168,7 @@ class CheckpointState:
         if chosen is None and found.skipped:
             lacks = "; ".join(f"{p.name} lacks {', '.join(m)}" for p, m in found.skipped[:5])
             raise NoCompleteCheckpointError(
-                f"resume_from_checkpoint=True: no complete checkpoint in {output_dir} ({lacks}). Every save there was "
+                f"{asked}: no complete checkpoint in {output_dir} ({lacks}). Every save there was "
                 "interrupted before the Trainer finished it. Fix: name a checkpoint to resume from, or start without "
                 "resume_from_checkpoint (the incomplete folders can be deleted)."
             )

@@ -69,6 +69,8 @@ class RunLifecycle:
             raise
         self._in_train = True
         self.ctx.resumed_from = resumed
+        if self.ctx.is_main:  # before the Trainer's own set-up, which may fail (a checkpoint it cannot load): wrap's summary
+            write_run_marker(self.ctx.run_dir)  # then still names this run directory; ``begin`` writes it again (idempotent)
         self._attempt = None
         self._mark_attempt("running")
         self._note_rank_findings()

@@ -59,7 +59,8 @@ def verdict_of(run: RunRecord) -> Verdict:
         critical = sorted({f.code for f in run.findings if f.severity is Severity.CRITICAL})
         return Verdict(FAILED, f"critical finding(s) {', '.join(critical)}; {summary}.")
     if status == "unknown":
-        return Verdict(ATTENTION if severe else HEALTHY, f"no record of how training ended (run.json missing); {summary}.")
+        why = "run.json could not be read" if (run.run_dir / "run.json").exists() else "run.json missing"
+        return Verdict(ATTENTION if severe else HEALTHY, f"no record of how training ended ({why}); {summary}.")
     if severe:
         return Verdict(ATTENTION, f"training completed{at}; {summary}.")
     return Verdict(HEALTHY, f"training completed{at}; {summary}.")

@@ -36,6 +36,18 @@ def test_wrap_says_so_when_the_command_produced_no_run() -> None:
     assert result.stderr.strip().splitlines()[-1].startswith("harness wrap: no harness run directory was produced")
 
 
+@pytest.mark.slow  # one more process start; the quick tier has the summary of a clean run
+def test_wrap_summarises_a_run_whose_trainer_failed_before_its_first_step(tmp_path: Path) -> None:
+    """The Trainer cannot load the checkpoint it was asked to resume from: it raises inside train() before any callback.
+    Before: the summary said no harness run directory was produced, though the harness had recorded the crash there."""
+    out = tmp_path / "run"
+    result = harness_cli("wrap", "--", PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "3",
+                         "--resume_from_checkpoint", str(tmp_path / "no-such-checkpoint"))
+    assert result.returncode == 1, result.stderr[-3000:]
+    summary = result.stderr[result.stderr.index(f"harness wrap: summary of {out / 'harness'}"):]
+    assert "verdict: failed: training crashed" in summary and "Can't find a valid checkpoint" in summary, summary
+
+
 @pytest.mark.parametrize(("script_status", "wrap_status"), [(0, 75), pytest.param(3, 3, marks=pytest.mark.slow)])
 def test_a_harness_stop_exits_75_unless_the_script_failed_otherwise(tmp_path: Path, script_status: int, wrap_status: int) -> None:
     """The stop marker tells wrap; a script that ignored the stop (0) gives 75, a script's own failure (3) wins.

@@ -72,6 +72,34 @@ def test_resume_skips_incomplete_checkpoint(make_trainer: Any, tmp_path: Path) -
     assert (kept / "model.safetensors").exists() and not (kept / "trainer_state.json").exists()
 
 
+def test_the_newest_checkpoint_named_by_its_path_and_left_incomplete_resumes_from_the_last_complete(make_trainer: Any, tmp_path: Path) -> None:
+    """A script that resumes by itself (HF's run_clm: ``get_last_checkpoint``) names the newest folder, which a kill during
+    its save left incomplete. Before: the Trainer died on it at every rerun of the same command (ValueError: Can't find a
+    valid checkpoint), with no finding and no hint."""
+    out = tmp_path / "run"
+    _run(make_trainer, out)
+    shutil.rmtree(out / "checkpoint-14", ignore_errors=True)
+    (out / "checkpoint-10" / "trainer_state.json").unlink()
+    trainer, ctx = _run(make_trainer, out, resume=str(out / "checkpoint-10"))
+    assert ctx.resumed_from == out / "checkpoint-5" and trainer.state.global_step == 14
+    (incomplete,) = findings_of(out, "CHECKPOINT_INCOMPLETE")
+    assert "resume_from_checkpoint=checkpoint-10 (the newest checkpoint folder) resumes from checkpoint-5 instead" in incomplete["message"]
+    assert incomplete["evidence"]["renamed_to"] == str(out / "incomplete-checkpoint-10")
+    assert _resume_codes(out) == []
+
+
+def test_an_older_incomplete_checkpoint_named_by_its_path_is_refused_with_the_fix(make_trainer: Any, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _run(make_trainer, out)
+    (out / "checkpoint-5" / "trainer_state.json").unlink()
+    trainer = make_trainer(output_dir=out, max_steps=14, save_strategy="steps", save_steps=5)
+    harness.attach(trainer)
+    with pytest.raises(NoCompleteCheckpointError, match=r"checkpoint-5: that checkpoint is incomplete: it lacks trainer_state.json"
+                                                        r".*harness resume-point"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-5"))
+    assert (out / "checkpoint-5").is_dir()  # named, not the newest: nothing renamed
+
+
 def test_resume_passes_over_a_checkpoint_without_the_harness_part_of_its_save(make_trainer: Any, tmp_path: Path) -> None:
     """HF's files are all there but the kill came before the harness wrote its state: HF calls it complete, the harness not."""
     out = tmp_path / "run"

@@ -80,4 +80,7 @@ def test_a_plugin_stop_without_action_taken_still_names_its_cause(tmp_path: Path
 
 def test_a_run_without_run_json_keeps_the_old_wording(tmp_path: Path) -> None:
     run = _run(tmp_path, [], [], [{"step": 3}])
-    assert verdict_of(run).reason.startswith("no record of how training ended")
+    assert verdict_of(run).reason.startswith("no record of how training ended (run.json missing)")
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "harness" / "run.json").write_text('{"attempts": [{"started": 1', encoding="utf-8")  # cut off mid-write
+    assert verdict_of(run).reason.startswith("no record of how training ended (run.json could not be read)")
