@@ -94,21 +94,24 @@ class CheckpointState:
             return args, kwargs, None
         if resume is True or (isinstance(resume, str) and resume.strip().lower() == "last"):
             chosen = self.resolve_last()
-        elif self._newest_and_incomplete(Path(resume)):
-            # a script that resumes by itself (HF's run_clm: get_last_checkpoint) names the newest folder, which a kill
-            # during its save left incomplete: the Trainer would die on it at every rerun of the same command
-            chosen = self.resolve_last(asked=f"resume_from_checkpoint={Path(resume).name} (the newest checkpoint folder)")
         else:
             named = Path(resume)
-            missing = checkpoints.trainer_missing(named) if named.is_dir() else []
-            if missing:
+            judged, missing = self._judge_named(named)
+            if judged == "complete or absent":
+                return args, kwargs, named  # resumed as asked (a wrong name: HF's own error)
+            if judged == "incomplete":
                 raise NoCompleteCheckpointError(
                     f"resume_from_checkpoint={named}: that checkpoint is incomplete: it lacks {', '.join(missing)} (a save "
                     "interrupted by a kill, a crash or a full disk). Fix: resume from the last complete checkpoint "
-                    f"(`harness resume-point {self.trainer.args.output_dir}` prints it), or pass resume_from_checkpoint=True "
-                    "and the harness resumes from it."
+                    f"(`harness resume-point {named.parent}` prints it), or pass resume_from_checkpoint=True and the "
+                    "harness resumes from it."
                 )
-            return args, kwargs, named
+            # a script that resumes by itself (HF's run_clm: get_last_checkpoint) names the newest folder, which a kill
+            # during its save left incomplete: the Trainer would die on it at every rerun of the same command
+            if judged == "set aside" and self.ctx.is_main:
+                log.warning("harness: %s was set aside as incomplete (incomplete-%s); resuming from the last complete "
+                            "checkpoint instead", named, named.name)
+            chosen = self.resolve_last(asked=f"resume_from_checkpoint={named.name} (the newest checkpoint folder)")
         value: Any = str(chosen) if chosen is not None else True  # no checkpoint at all: HF's own error
         if positional:
             args = (value, *args[1:])
@@ -116,21 +119,32 @@ class CheckpointState:
             kwargs = {**kwargs, "resume_from_checkpoint": value}
         return args, kwargs, chosen
 
-    def _newest_and_incomplete(self, named: Path) -> bool:
-        """Whether ``named`` is the output dir's newest checkpoint folder and lacks what the Trainer needs to resume
-        (or rank 0 already set it aside as incomplete: the other ranks see only its new name)."""
-        newest = checkpoints.list_checkpoints(Path(self.trainer.args.output_dir))
-        if not named.is_dir():
-            if self.ctx.is_main:
-                return False  # rank 0 sets folders aside in this very call: absent before it, the name is simply wrong
-            aside = named.with_name(f"incomplete-{named.name}")
-            return checkpoints.checkpoint_step(named) is not None and aside.is_dir() and (
-                not newest or (checkpoints.checkpoint_step(newest[0]) or 0) < (checkpoints.checkpoint_step(named) or 0))
-        try:
-            is_newest = bool(newest) and newest[0].resolve() == named.resolve()
+    def _judge_named(self, named: Path) -> tuple[str, list[str]]:
+        """A checkpoint named by its path: "complete or absent"; "incomplete" (and what it lacks); "newest" (the output
+        dir's newest folder, incomplete); or "set aside" (rank 0 renamed it incomplete-<name>, in this call or an earlier
+        one). Every rank judges alike whenever rank 0's rename happens: each ends with the same checkpoint, or all refuse."""
+        aside = named.with_name(f"incomplete-{named.name}")
+        output_dir = Path(self.trainer.args.output_dir)
+        try:  # a folder of this run's output dir: the only one the harness resolves (and renames in)
+            is_checkpoint = checkpoints.checkpoint_step(named) is not None and named.parent.resolve() == output_dir.resolve()
         except OSError:
-            return False
-        return is_newest and bool(checkpoints.trainer_missing(named))
+            is_checkpoint = False
+        if named.is_dir():
+            missing = checkpoints.trainer_missing(named)
+            if not missing:
+                return "complete or absent", []
+            newest = checkpoints.list_checkpoints(output_dir)
+            try:
+                if is_checkpoint and newest and newest[0].resolve() == named.resolve():
+                    return "newest", missing
+            except OSError:
+                pass
+            if is_checkpoint and not named.is_dir() and aside.is_dir():
+                return "set aside", missing  # renamed by rank 0 between the two looks
+            return "incomplete", missing
+        if is_checkpoint and aside.is_dir():
+            return "set aside", []
+        return "complete or absent", []
 
     def resolve_last(self, asked: str = "resume_from_checkpoint=True") -> Path | None:
         """The last complete checkpoint of the output dir; a ``CHECKPOINT_INCOMPLETE`` finding per newer folder passed over

@@ -113,7 +113,7 @@ def harness_tracked(output_dir: Path) -> bool:
 def trainer_missing(checkpoint: Path) -> list[str]:
     """What the Trainer needs to resume that ``checkpoint`` lacks."""
     missing = []
-    if (Path(checkpoint) / INCOMPLETE_MARKER).exists():  # HF's own get_last_checkpoint passes over it: a resume must not
+    if (Path(checkpoint) / INCOMPLETE_MARKER).exists():  # still saving (JIT checkpoint): HF's get_last_checkpoint, by name only, would take it
         missing.append(f"the end of its save ({INCOMPLETE_MARKER} is still there)")
     if not (Path(checkpoint) / TRAINER_STATE).is_file():
         missing.append(TRAINER_STATE)

@@ -55,9 +55,9 @@ def print_explain(path: Path, width: int = 100) -> int:
         if n:
             print()
         print(f"== {run_dir}")
-        print(textwrap.fill(f"Verdict: {verdict_of(run).line()}", width, subsequent_indent="  "))
+        print(textwrap.fill(f"Verdict: {_clip(verdict_of(run).line(), where='run.json and findings.jsonl')}", width, subsequent_indent="  "))
         for note in run.damage_notes():
-            print(textwrap.fill(f"Note: {_clip(note)}", width, subsequent_indent="  "))
+            print(textwrap.fill(f"Note: {_clip(note, where='the file it names')}", width, subsequent_indent="  "))
         groups = group_findings(run)
         explained: set[str] = set()
         for group in groups:
@@ -85,13 +85,13 @@ def print_explain(path: Path, width: int = 100) -> int:
     return 0
 
 
-def _clip(text: str, limit: int = MESSAGE_CHARS) -> str:
+def _clip(text: str, limit: int = MESSAGE_CHARS, where: str = "findings.jsonl") -> str:
     """At most ``limit`` characters of a text a run directory holds (the wrapping of one long word is quadratic: a
-    received findings line of megabytes must not hold the terminal); the rest is in the file."""
+    received findings line of megabytes must not hold the terminal); the rest is in ``where``."""
     text = str(text)
     if len(text) <= limit:
         return text
-    return f"{text[:limit]} ... ({len(text):,} characters in all: the whole message is in findings.jsonl)"
+    return f"{text[:limit]} ... ({len(text):,} characters in all: the whole text is in {where})"
 
 
 def _fill(text: str, width: int) -> str:

@@ -84,3 +84,5 @@ def test_a_run_without_run_json_keeps_the_old_wording(tmp_path: Path) -> None:
     (tmp_path / "harness").mkdir()
     (tmp_path / "harness" / "run.json").write_text('{"attempts": [{"started": 1', encoding="utf-8")  # cut off mid-write
     assert verdict_of(run).reason.startswith("no record of how training ended (run.json could not be read)")
+    (tmp_path / "harness" / "run.json").write_text('{"attempts": []}', encoding="utf-8")
+    assert verdict_of(run).reason.startswith("no record of how training ended (run.json records no attempt that ended)")

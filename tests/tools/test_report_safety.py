@@ -234,7 +234,7 @@ def test_explain_shows_a_huge_message_cut_and_at_once(tmp_path: Path) -> None:
     make_run(out, findings=[_finding(message="A" * 4_000_000)])
     explain = harness_cli("explain", str(out), timeout=60)
     assert explain.returncode == 0, explain.stderr[-3000:]
-    assert "(4,000,000 characters in all: the whole message is in findings.jsonl)" in " ".join(explain.stdout.split())
+    assert "(4,000,000 characters in all: the whole text is in findings.jsonl)" in " ".join(explain.stdout.split())
     assert len(explain.stdout) < 10_000, len(explain.stdout)
 
 
