@@ -88,6 +88,7 @@ def test_the_newest_checkpoint_named_by_its_path_and_left_incomplete_resumes_fro
     assert _resume_codes(out) == []
 
 
+@pytest.mark.slow  # a second real run; the quick tier has the newest-folder case
 def test_a_named_checkpoint_set_aside_as_incomplete_resumes_from_the_last_complete(make_trainer: Any, tmp_path: Path) -> None:
     """The same command again after the resume above, or another rank that looks after rank 0 renamed the folder: the
     name is gone, its incomplete- twin is there. Every rank must judge it alike (one refusing while another resumes
@@ -101,6 +102,7 @@ def test_a_named_checkpoint_set_aside_as_incomplete_resumes_from_the_last_comple
     assert ctx.resumed_from == out / "checkpoint-5" and trainer.state.global_step == 14
 
 
+@pytest.mark.slow  # a second real run; the quick tier has the newest-folder case
 def test_an_older_incomplete_checkpoint_named_by_its_path_is_refused_with_the_fix(make_trainer: Any, tmp_path: Path) -> None:
     out = tmp_path / "run"
     _run(make_trainer, out)

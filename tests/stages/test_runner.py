@@ -33,6 +33,7 @@ def _assert_trained(output_dir: Path, steps: int) -> None:
     assert [f for f in findings_of(output_dir) if f["severity"] in ("warning", "error", "critical")] == []
 
 
+@pytest.mark.slow  # a whole stage run (TRL or packing): the quick tier keeps the continue example
 def test_pretrain_example(tmp_path: Path) -> None:
     config = example_config("pretrain", tmp_path, training={"max_steps": 30, "save_steps": 15})
     assert run_stage("pretrain", config) == 0
@@ -53,12 +54,14 @@ def test_continue_example_from_a_model_directory(tmp_path: Path) -> None:
     _assert_trained(tmp_path / "continue", 20)
 
 
+@pytest.mark.slow  # a whole stage run (TRL or packing): the quick tier keeps the continue example
 def test_sft_example(tmp_path: Path) -> None:
     config = example_config("sft", tmp_path, training={"max_steps": 20})
     assert run_stage("sft", config) == 0
     _assert_trained(tmp_path / "sft", 20)
 
 
+@pytest.mark.slow  # a whole stage run (TRL or packing): the quick tier keeps the continue example
 def test_dpo_example(tmp_path: Path) -> None:
     config = example_config("dpo", tmp_path, training={"max_steps": 12, "learning_rate": 0.003})
     assert run_stage("dpo", config) == 0
