@@ -22,12 +22,17 @@ RUN_FILE = "run.json"
 RUN_FORMAT = "train-harness-run/1"  # run.json's "format": marks a run directory written by this harness
 
 
-def read_run_info(run_dir: Path) -> dict[str, Any]:
-    """The run's ``run.json`` (an empty record when missing or unreadable)."""
+UNREADABLE = f"{RUN_FILE} could not be read"  # the start of the problem read_run_info notes for a damaged file
+
+
+def read_run_info(run_dir: Path, problems: list[str] | None = None) -> dict[str, Any]:
+    """The run's ``run.json`` (an empty record when missing or unreadable; ``problems`` is told of an unreadable one)."""
     path = Path(run_dir) / RUN_FILE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        if problems is not None and path.exists():
+            problems.append(f"{UNREADABLE} ({type(exc).__name__}): the attempts and the run card are not known.")
         return {"attempts": []}
     if not isinstance(data, dict):
         return {"attempts": []}

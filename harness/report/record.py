@@ -39,7 +39,7 @@ class RunRecord:
         findings = read_run_findings(run_dir, unreadable)
         return cls(
             run_dir=run_dir,
-            info=read_run_info(run_dir),
+            info=read_run_info(run_dir, problems),
             findings=sorted(findings, key=lambda f: (f.step if f.step is not None else -1, f.time)),
             steps=list(read_jsonl(run_dir / "steps.jsonl", unreadable, require_step=True)),
             logs=list(read_jsonl(run_dir / "metrics.jsonl", unreadable)),

@@ -6,13 +6,12 @@ when a finding is at warning or above; ``healthy`` otherwise.
 """
 from __future__ import annotations
 
-import json
 import statistics
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 from harness.core.findings import Severity, worst
+from harness.lib.runinfo import RUN_FILE, UNREADABLE
 from harness.report.record import RunRecord, as_float
 
 HEALTHY, ATTENTION, FAILED = "healthy", "needs attention", "failed"
@@ -61,23 +60,18 @@ def verdict_of(run: RunRecord) -> Verdict:
         critical = sorted({f.code for f in run.findings if f.severity is Severity.CRITICAL})
         return Verdict(FAILED, f"critical finding(s) {', '.join(critical)}; {summary}.")
     if status == "unknown":
-        why = _run_json_state(run.run_dir)
+        why = _run_json_state(run)
         return Verdict(ATTENTION if severe else HEALTHY, f"no record of how training ended ({why}); {summary}.")
     if severe:
         return Verdict(ATTENTION, f"training completed{at}; {summary}.")
     return Verdict(HEALTHY, f"training completed{at}; {summary}.")
 
 
-def _run_json_state(run_dir: Path) -> str:
+def _run_json_state(run: RunRecord) -> str:
     """Why run.json tells nothing of how training ended: absent, unreadable (cut off, not JSON), or no attempt in it."""
-    path = run_dir / "run.json"
-    if not path.exists():
-        return "run.json missing"
-    try:
-        json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return "run.json could not be read"
-    return "run.json records no attempt that ended"
+    if any(problem.startswith(UNREADABLE) for problem in run.problems):
+        return UNREADABLE
+    return "run.json records no attempt that ended" if (run.run_dir / RUN_FILE).exists() else "run.json missing"
 
 
 def _attempt_text(run: RunRecord) -> str:

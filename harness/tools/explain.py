@@ -5,6 +5,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from harness.core.console import shorten
 from harness.core.errors import HarnessError, did_you_mean
 from harness.lib.hang_summary import RANK_HANG_CODE, hang_summary
 from harness.lib.playbook import find_section, load_library
@@ -91,7 +92,7 @@ def _clip(text: str, limit: int = MESSAGE_CHARS, where: str = "findings.jsonl") 
     text = str(text)
     if len(text) <= limit:
         return text
-    return f"{text[:limit]} ... ({len(text):,} characters in all: the whole text is in {where})"
+    return f"{shorten(text, limit)} ({len(text):,} characters in all: the whole text is in {where})"
 
 
 def _fill(text: str, width: int) -> str:

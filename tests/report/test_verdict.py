@@ -83,6 +83,8 @@ def test_a_run_without_run_json_keeps_the_old_wording(tmp_path: Path) -> None:
     assert verdict_of(run).reason.startswith("no record of how training ended (run.json missing)")
     (tmp_path / "harness").mkdir()
     (tmp_path / "harness" / "run.json").write_text('{"attempts": [{"started": 1', encoding="utf-8")  # cut off mid-write
+    run = RunRecord.load(tmp_path / "harness")
     assert verdict_of(run).reason.startswith("no record of how training ended (run.json could not be read)")
     (tmp_path / "harness" / "run.json").write_text('{"attempts": []}', encoding="utf-8")
+    run = RunRecord.load(tmp_path / "harness")
     assert verdict_of(run).reason.startswith("no record of how training ended (run.json records no attempt that ended)")
