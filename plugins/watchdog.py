@@ -205,7 +205,10 @@ class Watchdog(Plugin):
             evidence["exit_code"] = HANG_EXIT_CODE
         record_offthread(ctx, RANK_HANG, message, step=step, evidence=evidence, plugin=self.name,
                          action="stop" if aborting else "continue")
-        log.error("harness watchdog: %s", message)
+        # rank 0's console has just printed the finding's line; a log record at error would print it a second time on
+        # stderr (Python's last-resort handler, when the script configures no logging). Other ranks have no console line
+        shown = getattr(getattr(ctx, "console", None), "enabled", False)
+        log.log(logging.INFO if shown else logging.ERROR, "harness watchdog: %s", message)
 
     def _stack_path(self, ctx: Any, step: int) -> Path:
         base = f"rank-{ctx.rank}-step-{step}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import Literal, TextIO
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -76,6 +77,7 @@ class Console:
         self.per_code = options.per_code
         self._stream = stream
         self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()  # the training thread and a watchdog's thread both show findings
 
     @property
     def enabled(self) -> bool:
@@ -86,8 +88,9 @@ class Console:
         if finding.severity.rank < self.threshold:
             return
         try:
-            seen = self._counts.get(finding.code, 0) + 1
-            self._counts[finding.code] = seen
+            with self._lock:
+                seen = self._counts.get(finding.code, 0) + 1
+                self._counts[finding.code] = seen
             if seen <= self.per_code:
                 self._write(finding_line(finding))
             elif seen == self.per_code + 1:

@@ -24,7 +24,8 @@ def closing_summary(run_dirs: Sequence[Path]) -> str:
     """The summary text for ``run_dirs`` (one line saying so when the command produced none)."""
     if not run_dirs:
         return (f"{HEAD} no harness run directory was produced (the command trained no Trainer with the harness "
-                "attached), so there is nothing to summarise.\n")
+                "attached, or the harness refused to start training: its message is above), so there is nothing to "
+                "summarise.\n")
     blocks = []
     for run_dir in run_dirs:
         try:

@@ -149,8 +149,14 @@ class RunRecord:
         return found
 
     def evidence_path(self, value: Any) -> Path | None:
-        """An evidence value as an existing path (absolute, or relative to the run or output directory)."""
-        if not isinstance(value, str) or not value or "\n" in value or len(value) > 4096:
+        """An evidence value as an existing path (absolute, or relative to the run or output directory).
+
+        Only a path that lands inside the run's output directory (the run
+        directory included), symlinks resolved, counts: a received run's
+        ``findings.jsonl`` is data, and a planted ``/etc/passwd`` or
+        ``../../secret`` must not become a link in its report.
+        """
+        if not isinstance(value, str) or not value or "\n" in value or "\0" in value or len(value) > 4096:
             return None
         candidate = Path(value)
         options = []
@@ -158,10 +164,16 @@ class RunRecord:
         if inside:  # a path into a run directory: this one's copy first (the run may have moved, or be read from elsewhere)
             options.append(self.run_dir.joinpath(*candidate.parts[inside[-1] + 1:]))
         options += [candidate] if candidate.is_absolute() else [self.run_dir / candidate, self.output_dir / candidate]
+        try:
+            allowed = self.output_dir.resolve()
+        except OSError:
+            return None
         for option in options:
             try:
                 if option.exists():
-                    return option.resolve()
+                    resolved = option.resolve()
+                    if resolved.is_relative_to(allowed):
+                        return resolved
             except OSError:
                 continue
         return None

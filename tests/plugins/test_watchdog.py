@@ -1,6 +1,7 @@
 """watchdog: a data loader that blocks at step 5 of a real Trainer run is RANK_HANG at step 5, named; a clean run is silent."""
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,8 @@ from harness.cli import main as harness_main
 FAST = {"floor_s": 2.0, "factor": 3}  # short enough for a test, long enough for a loaded 2-core machine
 
 
-def test_a_blocked_data_loader_is_found_at_its_step_and_named(make_trainer: Any, capsys: Any) -> None:
+def test_a_blocked_data_loader_is_found_at_its_step_and_named(make_trainer: Any, capsys: Any, caplog: Any) -> None:
+    caplog.set_level(logging.INFO, logger="harness.watchdog")
     trainer = make_trainer(max_steps=7)
     ctx = harness.attach(trainer, config={"plugins": ["watchdog", "metrics_log", FAULTS], "watchdog": FAST,
                                           "fault_injector": {"hang_data_at_step": 5, "hang_data_s": 6.0}})
@@ -43,6 +45,9 @@ def test_a_blocked_data_loader_is_found_at_its_step_and_named(make_trainer: Any,
     # the live console line, once, from the watchdog thread while the training thread was still blocked
     assert captured.err.count("[harness] step 5 RANK_HANG critical: rank 0 made no progress") == 1, captured.err[-2000:]
     assert "[critical] RANK_HANG" in out and "stalled first: rank 0 stalled first, at step 5" in " ".join(out.split())
+    # the console printed it: its log record stays under warning, so that no last-resort handler prints it a second time
+    hang_records = [r for r in caplog.records if r.getMessage().startswith("harness watchdog: rank 0 made no progress")]
+    assert [r.levelno for r in hang_records] == [logging.INFO], [(r.levelname, r.getMessage()[:80]) for r in caplog.records]
     plugin = ctx.manager.plugin("watchdog")
     assert plugin._thread is None and len(plugin.fired) == 1  # stopped at run end
 

@@ -368,3 +368,28 @@ def test_report_escapes_text_from_training_data(tmp_path: Path) -> None:
         assert "click me" in rendered, path  # the text is there, as text
     markdown = (run_dir / "report.md").read_text(encoding="utf-8")
     assert "## Contamination" in markdown and "\\[eval id\\]" in markdown
+
+
+# -- evidence links stay inside the run's output directory ------------------------------------------------------------
+
+def test_report_links_no_evidence_outside_the_run(tmp_path: Path) -> None:
+    """A received findings.jsonl names files anywhere: only those inside the run's output directory become links."""
+    secret = tmp_path / "secret.txt"  # a file beside the received folder: on the reader's machine, not the run's
+    secret.write_text("private", encoding="utf-8")
+    out = tmp_path / "received" / "run"
+    run_dir = make_run(out, findings=[
+        _finding(evidence={"absolute": str(secret), "climbing": "../../../secret.txt",
+                           "through_the_run_name": str(out / "harness" / ".." / ".." / ".." / "secret.txt"),
+                           "symlinked": "captures/out.txt", "own": "captures/own.txt"}),
+    ])
+    (run_dir / "captures").mkdir()
+    (run_dir / "captures" / "own.txt").write_text("the run's own evidence", encoding="utf-8")
+    (run_dir / "captures" / "out.txt").symlink_to(secret)
+    result = harness_cli("report", str(out), "--no-plots")
+    assert result.returncode == 0, result.stderr[-3000:]
+    markdown = (run_dir / "report.md").read_text(encoding="utf-8")
+    html = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert "[own](captures/own.txt)" in markdown, markdown  # inside: still a link
+    for text in (markdown, html):
+        assert "secret.txt" not in text and "out.txt" not in text, text[:4000]
+    assert broken_report_links(run_dir) == []
