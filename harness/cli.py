@@ -103,6 +103,29 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return print_replay(Path(args.capture_dir), checkpoint, args.rank, args.device, args.tolerance)
 
 
+def _scan_option_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the numeric options of ``harness scan`` (checked before any work: exit 1 means dirty)."""
+    problems = []
+    for flag, value in (("-n", args.n), ("--workers", args.workers)):
+        if value < 1:
+            problems.append(f"{flag} {value} is under 1. Fix: pass a whole number of 1 or more.")
+    for flag, value in (("--dirty-fraction", args.dirty_fraction), ("--partial-fraction", args.partial_fraction),
+                        ("--near-dup-threshold", args.near_dup_threshold)):
+        if not 0.0 <= value <= 1.0:
+            problems.append(f"{flag} {value} is not a fraction. Fix: pass a number from 0 to 1.")
+    if args.dirty_fraction <= 0.0:
+        problems.append("--dirty-fraction 0 would call every example dirty. Fix: pass a fraction above 0 (default 0.5).")
+    elif args.partial_fraction >= args.dirty_fraction and 0.0 <= args.partial_fraction <= 1.0:
+        problems.append(f"--partial-fraction {args.partial_fraction} is not below --dirty-fraction {args.dirty_fraction}, "
+                        "so no example could be partial. Fix: pass a partial fraction under the dirty one.")
+    if args.template_min_examples < 0:
+        problems.append(f"--template-min-examples {args.template_min_examples} is negative. Fix: pass 0 (keep every n-gram) or more.")
+    for flag, value in (("--mask-margin", args.mask_margin), ("--max-spans", args.max_spans)):
+        if value is not None and value < 0:
+            problems.append(f"{flag} {value} is negative. Fix: pass a count of 0 or more.")
+    return problems
+
+
 def _cmd_scan(args: argparse.Namespace) -> int:
     from harness.tools.scan import ScanOptions, print_scan
 
@@ -117,9 +140,9 @@ def _cmd_scan(args: argparse.Namespace) -> int:
     if given and not args.write_clean:
         raise ScanError(f"harness scan: {', '.join(given)} only apply with --write-clean DIR, which was not given. "
                         "Fix: add --write-clean DIR, or drop those options.")
-    for flag, value in (("--mask-margin", args.mask_margin), ("--max-spans", args.max_spans)):
-        if value is not None and value < 0:
-            raise ScanError(f"harness scan: {flag} {value} is negative. Fix: pass a count of 0 or more.")
+    problems = _scan_option_problems(args)
+    if problems:
+        raise ScanError("harness scan: " + " ".join(problems))
     args.mask_margin = 200 if args.mask_margin is None else args.mask_margin
     args.max_spans = 10 if args.max_spans is None else args.max_spans
     if args.write_clean:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -218,8 +219,8 @@ def write_capture(
         "step": step,
         "rank": ctx.rank,
         "reason": reason,
-        "directory": str(directory),
-        "output_dir": str(output_dir) if output_dir else None,
+        "directory": str(Path(directory).absolute()),  # absolute: a relative path means nothing from another directory
+        "output_dir": str(Path(output_dir).absolute()) if output_dir else None,
         "weights_from_step": step - 1,
         "per_sample_loss": "recomputed on the weights of the step, before its update" if recomputed else f"not recomputed ({why_not or 'not a causal-LM batch'})",
         "model": {

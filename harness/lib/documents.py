@@ -84,9 +84,34 @@ def not_json(file: Path | str, line: int, message: str) -> ScanError:
     return ScanError(f"harness scan: {file} line {line} is not JSON ({message}). Fix: one JSON object per line.")
 
 
-def missing_field(file: Path, field: str, keys: list[str]) -> ScanError:
-    return ScanError(f"harness scan: {file} has no field '{field}' (it has: {', '.join(map(str, keys)) or 'nothing'}). "
-                     "Fix: pass --field with the name of the text field.")
+class MissingFieldError(ScanError):
+    """A record without the text field. The fix depends on who asked (``--field``, ``--eval-field``, a config key):
+    the caller that knows it re-raises :meth:`with_fix`."""
+
+    def __init__(self, file: Path | str, field: str, keys: list[str] | None, line: int | None = None,
+                 fix: str = "pass --field with the name of the text field") -> None:
+        self.file, self.field, self.keys, self.line = file, field, keys, line
+        where = f"{file} line {line}" if line else str(file)
+        has = "it is not a JSON object" if keys is None else f"it has: {', '.join(map(str, keys)) or 'nothing'}"
+        super().__init__(f"harness scan: {where} has no field '{field}' ({has}). Fix: {fix}.")
+
+    def with_fix(self, fix: str) -> "MissingFieldError":
+        return MissingFieldError(self.file, self.field, self.keys, self.line, fix)
+
+
+def missing_field(file: Path | str, field: str, keys: list[str] | None, line: int | None = None) -> MissingFieldError:
+    """``keys``: the record's keys (None: the record is not an object); ``line``: where, in a JSON-lines file."""
+    return MissingFieldError(file, field, keys, line)
+
+
+def unique_names(stems: list[str]) -> list[str]:
+    """``stems`` made distinct in order: a repeated one gets -2, -3 ... (two eval sets both named eval.jsonl)."""
+    used: dict[str, int] = {}
+    names = []
+    for stem in stems:
+        used[stem] = used.get(stem, 0) + 1
+        names.append(stem if used[stem] == 1 else f"{stem}-{used[stem]}")
+    return names
 
 
 def _read_jsonl(file: Path, field: str, id_field: str) -> Iterator[tuple[str, str]]:
@@ -98,7 +123,7 @@ def _read_jsonl(file: Path, field: str, id_field: str) -> Iterator[tuple[str, st
         except json.JSONDecodeError as exc:
             raise not_json(file, line_number, exc.msg) from exc
         if not isinstance(record, dict) or field not in record:
-            raise missing_field(file, field, list(record) if isinstance(record, dict) else [])
+            raise missing_field(file, field, list(record) if isinstance(record, dict) else None, line_number)
         text = record[field]
         if isinstance(text, str) and text.strip():
             yield str(record.get(id_field, f"{file.name}:{line_number}")), text

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.lib.documents import ScanError, iter_documents
+from harness.lib.documents import MissingFieldError, ScanError, iter_documents, unique_names
 from harness.lib.ngrams import EvalExample, Hit, NgramIndex, normalise_words, word_units
 from harness.lib.word_scan import WordChunk, documents_buffer
 
@@ -69,13 +69,21 @@ class FrontEnd:
         return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
 
 
+def eval_set_names(paths: list[str]) -> list[str]:
+    """Each eval set's name: its file stem (a folder's name), made distinct when two share one (-2, -3 ...), as
+    ``--write-clean`` names their split files."""
+    return unique_names([Path(p).stem if Path(p).is_file() else Path(p).name for p in paths])
+
+
 def load_eval_examples(paths: list[str], field: str, front: FrontEnd, id_field: str = "id") -> list[EvalExample]:
     """Every eval example of every path; an eval set without usable text is an error naming the file and field."""
     examples: list[EvalExample] = []
-    for path in paths:
+    for path, name in zip(paths, eval_set_names(paths)):
         before = len(examples)
-        name = Path(path).stem
-        found = list(iter_documents(path, field, id_field))
+        try:
+            found = list(iter_documents(path, field, id_field))
+        except MissingFieldError as exc:
+            raise exc.with_fix("pass --eval-field with the name of the eval sets' text field") from None
         variants = front.eval_variants_many([text for _, text in found])
         examples += [EvalExample(name, example_id, text, units) for (example_id, text), units in zip(found, variants)]
         if len(examples) == before:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from harness.lib.documents import ScanError
+from harness.lib.documents import ScanError, missing_field
 
 
 @dataclass
@@ -69,7 +69,7 @@ def _jsonl_record(file: Path, line_number: int, raw: bytes, line: str, field: st
     except json.JSONDecodeError as exc:
         raise ScanError(f"harness scan: {file} line {line_number} is not JSON ({exc.msg}). Fix: one JSON object per line.") from exc
     if not isinstance(record, dict) or field not in record:
-        raise ScanError(f"harness scan: {file} line {line_number} has no field '{field}'. Fix: pass --field with the text field.")
+        raise missing_field(file, field, list(record) if isinstance(record, dict) else None, line_number)
     text = record[field]
     document = text if isinstance(text, str) and text.strip() else None
     return Record(str(record.get(id_field, f"{file.name}:{line_number}")), document, raw)

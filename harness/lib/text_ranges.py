@@ -47,7 +47,7 @@ class Failure:
 
     kind: str
     line: int
-    detail: tuple
+    detail: tuple | None  # None for "missing": the line is not a JSON object
 
     def error(self, file: Path | str, field: str, line_base: int) -> ScanError:
         line = line_base + self.line
@@ -55,7 +55,7 @@ class Failure:
             return not_utf8(file, line, *self.detail)
         if self.kind == "json":
             return not_json(file, line, *self.detail)
-        return missing_field(Path(file), field, list(self.detail))
+        return missing_field(Path(file), field, None if self.detail is None else list(self.detail), line)
 
 
 @dataclass
@@ -150,7 +150,7 @@ def _jsonl_range(lines: list[bytes], lines_read: int, failure: Failure | None, f
             failure = Failure("json", k + 1, (exc.msg,))
             break
         if not isinstance(record, dict) or field not in record:
-            failure = Failure("missing", k + 1, tuple(map(str, record)) if isinstance(record, dict) else ())
+            failure = Failure("missing", k + 1, tuple(map(str, record)) if isinstance(record, dict) else None)
             break
         text = record[field]
         if isinstance(text, str) and text.strip():

@@ -26,7 +26,7 @@ from typing import Any
 from harness.lib.documents import ScanError, document_files
 from harness.lib.ngrams import Hit, NgramIndex
 from harness.lib.ordered_pool import OrderedPool
-from harness.lib.overlap import FrontEnd, ScanOptions, load_eval_examples
+from harness.lib.overlap import FrontEnd, ScanOptions, eval_set_names, load_eval_examples
 from harness.lib.records import Record, RecordWriter, iter_records, output_suffix
 from harness.lib.safe_paths import UnsafePathError, safe_mkdir, safe_open_write, safe_rmtree, safe_target, safe_write_text
 from harness.lib.spans import cut_spans, word_char_spans
@@ -368,10 +368,7 @@ def _split_evals(evals: list[str], root: Path, out: Path, rows: list[dict[str, A
     """Each eval file as <name>.clean.<ext> (everything not dirty) and <name>.dirty.<ext>, rows paired in scan order."""
     stats: list[EvalStats] = []
     row = 0
-    used: Counter[str] = Counter()
-    for path in evals:
-        path = Path(path)
-        name = _unique(path.stem if path.is_file() else path.name, used, "")
+    for path, name in zip(map(Path, evals), eval_set_names(evals)):  # the names the scan's report gives them
         for file in document_files(path):
             stem = Path(name) if file == path else Path(name) / file.relative_to(path).with_suffix("")
             suffix = output_suffix(file)

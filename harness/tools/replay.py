@@ -55,6 +55,8 @@ def _as_float(value: Any) -> float | None:
 
 
 def find_capture_file(capture_dir: Path, rank: int | None) -> Path:
+    if capture_dir.is_file():
+        raise HarnessError(f"{capture_dir} is a file; replay takes the capture's folder. Fix: harness replay {capture_dir.parent}")
     if not capture_dir.is_dir():
         raise HarnessError(f"capture directory {capture_dir} does not exist; captures are under <output_dir>/harness/captures/step-<N>/.")
     files = sorted(capture_dir.glob("capture.rank-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
@@ -64,6 +66,42 @@ def find_capture_file(capture_dir: Path, rank: int | None) -> Path:
         which = f" for rank {rank}" if rank is not None else ""
         raise HarnessError(f"no capture.rank-*.json{which} in {capture_dir}; pass the step-<N> directory of a capture (or another --rank).")
     return files[0]
+
+
+CAPTURE_KEYS = {"code": str, "step": int, "rank": int, "weights_from_step": int, "samples": list}
+BATCH_KEYS = ("micro_batches", "micro_batch_index", "rng")
+
+
+def read_capture(capture_file: Path) -> dict[str, Any]:
+    """``capture.rank-<r>.json`` as data, checked: a damaged or hand-edited file is a HarnessError naming the key."""
+    fix = "Fix: use the capture folder as the run wrote it (copy it again from the run directory)."
+    try:
+        meta = json.loads(capture_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HarnessError(f"{capture_file} cannot be read as JSON ({exc}). {fix}") from None
+    if not isinstance(meta, dict):
+        raise HarnessError(f"{capture_file} holds a JSON {type(meta).__name__}, not the capture's object. {fix}")
+    for key, kind in CAPTURE_KEYS.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            got = "missing" if key not in meta else f"a {type(value).__name__} ({str(value)[:40]!r})"
+            raise HarnessError(f"{capture_file}: key '{key}' is {got}, not {'a whole number' if kind is int else 'a ' + kind.__name__}. {fix}")
+    if not all(isinstance(s, dict) for s in meta["samples"]):
+        raise HarnessError(f"{capture_file}: key 'samples' holds entries that are not objects. {fix}")
+    return meta
+
+
+def read_batches(batch_file: Path) -> dict[str, Any]:
+    """``batch.rank-<r>.pt`` (tensors only: ``weights_only``), checked for what replay needs."""
+    fix = "Fix: use the capture folder as the run wrote it (copy it again from the run directory)."
+    try:
+        saved = torch.load(batch_file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch's unpickler raises many kinds for a damaged file
+        raise HarnessError(f"{batch_file} cannot be read as the capture's tensors ({type(exc).__name__}: {exc}). {fix}") from None
+    missing = [key for key in BATCH_KEYS if not isinstance(saved, dict) or key not in saved]
+    if missing:
+        raise HarnessError(f"{batch_file} lacks {', '.join(missing)}. {fix}")
+    return saved
 
 
 def find_checkpoint(meta: dict[str, Any], capture_file: Path) -> tuple[Path, bool]:
@@ -86,10 +124,20 @@ def _find_checkpoint(meta: dict[str, Any], capture_file: Path) -> tuple[Path, bo
     from harness.lib.checkpoints import checkpoint_step, list_checkpoints, trainer_missing
 
     wanted = int(meta["weights_from_step"])
-    beside = capture_file.parents[3] if len(capture_file.parents) > 3 else capture_file.parent
-    candidates = [beside]
-    if meta.get("output_dir") and Path(meta["output_dir"]).resolve() != beside.resolve():
-        candidates.append(Path(meta["output_dir"]))
+    candidates = []
+    in_run = capture_file.parent.parent.name == "captures" and capture_file.parents[2].name == "harness"
+    if in_run:  # <output_dir>/harness/captures/step-<N>/: the run's own checkpoints lie in <output_dir>
+        candidates.append(capture_file.parents[3])
+    stored = meta.get("output_dir")
+    # the place the run trained in, only when absolute: an older capture stored the path as the script was given it
+    # (``runs/x``), and read from another directory that names another run's checkpoints
+    if isinstance(stored, str) and stored and Path(stored).is_absolute() and Path(stored).resolve() not in {c.resolve() for c in candidates}:
+        candidates.append(Path(stored))
+    if not candidates:
+        raise HarnessError(
+            f"the capture {capture_file.parent} lies outside its run directory and names no absolute output_dir, so its "
+            "checkpoints cannot be found. Fix: pass --checkpoint DIR (the checkpoint of the step before the capture)."
+        )
     for base in candidates:
         found = [c for c in list_checkpoints(base) if checkpoint_step(c) <= wanted]  # type: ignore[operator]  # newest first
         if not found:
@@ -164,11 +212,11 @@ def replay_with_blame(
 ) -> tuple[dict[str, Any], Path, bool, list[ReplayRow], Blame]:
     """:func:`replay`, and how the per-sample gradient norms were recomputed (method, seconds)."""
     capture_file = find_capture_file(Path(capture_dir), rank)
-    meta = json.loads(capture_file.read_text(encoding="utf-8"))
+    meta = read_capture(capture_file)
     batch_file = capture_file.with_name(capture_file.name.replace("capture.", "batch.").replace(".json", ".pt"))
     if not batch_file.exists():
         raise HarnessError(f"{batch_file} is missing: the capture's tensors are needed to replay it.")
-    saved = torch.load(batch_file, map_location="cpu", weights_only=True)
+    saved = read_batches(batch_file)
     if checkpoint is None:
         checkpoint, exact = find_checkpoint(meta, capture_file)
     else:
@@ -205,7 +253,7 @@ def print_replay(capture_dir: Path, checkpoint: Path | None, rank: int | None, d
     from rich.table import Table
 
     capture_file = find_capture_file(Path(capture_dir), rank)
-    meta = json.loads(capture_file.read_text(encoding="utf-8"))
+    meta = read_capture(capture_file)
     captured_on = meta.get("model", {}).get("device_type") or "cpu"
     device = device or (captured_on if captured_on == "cpu" or torch.cuda.is_available() else "cpu")
     tolerance = default_tolerance(meta) if tolerance is None else tolerance

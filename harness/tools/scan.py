@@ -252,6 +252,31 @@ def markdown_table(frame: Any) -> str:
     return md_table([str(c) for c in frame.columns], frame.itertuples(index=False), limit=10_000)
 
 
+def _check_out_dir(out: Path) -> None:
+    """``--out`` must be a folder that can be made: said before the scan's work, not as a traceback after it."""
+    if out.exists() and not out.is_dir():
+        raise ScanError(f"harness scan: --out {out} is a file, not a folder. Fix: pass a folder for the report "
+                        "(it is made if missing).")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ScanError(f"harness scan: --out {out} cannot be made ({exc.strerror or exc}). Fix: pass a folder whose "
+                        "parent is a folder you can write.") from None
+
+
+def _load_tokenizer(tokenizer_dir: str) -> Any:
+    """The run's tokenizer from a local folder (nothing is downloaded); a folder that holds none is a clear error."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; the message carries the detail
+        detail = " ".join(str(exc).split())[:300]
+        raise ScanError(f"harness scan: --tokenizer {tokenizer_dir} holds no tokenizer that loads ({type(exc).__name__}: "
+                        f"{detail}). Fix: pass the folder the run saved its tokenizer to (tokenizer.json or "
+                        "tokenizer_config.json with its files), e.g. the training output_dir.") from None
+
+
 def print_scan(train: list[str], evals: list[str], field: str, tokenizer_dir: str | None, out: str, workers: int,
                options: ScanOptions, id_field: str = "id", eval_field: str | None = None, clean: Any = None) -> int:
     """`harness scan`: run, write the outputs, print the per-set summary; exit 1 when an eval example is dirty.
@@ -265,13 +290,12 @@ def print_scan(train: list[str], evals: list[str], field: str, tokenizer_dir: st
     from rich.console import Console
     from rich.table import Table
 
+    _check_out_dir(Path(out))
     tokenizer = None
     if tokenizer_dir:
         if not Path(tokenizer_dir).exists():
             raise ScanError(f"harness scan: --tokenizer {tokenizer_dir} does not exist. Fix: pass a tokenizer directory.")
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer = _load_tokenizer(tokenizer_dir)
     result = scan(train, evals, field, tokenizer, workers, options, id_field, eval_field=eval_field)
     paths = write_outputs(result, out)
     frame = result.frame()

@@ -20,7 +20,7 @@ from harness.lib.overlap_ledger import Bits, MatchLedger, example_keys, tally_fr
 from .checker import Checker, Found, Job, JobBuffer
 from .options import CONTAMINATION, CONTAMINATION_UNCHECKED, EVAL_SPLIT_OVERLAP, ContaminationOptions
 from .sightings import Sighting, finding, remember
-from .sources import configured_examples, trainer_eval_examples
+from .sources import configured_examples, eval_set_names, trainer_eval_examples
 from .state import restore, state_of
 from .summary import console_line, report_section, write_summary
 
@@ -77,9 +77,9 @@ class Contamination(Plugin):
         self._tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         front = FrontEnd(self._tokenizer) if self._tokenizer is not None else None
         examples: list[EvalExample] = []
-        for spec in self.options.eval_sets:
+        for index, (spec, name) in enumerate(zip(self.options.eval_sets, eval_set_names(self.options.eval_sets))):
             try:
-                examples += configured_examples(spec, front)
+                examples += configured_examples(spec, front, name, index)
             except ScanError as exc:
                 if ctx.is_main:
                     self.report(CONTAMINATION_UNCHECKED.code, f"contamination: {exc}".replace("harness scan: ", ""),
@@ -178,14 +178,17 @@ class Contamination(Plugin):
     def _absorb(self, found: Found) -> None:
         assert self.ledger is not None
         job = found.job
-        groups: dict[tuple[int, int, int], list[Any]] = {}
+        # one sighting per training row: an example's variants (its tokenisations with and without a leading space ...)
+        # can match the same row; each variant's windows are counted apart, the row is one row
+        groups: dict[tuple[int, int], dict[int, list[Any]]] = {}
         for hit in found.hits:
-            groups.setdefault((hit.example, hit.row, hit.variant), []).append(hit)
+            groups.setdefault((hit.example, hit.row), {}).setdefault(hit.variant, []).append(hit)
             self._tallies.setdefault(hit.example, Tally()).add(hit, f"rank {job.rank} step {job.step} micro-batch {job.micro} row {hit.row}", "", 3)
-        for (example, row, variant), hits in groups.items():
-            new = self.ledger.add(example, variant, (h.offset for h in hits))
+        for (example, row), by_variant in groups.items():
+            new = max(self.ledger.add(example, variant, [h.offset for h in hits]) for variant, hits in by_variant.items())
             if not new:
                 continue  # nothing this rank had not seen of the example: not a sighting
+            hits = [h for variant_hits in by_variant.values() for h in variant_hits]
             start, end = min(h.position for h in hits), max(h.position + h.length for h in hits)
             sample = job.ids[row] if job.ids is not None and row < len(job.ids) else None
             remember(self._sightings.setdefault(example, []),

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.lib.documents import ScanError, iter_documents
+from harness.lib.documents import MissingFieldError, ScanError, iter_documents, unique_names
 from harness.lib.hashing import dataset_rows
 from harness.lib.ngrams import EvalExample
 from harness.lib.overlap import FrontEnd
@@ -14,14 +14,23 @@ from harness.lib.overlap import FrontEnd
 from .options import EvalSet
 
 
-def configured_examples(spec: EvalSet, front: FrontEnd | None) -> list[EvalExample]:
-    """One configured eval set, tokenised with the run's tokenizer; ScanError naming the file and the fix if unusable."""
+def eval_set_names(specs: list[EvalSet]) -> list[str]:
+    """Each configured eval set's name: ``name``, else the file's stem, made distinct when two share one (-2, -3 ...)."""
+    return unique_names([spec.name or Path(spec.path).stem for spec in specs])
+
+
+def configured_examples(spec: EvalSet, front: FrontEnd | None, name: str, index: int = 0) -> list[EvalExample]:
+    """One configured eval set (``contamination.eval_sets[index]``), tokenised with the run's tokenizer; ScanError naming
+    the file and the fix if unusable."""
     if front is None:
         raise ScanError(f"the run has no tokenizer (processing_class) to tokenise {spec.path}. Fix: pass processing_class to the Trainer.")
-    name = spec.name or Path(spec.path).stem
-    found = [EvalExample(name, i, text, front.eval_variants(text)) for i, text in iter_documents(spec.path, spec.field, spec.id_field)]
+    key = f"contamination.eval_sets[{index}].field"
+    try:
+        found = [EvalExample(name, i, text, front.eval_variants(text)) for i, text in iter_documents(spec.path, spec.field, spec.id_field)]
+    except MissingFieldError as exc:
+        raise exc.with_fix(f"set {key} in the harness config to the name of the text field") from None
     if not found:
-        raise ScanError(f"the eval set {spec.path} has no example with text in field '{spec.field}'. Fix: check the file and 'field'.")
+        raise ScanError(f"the eval set {spec.path} has no example with text in field '{spec.field}'. Fix: check the file and {key}.")
     return found
 
 

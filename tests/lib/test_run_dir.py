@@ -4,6 +4,7 @@ replay`` of a copied run directory uses the checkpoints beside the capture.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -237,3 +238,37 @@ def test_replay_skips_an_incomplete_checkpoint(make_trainer: Any, tmp_path: Path
     message = " ".join(result.stderr.split())
     assert f"no complete checkpoint at or before step 3 in {out}: {out / 'checkpoint-3'} lacks trainer_state.json" in message, message
     assert "--checkpoint DIR" in message
+
+
+def test_replay_never_takes_a_relative_output_dir_from_the_working_directory(
+    make_trainer: Any, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A capture folder copied out of its run: an old capture stored output_dir as the script was given it (``runs/x``);
+    replay run from a folder that holds another ``runs/x`` must not use that run's checkpoint. New captures store it
+    absolute. Damaged capture files are clear errors (exit 2), never tracebacks."""
+    original = tmp_path / "original"
+    capture_dir = _captured_nan_run(make_trainer, original, save_steps=3)
+    meta = json.loads((capture_dir / "capture.rank-0.json").read_text(encoding="utf-8"))
+    assert meta["output_dir"] == str(original) and Path(meta["directory"]).is_absolute()
+    loose = tmp_path / "copies" / "step-4"
+    shutil.copytree(capture_dir, loose)
+    meta["output_dir"] = "runs/x"  # as an older capture stored it
+    (loose / "capture.rank-0.json").write_text(json.dumps(meta), encoding="utf-8")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(original / "checkpoint-3", elsewhere / "runs" / "x" / "checkpoint-3")  # another run's, by name
+    monkeypatch.chdir(elsewhere)
+    result = harness_in_process(capsys, monkeypatch, "replay", str(loose))
+    message = " ".join(result.stderr.split())
+    assert result.returncode == 2 and "lies outside its run directory" in message and "--checkpoint DIR" in message, message
+    result = harness_in_process(capsys, monkeypatch, "replay", str(loose / "capture.rank-0.json"))
+    assert result.returncode == 2 and f"Fix: harness replay {loose}" in " ".join(result.stderr.split())
+    for damage, said in (("{\"code\": \"LOSS", "cannot be read as JSON"), ("[1, 2]", "holds a JSON list"),
+                         (json.dumps({k: v for k, v in meta.items() if k != "weights_from_step"}), "key 'weights_from_step' is missing"),
+                         (json.dumps({**meta, "weights_from_step": "twenty"}), "key 'weights_from_step' is a str")):
+        (loose / "capture.rank-0.json").write_text(damage, encoding="utf-8")
+        result = harness_in_process(capsys, monkeypatch, "replay", str(loose), "--checkpoint", str(original / "checkpoint-3"))
+        assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+    (loose / "capture.rank-0.json").write_text(json.dumps(meta), encoding="utf-8")
+    (loose / "batch.rank-0.pt").write_text("not tensors", encoding="utf-8")
+    result = harness_in_process(capsys, monkeypatch, "replay", str(loose), "--checkpoint", str(original / "checkpoint-3"))
+    assert result.returncode == 2 and "cannot be read as the capture's tensors" in result.stderr, result.stderr[-2000:]

@@ -45,6 +45,11 @@ def test_planted_eval_example_is_found_at_its_step_and_the_split_overlap(make_tr
     quiz = [f for f in found if f["evidence"]["eval_set"] == "quiz"]
     assert [f["evidence"]["example_id"] for f in quiz] == ["ex6"]  # the made-up examples stay clean
     assert quiz[0]["step"] == _steps_of(out, planted)[0] and quiz[0]["evidence"]["matched_ngrams"] > 0
+    # one sighting per training row, although the example's tokenisations (variants) each match that row
+    rows = [(s["step"], s["rank"], s["micro_batch"], s["row"]) for s in quiz[0]["evidence"]["sightings"]]
+    assert len(rows) == len(set(rows)), rows
+    more = len(rows) - 1
+    assert (f"and {more} more training row(s)" in quiz[0]["message"]) is (more > 0), quiz[0]["message"]
     # the Trainer's own eval row 40 is a training row too: found where it was trained, and before training as a split overlap
     own = [f for f in found if f["evidence"]["eval_set"] == "eval_dataset"]
     assert own and own[0]["step"] == _steps_of(out, lm_rows[40]["input_ids"])[0]
@@ -75,7 +80,7 @@ def test_a_bad_eval_set_is_reported_and_training_goes_on(make_trainer: Any, toke
     trainer.train()
     messages = [f["message"] for f in findings_of(trainer.args.output_dir, "CONTAMINATION_UNCHECKED")]
     assert len(messages) == 2 and "missing.jsonl does not exist" in messages[0]
-    assert "e.jsonl has no field 'prompt' (it has: id, question)" in messages[1] and "Fix:" in messages[1]
+    assert "e.jsonl line 1 has no field 'prompt' (it has: id, question)" in messages[1] and "Fix: set contamination.eval_sets[1].field" in messages[1]
 
 
 def _questions() -> list[str]:

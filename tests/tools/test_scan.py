@@ -166,9 +166,9 @@ def test_bad_input_names_the_file_and_the_field(corpus: dict[str, Any], tmp_path
     root = corpus["root"]
     with pytest.raises(ScanError, match="does not exist"):
         scan([str(tmp_path / "nope")], [str(root / "eval.jsonl")], eval_field="question", progress=False)
-    with pytest.raises(ScanError, match=r"eval.jsonl has no field 'prompt'.*question"):
+    with pytest.raises(ScanError, match=r"eval.jsonl line 1 has no field 'prompt'.*question.*--eval-field"):
         scan([str(root / "train")], [str(root / "eval.jsonl")], eval_field="prompt", progress=False)
-    with pytest.raises(ScanError, match=r"a.jsonl has no field 'body'.*text"):
+    with pytest.raises(ScanError, match=r"a.jsonl line 1 has no field 'body'.*text.*--field"):
         scan([str(root / "train")], [str(root / "eval.jsonl")], field="body", eval_field="question", progress=False)
     (tmp_path / "empty.jsonl").write_text(json.dumps({"question": "   "}) + "\n")
     with pytest.raises(ScanError, match=r"empty.jsonl has no example with text in field 'question'"):
@@ -256,3 +256,58 @@ def test_scan_refuses_unreadable_training_input(case: str, tmp_path: Path) -> No
     else:
         assert "line 2 is not valid UTF-8" in message
     assert not (tmp_path / "out" / "report.csv").exists()  # nothing written that could pass for a clean result
+
+
+# -- bad options and outputs: exit 2 with the fix, before any work (exit 1 means "dirty") -------------------------------
+
+@pytest.mark.parametrize(("extra", "said"), [
+    (["-n", "0"], "-n 0 is under 1"),
+    (["--workers", "0"], "--workers 0 is under 1"),
+    (["--dirty-fraction", "2"], "--dirty-fraction 2.0 is not a fraction"),
+    (["--dirty-fraction", "0.3", "--partial-fraction", "0.6"], "--partial-fraction 0.6 is not below --dirty-fraction 0.3"),
+    (["--near-dup", "--near-dup-threshold", "1.5"], "--near-dup-threshold 1.5 is not a fraction"),
+    (["--template-min-examples", "-1"], "--template-min-examples -1 is negative"),
+])
+def test_an_option_out_of_range_exits_2_and_says_the_fix(tmp_path: Path, capsys: Any, extra: list[str], said: str) -> None:
+    from harness.cli import main as harness_main
+
+    (tmp_path / "t.txt").write_text("one two three four five\n", encoding="utf-8")
+    (tmp_path / "e.jsonl").write_text(json.dumps({"text": "one two three four five"}) + "\n", encoding="utf-8")
+    code = harness_main(["scan", "--train", str(tmp_path / "t.txt"), "--eval", str(tmp_path / "e.jsonl"), "--out",
+                         str(tmp_path / "out"), *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and "Fix:" in err, err
+    assert not (tmp_path / "out").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("case", ["out_is_a_file", "out_under_a_file", "not_a_tokenizer"])
+def test_an_unusable_out_or_tokenizer_exits_2_and_says_the_fix(tmp_path: Path, capsys: Any, case: str) -> None:
+    from harness.cli import main as harness_main
+
+    (tmp_path / "t.txt").write_text("one two three four five\n", encoding="utf-8")
+    (tmp_path / "e.jsonl").write_text(json.dumps({"text": "one two three four five"}) + "\n", encoding="utf-8")
+    args = ["scan", "--train", str(tmp_path / "t.txt"), "--eval", str(tmp_path / "e.jsonl")]
+    if case == "not_a_tokenizer":
+        (tmp_path / "tok").mkdir()
+        (tmp_path / "tok" / "notes.txt").write_text("no tokenizer here", encoding="utf-8")
+        args += ["--out", str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tok")]
+        expected = f"--tokenizer {tmp_path / 'tok'} holds no tokenizer that loads"
+    else:
+        args += ["--out", str(tmp_path / "t.txt") if case == "out_is_a_file" else str(tmp_path / "t.txt" / "out")]
+        expected = "is a file, not a folder" if case == "out_is_a_file" else "cannot be made"
+    code = harness_main(args)
+    err = capsys.readouterr().err
+    assert code == 2 and expected in err and "Fix:" in err, err
+
+
+def test_two_eval_sets_with_one_file_name_stay_apart(tmp_path: Path) -> None:
+    """e1/eval.jsonl and e2/eval.jsonl: two sets (eval, eval-2) in the report, as --write-clean names their files."""
+    words = [f"w{i}" for i in range(40)]
+    (tmp_path / "train.txt").write_text(" ".join(words[:20]) + "\n" + "unrelated words only here\n", encoding="utf-8")
+    for folder, text in (("e1", " ".join(words[:20])), ("e2", " ".join(words[20:]))):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "eval.jsonl").write_text(json.dumps({"id": "q0", "text": text}) + "\n", encoding="utf-8")
+    result = scan([str(tmp_path / "train.txt")], [str(tmp_path / "e1" / "eval.jsonl"), str(tmp_path / "e2" / "eval.jsonl")],
+                  progress=False)
+    statuses = {(r["eval_set"], r["id"]): r["status"] for r in result.rows}
+    assert statuses == {("eval", "q0"): "dirty", ("eval-2", "q0"): "clean"}, statuses

@@ -89,7 +89,7 @@ def test_a_problem_in_a_later_range_names_its_line(case: str, tmp_path: Path) ->
         lines[line - 1] = content
     (tmp_path / "train.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     expected = {"utf8": "line 250 is not valid UTF-8 (byte 0xe9 at column 14)", "json": "line 260 is not JSON",
-                "missing": "has no field 'text' (it has: body)", "json_before_utf8": "line 262 is not JSON"}[case]
+                "missing": "line 270 has no field 'text' (it has: body)", "json_before_utf8": "line 262 is not JSON"}[case]
     for workers in (1, 2):
         with pytest.raises(ScanError, match=expected.replace("(", r"\(").replace(")", r"\)")):
             scan([str(tmp_path / "train.jsonl")], [str(tmp_path / "eval.jsonl")], workers=workers, progress=False, range_bytes=700)
