@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
+from harness.core.options import NAMES_CODES
 from harness.core.plugin import Plugin
 from harness.lib.capture import strict_json as _strict
 from harness.lib.recompute import PendingRecompute, Recomputed, capture_rng, recompute_on_device, recompute_step, why_not
@@ -66,7 +67,8 @@ class RerunOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    trigger_codes: list[str] = Field(list(TRIGGERS), description="Finding codes (made on this rank, at warning or above) whose step is recomputed.")
+    trigger_codes: list[str] = Field(list(TRIGGERS), description="Finding codes (made on this rank, at warning or above) whose step is recomputed.",
+                                     json_schema_extra=NAMES_CODES)  # a typo would switch the rerun off in silence
     calibrate_at_step: int = Field(2, ge=0, description="Recompute this clean step once to measure the run's own nondeterminism; 0: no calibration.")
     tolerance_floor: float = Field(1e-3, ge=0, description="Smallest relative tolerance between an original value and its recomputation.")
     tolerance_factor: float = Field(10.0, ge=1, description="Tolerance = max(tolerance_floor, tolerance_factor x the calibration's relative difference).")

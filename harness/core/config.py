@@ -43,8 +43,18 @@ def read_yaml(path: Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise ConfigError([f"harness config file '{path}' does not exist. Fix: pass an existing YAML file with --config (or HARNESS_CONFIG)."])
+    if path.is_dir():
+        raise ConfigError([f"harness config file '{path}' is a folder. Fix: pass the YAML file itself with --config (or HARNESS_CONFIG)."])
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise ConfigError([f"harness config file '{path}' is not UTF-8 text (byte {exc.object[exc.start]:#04x} on line {line}). "
+                           "Fix: save it as UTF-8 YAML."]) from None
+    except OSError as exc:
+        raise ConfigError([f"harness config file '{path}' cannot be read ({exc.strerror or exc}). Fix: pass a YAML file you can read."]) from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         where = ""
         mark = getattr(exc, "problem_mark", None)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Literal, TextIO
+from typing import Any, Literal, TextIO
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from harness.core.findings import Finding, Severity
 
@@ -36,6 +36,12 @@ class ConsoleOptions(BaseModel):
         "(`[harness] step 40 LOSS_SPIKE warning: ... -> harness playbook LOSS_SPIKE`); 'off' prints none. "
         f"{QUIET_ENV}=1 in the environment (what `harness wrap --quiet` sets) turns the lines off too.",
     )
+    @field_validator("level", mode="before")
+    @classmethod
+    def _unquoted_off(cls, value: Any) -> Any:
+        """YAML reads an unquoted ``off`` (and ``no``) as false: ``level: off`` means off, as written."""
+        return "off" if value is False else value
+
     per_code: int = Field(
         3, ge=1,
         description="Lines printed per finding code; after that one line says that further lines of that code are held "

@@ -246,3 +246,23 @@ def test_code_options_are_checked(tmp_path: Path) -> None:
     marked = [f"{name}.{key}" for name, model in catalog.option_models.items() if model
               for key, field in model.model_fields.items() if (field.json_schema_extra or {}).get("names_codes")]
     assert "resume_check.stop_on" in marked
+
+
+def test_a_folder_or_a_file_that_is_not_utf8_is_a_config_error(tmp_path: Path, catalog: Catalog) -> None:
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(ConfigError, match=r"adir' is a folder\. Fix: pass the YAML file itself"):
+        load_config(tmp_path / "adir", catalog)
+    (tmp_path / "bad.yaml").write_bytes(b"plugins: []\n\xff\xfe level: 1\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml' is not UTF-8 text \(byte 0xff on line 2\)\. Fix: save it as UTF-8"):
+        load_config(tmp_path / "bad.yaml", catalog)
+
+
+def test_a_typo_in_rerun_trigger_codes_is_an_error_not_a_silent_off(tmp_path: Path, catalog: Catalog) -> None:
+    message = _error(tmp_path, catalog, {"rerun": {"trigger_codes": ["NONFINITE_LOS"]}})
+    assert "rerun.trigger_codes" in message and "NONFINITE_LOS" in message and "Did you mean 'NONFINITE_LOSS'?" in message
+
+
+def test_console_level_off_unquoted_in_yaml_means_off(tmp_path: Path, catalog: Catalog) -> None:
+    path = tmp_path / "quiet.yaml"
+    path.write_text("console: {level: off}\n", encoding="utf-8")  # YAML reads it as false
+    assert load_config(path, catalog).model.console.level == "off"

@@ -395,3 +395,10 @@ def test_config_metrics_evaluate_and_finding_hooks_fire_with_what_they_promise(m
     assert recorder.metrics == [(s, {"recorder/step": s}) for s in (1, 2, 3, 4)]
     assert [s for s, _ in recorder.evaluations] == [2, 4] and all("eval_loss" in m for _, m in recorder.evaluations)
     assert [(f.code, f.step, f.plugin) for f in recorder.findings] == [("RECORDER_SAW_EVAL", 2, "hook_recorder"), ("RECORDER_SAW_EVAL", 4, "hook_recorder")]
+
+
+def test_the_top_level_attach_takes_only_as_the_readme_shows(make_trainer: Any) -> None:
+    """``harness.attach(trainer, only=[...])`` runs exactly those plugins (it raised TypeError: the re-export lacked it)."""
+    trainer = make_trainer(max_steps=1)
+    ctx = harness.attach(trainer, only=["nan_guard", "metrics_log"])
+    assert ctx.manager.names == ["nan_guard", "metrics_log"]
