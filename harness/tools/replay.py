@@ -125,9 +125,10 @@ def _find_checkpoint(meta: dict[str, Any], capture_file: Path) -> tuple[Path, bo
 
     wanted = int(meta["weights_from_step"])
     candidates = []
-    in_run = capture_file.parent.parent.name == "captures" and capture_file.parents[2].name == "harness"
+    located = capture_file.absolute()  # `harness replay step-4` from inside captures/ is in its run too (links kept)
+    in_run = located.parent.parent.name == "captures" and located.parents[2].name == "harness"
     if in_run:  # <output_dir>/harness/captures/step-<N>/: the run's own checkpoints lie in <output_dir>
-        candidates.append(capture_file.parents[3])
+        candidates.append(located.parents[3])
     stored = meta.get("output_dir")
     # the place the run trained in, only when absolute: an older capture stored the path as the script was given it
     # (``runs/x``), and read from another directory that names another run's checkpoints
