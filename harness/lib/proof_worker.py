@@ -22,7 +22,7 @@ from typing import Any
 from harness.lib.checkpoint_loss import Reference, matches, rebuilt_loss, tolerance
 from harness.lib.checkpoint_verify import Layout, Problem, check_complete, read_weights, shape_problems
 from harness.lib.checkpoints import STATE_DIR, marker_name
-from harness.lib.proven import write_proven
+from harness.lib.proven import file_manifest, write_proven
 
 
 @dataclass
@@ -84,7 +84,7 @@ def prove(job: Job) -> Outcome:
     if out.proven:
         record = {"step": job.step, "checks": out.checks, "loss_at_save": job.reference.loss if job.reference else None,
                   "loss_from_disk": out.loss_from_disk, "verify_seconds": round(out.seconds, 4),
-                  "save_cost_seconds": round(job.save_cost_s, 4)}
+                  "save_cost_seconds": round(job.save_cost_s, 4), "files": file_manifest(job.checkpoint)}
         write_proven(job.output_dir, job.checkpoint, record)
     return out
 

@@ -1,8 +1,10 @@
 """``harness_proven``: the marker of a checkpoint whose files were read back and checked, and rotation that keeps one.
 
 ``checkpoint_proof`` writes ``<checkpoint>/harness_proven`` (JSON: step, the
-reference loss at save and from disk, the checks passed, seconds) once a
-checkpoint passed every check that could run. ``newest_proven`` is what
+reference loss at save and from disk, the checks passed, seconds, and the
+size of every file it held) once a checkpoint passed every check that could
+run. A checkpoint that lost or changed a file since is no longer taken as
+proven. ``newest_proven`` is what
 ``harness resume-point`` prints. ``rotate`` is transformers' ``save_total_limit``
 rotation (oldest step first, the newest always kept) with more folders kept
 (the last proven one, those still being checked), so that the only
@@ -11,6 +13,7 @@ checkpoint known to be good is never the one deleted.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -53,12 +56,61 @@ def read_proven(checkpoint: Path) -> dict[str, Any] | None:
     return record
 
 
-def newest_proven(output_dir: Path) -> Path | None:
-    """The highest-step ``checkpoint-<N>`` of ``output_dir`` with a valid marker whose Trainer files are still there."""
+def file_manifest(checkpoint: Path) -> dict[str, int]:
+    """Every regular file of ``checkpoint`` (links not followed) and its size, the marker itself left out: what the proof
+    read, so that a later look can tell a checkpoint that lost or changed a file since (a cleanup, a copy cut short)."""
+    checkpoint = Path(checkpoint)
+    found: dict[str, int] = {}
+    for root, dirs, names in os.walk(checkpoint, followlinks=False):
+        dirs[:] = [d for d in dirs if not (Path(root) / d).is_symlink()]
+        for name in names:
+            path = Path(root) / name
+            if path.is_symlink() or name == MARKER:
+                continue
+            try:
+                found[path.relative_to(checkpoint).as_posix()] = path.stat().st_size
+            except OSError:
+                continue
+    return found
+
+
+def changed_since_proof(checkpoint: Path, record: dict[str, Any]) -> list[str]:
+    """The files of the proof's manifest that are gone or have another size now (a marker without a manifest: none)."""
+    manifest = record.get("files")
+    if not isinstance(manifest, dict):
+        return []
+    changed = []
+    for name, size in manifest.items():
+        path = Path(checkpoint) / str(name)
+        try:
+            now = path.stat().st_size if path.is_file() and not path.is_symlink() else None
+        except OSError:
+            now = None
+        if now is None:
+            changed.append(f"{name} is missing")
+        elif now != size:
+            changed.append(f"{name} is {now} bytes, {size} when proven")
+    return changed
+
+
+def newest_proven_noting(output_dir: Path) -> tuple[Path | None, list[str]]:
+    """:func:`newest_proven`, and a line for each newer proven checkpoint passed over because it changed since."""
+    notes = []
     for checkpoint in list_checkpoints(Path(output_dir)):
-        if read_proven(checkpoint) is not None and not trainer_missing(checkpoint):
-            return checkpoint
-    return None
+        record = read_proven(checkpoint)
+        if record is None or trainer_missing(checkpoint):
+            continue
+        changed = changed_since_proof(checkpoint, record)
+        if not changed:
+            return checkpoint, notes
+        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+        notes.append(f"passed over {checkpoint.name}: it changed since it was proven: {'; '.join(changed[:3])}{more}")
+    return None, notes
+
+
+def newest_proven(output_dir: Path) -> Path | None:
+    """The highest-step ``checkpoint-<N>`` of ``output_dir`` with a valid marker whose files are still those proven."""
+    return newest_proven_noting(output_dir)[0]
 
 
 def rotate(output_dir: Path, limit: int | None, keep: Iterable[Path]) -> list[Path]:

@@ -3,7 +3,7 @@
 A checkpoint is proven when ``checkpoint_proof`` read it back after its save
 (complete, weights load and are finite, the reference loss matches) and wrote
 ``harness_proven`` into it. The newest such folder, with its Trainer files
-still there, is printed alone on stdout (exit 0), so that a launcher can do
+still there and unchanged since the proof (every file it held, by size), is printed alone on stdout (exit 0), so that a launcher can do
 ``--resume_from_checkpoint "$(harness resume-point out)"``; with none, one line
 on stderr says so and what the newer folders are (exit 1).
 """
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from harness.lib.checkpoints import list_checkpoints
-from harness.lib.proven import MARKER, newest_proven
+from harness.lib.proven import MARKER, newest_proven_noting
 
 EXIT_NONE = 1
 
@@ -23,7 +23,9 @@ def print_resume_point(output_dir: Path) -> int:
     if not output_dir.is_dir():
         sys.stderr.write(f"harness resume-point: {output_dir} is not a folder (give the training run's output_dir).\n")
         return 2
-    chosen = newest_proven(output_dir)
+    chosen, notes = newest_proven_noting(output_dir)
+    for note in notes:  # a newer proven checkpoint that lost or changed a file since: a resume from it would fail
+        sys.stderr.write(f"harness resume-point: {note}.\n")
     if chosen is not None:
         print(chosen)
         return 0

@@ -29,7 +29,7 @@ def _checkpoints(out: Path) -> list[str]:
     return sorted((p.name for p in out.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
 
 
-def test_a_clean_run_proves_every_checkpoint_and_says_nothing(make_trainer: Any, tmp_path: Path) -> None:
+def test_a_clean_run_proves_every_checkpoint_and_says_nothing(make_trainer: Any, tmp_path: Path, capsys: Any) -> None:
     out, plugin = _run(make_trainer, tmp_path)
     assert [f for f in findings_of(out) if f["severity"] != "info"] == []
     assert findings_of(out, "CHECKPOINT_UNVERIFIED") == [] and findings_of(out, "CHECKPOINT_CORRUPT") == []
@@ -41,6 +41,19 @@ def test_a_clean_run_proves_every_checkpoint_and_says_nothing(make_trainer: Any,
     assert [t["step"] for t in plugin.timings] == [5, 10]  # each checked in the background, its cost measured
     result = harness_cli("resume-point", str(out))
     assert result.returncode == 0 and result.stdout.strip() == str(out / "checkpoint-10")
+    # files a resume needs removed (or cut short) after the proof: that checkpoint is passed over, and said why
+    record = json.loads((out / "checkpoint-10" / MARKER).read_text())
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= set(record["files"])
+    (out / "checkpoint-10" / "optimizer.pt").unlink()
+    with open(out / "checkpoint-10" / "scheduler.pt", "ab") as handle:
+        handle.write(b"x")
+    from harness.cli import main as harness_main
+
+    capsys.readouterr()  # the run's own output
+    assert harness_main(["resume-point", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == str(out / "checkpoint-5"), captured.out
+    assert "passed over checkpoint-10: it changed since it was proven: optimizer.pt is missing; scheduler.pt is" in captured.err, captured.err
 
 
 def test_a_truncated_weights_file_is_corrupt_and_the_proven_one_survives_rotation(make_trainer: Any, tmp_path: Path) -> None:
