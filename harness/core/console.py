@@ -9,9 +9,12 @@ kill training, and an info finding costs one comparison.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
+from importlib import resources
+from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -69,7 +72,24 @@ def finding_line(finding: Finding) -> str:
     where = f" step {finding.step}" if finding.step is not None else ""
     rank = f" rank {finding.rank}" if finding.rank else ""
     return (f"{PREFIX}{where}{rank} {finding.code} {finding.severity.value}: {shorten(finding.message)}"
-            f" -> harness playbook {finding.code}")
+            f" -> {playbook_pointer(finding)}")
+
+
+def playbook_pointer(finding: Finding) -> str:
+    """Where the finding's playbook is: ``harness playbook CODE`` for the playbooks this harness ships; a code of another
+    package's plugin points at the playbook its code names (``my-playbook#loss``), which `harness playbook` cannot print."""
+    family = (finding.playbook or "").partition("#")[0]
+    if not family or _shipped_playbook(family):
+        return f"harness playbook {finding.code}"
+    return f"playbook {finding.playbook}"
+
+
+@functools.lru_cache(maxsize=64)
+def _shipped_playbook(family: str) -> bool:
+    try:
+        return (Path(str(resources.files("harness.playbooks"))) / f"{family}.md").is_file()
+    except (ImportError, OSError, TypeError, ValueError):  # an odd install: the built-in pointer, as before
+        return True
 
 
 class Console:
@@ -106,15 +126,25 @@ class Console:
             pass
 
     def _write(self, line: str) -> None:
-        stream = self._stream if self._stream is not None else sys.stderr
-        if stream is None:  # pythonw, or a closed descriptor replaced by None
-            return
-        try:
-            bars = sys.modules.get("tqdm") if self._stream is None else None
-            if bars is not None:  # the Trainer's progress bar is on stderr: clear it, write, redraw it (no torn lines)
-                bars.tqdm.write(line, file=stream)
-            else:
-                stream.write(line + "\n")
-            stream.flush()
-        except (OSError, ValueError, AttributeError):  # closed stream, broken pipe, full disk, an odd tqdm
-            pass
+        write_stderr(line, self._stream)
+
+
+def write_stderr(text: str, stream: TextIO | None = None) -> None:
+    """``text`` (one line or several, without the last line break) on stderr, never raises.
+
+    The Trainer's progress bar is on stderr: through tqdm's own ``write`` the
+    bar is cleared, the text written and the bar redrawn, so the text never
+    starts on the bar's line. ``stream``: another stream, written plainly.
+    """
+    target = stream if stream is not None else sys.stderr
+    if target is None:  # pythonw, or a closed descriptor replaced by None
+        return
+    try:
+        bars = sys.modules.get("tqdm") if stream is None else None
+        if bars is not None:
+            bars.tqdm.write(text, file=target)
+        else:
+            target.write(text + "\n")
+        target.flush()
+    except (OSError, ValueError, AttributeError):  # closed stream, broken pipe, full disk, an odd tqdm
+        pass

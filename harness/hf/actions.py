@@ -13,12 +13,12 @@ prints a banner on stderr naming the causes, the step, the attempt and
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 from harness.core.actions import Action
 from harness.core.codes import ACTION_TAKEN
+from harness.core.console import write_stderr
 from harness.core.context import RunContext
 from harness.core.findings import Finding
 from harness.lib.stops import STOPPING_ACTIONS, StopNotice, banner, write_marker
@@ -77,8 +77,7 @@ class ActionExecutor:
             attempt=self.attempt, rank=self.ctx.rank,
         )
         if self.ctx.is_main:
-            sys.stderr.write(banner(notice))
-            sys.stderr.flush()
+            write_stderr(banner(notice).rstrip("\n"))  # through tqdm's write: never on the progress bar's line
         if notice.ends_training:
             write_marker(notice)
 

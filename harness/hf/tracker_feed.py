@@ -30,7 +30,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from harness.core.console import finding_line
+from harness.core.console import finding_line, playbook_pointer
 from harness.core.findings import Finding, Severity
 from harness.core.options import TrackerOptions
 
@@ -103,7 +103,7 @@ class TrackerFeed(TrainerCallback):
             self._pending.append(finding)
             if len(self.rows) < TABLE_ROWS:
                 self.rows.append([finding.step, finding.code, finding.severity.value, finding.rank, finding.plugin,
-                                  finding.message, f"harness playbook {finding.code}"])
+                                  finding.message, playbook_pointer(finding)])
 
     # -- the Trainer's log ---------------------------------------------------------------------------------
 

@@ -31,6 +31,16 @@ def test_the_line_names_step_code_severity_message_and_the_playbook_command() ->
     assert finding_line(finding(rank=3, step=None)).startswith("[harness] rank 3 LOSS_SPIKE warning: ")
 
 
+def test_a_code_of_another_package_points_at_its_own_playbook() -> None:
+    """`harness playbook CODE` prints only the shipped playbooks: a plugin's own code names where its playbook is."""
+    shipped = Finding(code="LOSS_SPIKE", severity=Severity.WARNING, plugin="spike_capture", message="m", step=4,
+                      playbook="numeric-health#loss_spike")
+    theirs = Finding(code="LOSS_ABOVE_CEILING", severity=Severity.ERROR, plugin="myplug", message="m", step=4,
+                     playbook="my-playbook#loss")
+    assert finding_line(shipped).endswith("-> harness playbook LOSS_SPIKE")
+    assert finding_line(theirs).endswith("-> playbook my-playbook#loss")
+
+
 def test_a_long_message_is_one_short_line() -> None:
     text = "word " * 100 + "\nsecond line"
     short = shorten(text)

@@ -57,3 +57,15 @@ def test_on_stop_accepts_only_return_or_raise() -> None:
         from harness.core.config import Catalog, load_config
 
         load_config({"on_stop": "exit"}, Catalog.build())
+
+
+def test_the_banner_starts_on_a_line_of_its_own_under_the_progress_bar(make_trainer: Callable[..., Any], tmp_path: Path,
+                                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    """The Trainer's tqdm bar is on stderr without a line break: the banner is written through tqdm, never after it."""
+    trainer = make_trainer(output_dir=tmp_path / "out", disable_tqdm=False)
+    harness.attach(trainer, config={"plugins": ["defaults", FAULTS], "fault_injector": {"stop_at_step": 2}})
+    trainer.train()
+    err = capfd.readouterr().err
+    at = err.index("HARNESS STOPPED TRAINING")
+    line = err[: at].replace("\r", "\n").rsplit("\n", 1)[-1]  # what the banner's line holds before its title
+    assert set(line.rstrip(" ")) == {"="}, repr(err[max(0, at - 300) : at + 40])
