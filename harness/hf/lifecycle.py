@@ -45,6 +45,7 @@ class RunLifecycle:
         self._attempt: int | None = None  # this train() call's index in run.json's attempts
         self._report_time = 0.0
         self.after_run_end: Callable[[], None] | None = None  # after the plugins' on_run_end: the trackers get the last findings
+        self.attached_at = time.time()  # findings from here on are this job's (wrap's summary); set-up ones included
 
     def wrap_train(self, train: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(train)
@@ -70,7 +71,7 @@ class RunLifecycle:
         self._in_train = True
         self.ctx.resumed_from = resumed
         if self.ctx.is_main:  # before the Trainer's own set-up, which may fail (a checkpoint it cannot load): wrap's summary
-            write_run_marker(self.ctx.run_dir)  # then still names this run directory; ``begin`` writes it again (idempotent)
+            write_run_marker(self.ctx.run_dir, since=self.attached_at)  # then still names this run directory; ``begin`` writes it again (idempotent)
         self._attempt = None
         self._mark_attempt("running")
         self._note_rank_findings()
@@ -148,7 +149,7 @@ class RunLifecycle:
         """At train begin: record the attempt in run.json (rank 0), then ``on_run_start`` and ``inspect_dataset``."""
         ctx, trainer, hooks = self.ctx, self.trainer, self.ctx.manager.hooks
         if ctx.is_main:
-            write_run_marker(ctx.run_dir)  # `harness wrap`'s closing summary reads it (nothing outside wrap)
+            write_run_marker(ctx.run_dir, since=self.attached_at)  # `harness wrap`'s closing summary reads it (nothing outside wrap)
             try:  # the run card's facts: nice to have, never worth a crash
                 resumed = str(ctx.resumed_from) if ctx.resumed_from is not None else None
                 facts = run_facts(trainer, ctx.world_size, ctx.stage)

@@ -9,7 +9,9 @@ the ``harness explain`` command.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Sequence
 
@@ -18,29 +20,37 @@ from harness.report.record import RunRecord
 from harness.report.verdict import verdict_of
 
 HEAD = "harness wrap:"
+CLOCK_SLACK_S = 1.0  # a finding stamped this much before the job began still counts (clock steps, rounding)
 
 
-def closing_summary(run_dirs: Sequence[Path]) -> str:
-    """The summary text for ``run_dirs`` (one line saying so when the command produced none)."""
+def closing_summary(run_dirs: Sequence[Path] | Mapping[Path, float | None]) -> str:
+    """The summary text for ``run_dirs`` (one line saying so when the command produced none); a mapping gives each run
+    directory the wall time this job began there, so that findings of earlier jobs in it are not counted as this job's."""
+    since_of = dict(run_dirs) if isinstance(run_dirs, Mapping) else dict.fromkeys(run_dirs)
     if not run_dirs:
         return (f"{HEAD} no harness run directory was produced (the command trained no Trainer with the harness "
                 "attached, or the harness refused to start training: its message is above), so there is nothing to "
                 "summarise.\n")
     blocks = []
-    for run_dir in run_dirs:
+    for run_dir, since in since_of.items():
         try:
-            blocks.append(_run_summary(Path(run_dir)))
+            blocks.append(_run_summary(Path(run_dir), since))
         except Exception as exc:  # noqa: BLE001 - a damaged run directory must not change wrap's exit status
             blocks.append(f"{HEAD} run {run_dir}: could not be read for the summary ({type(exc).__name__}: {exc}); "
                           f"try `harness explain {Path(run_dir).parent}`.\n")
     return "".join(blocks)
 
 
-def _run_summary(run_dir: Path) -> str:
+def _run_summary(run_dir: Path, since: float | None = None) -> str:
     run = RunRecord.load(run_dir)
+    cutoff = since - CLOCK_SLACK_S if since is not None else float("-inf")
+    earlier = [f for f in run.findings if f.time < cutoff]
+    if earlier:  # an earlier job trained into the same output_dir: its findings are in the run directory, not this job's
+        run = dataclasses.replace(run, findings=[f for f in run.findings if f.time >= cutoff])
     lines = [f"{HEAD} summary of {run_dir}",
              f"  verdict: {verdict_of(run).line()}",
-             f"  findings: {code_counts(run)}",
+             f"  findings: {code_counts(run)}"
+             + (f" ({len(earlier)} finding(s) of earlier jobs in this run directory not counted)" if earlier else ""),
              f"  report: {_report_path(run_dir)}",
              f"  next: harness explain {run.output_dir}"]
     return "\n".join(lines) + "\n"

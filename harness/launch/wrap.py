@@ -39,7 +39,7 @@ from harness.core.console import QUIET_ENV, quiet_from_env
 from harness.core.errors import HarnessError
 from harness.launch.light_imports import heavy_imports_deferred
 from harness.lib.stops import STOP_DIR_ENV, read_markers, wrap_summary, wrapped_exit_status
-from harness.lib.wrapped_runs import read_run_markers
+from harness.lib.wrapped_runs import read_run_markers_since
 
 
 GROUP_DRAIN_S = 600.0  # after a forwarded signal, how long wrap waits for the rest of the command's process group
@@ -94,7 +94,7 @@ def run_wrapped(command: Sequence[str], config: str | None = None, plugins: Sequ
         base = {**os.environ, QUIET_ENV: "1"} if quiet else None
         status = _run(command, wrap_environment(config, plugins, base=base, stop_dir=stop_dir, only=only))
         stops = [n for n in read_markers(stop_dir) if n.ends_training]
-        runs = read_run_markers(stop_dir)
+        runs = read_run_markers_since(stop_dir)
     finally:
         shutil.rmtree(stop_dir, ignore_errors=True)
     returned = wrapped_exit_status(status, stops)
@@ -105,7 +105,7 @@ def run_wrapped(command: Sequence[str], config: str | None = None, plugins: Sequ
     return returned
 
 
-def _print_summary(runs: list[Path]) -> None:
+def _print_summary(runs: dict[Path, float | None]) -> None:
     """The closing summary on stderr; never changes wrap's exit status."""
     from harness.launch.summary import closing_summary
 

@@ -19,7 +19,7 @@ ALLOWED = {  # path -> why its json.dumps is not a run-directory record that can
     "harness/lib/rerun_exchange.py": "an in-memory manifest sent between ranks, never a file",
     "harness/lib/proven.py": "a checkpoint's proof marker: hashes and ints",
     "harness/lib/rundir.py": "the run lock: pid, host and time",
-    "harness/lib/wrapped_runs.py": "the wrap marker: a path and a pid",
+    "harness/lib/wrapped_runs.py": "the wrap marker: a path, a pid and a wall time",
     "harness/lib/tiny.py": "test data rows (token ids)",
     "harness/lib/checkpoints.py": "a checkpoint's completion marker: ints",
     "harness/launch/wrap.py": "environment variables handed to the child process",

@@ -13,37 +13,10 @@ from typing import Any
 import pytest
 
 from conftest import REPO, broken_report_links, harness_cli
+from handmade_runs import finding_record as _finding, make_run
 
 EVIL = "http://evil.example/x"
 SCRIPT = "<script>alert(1)</script>"
-
-
-def _finding(**over: Any) -> dict[str, Any]:
-    record = {"code": "NONFINITE_LOSS", "severity": "error", "plugin": "nan_guard", "message": "loss was nan at step 2",
-              "step": 2, "rank": 0, "evidence": {}, "playbook": "numeric-health#nonfinite_loss", "action": "skip_step",
-              "time": 1_700_000_000.0, "id": "good0001"}
-    record.update(over)
-    return record
-
-
-def make_run(output_dir: Path, plugins: list[str] | None = None, run_json: dict[str, Any] | None = None,
-             findings: list[Any] | None = None) -> Path:
-    """A run directory by hand, as this harness writes it (marker, resolved config, findings, step records)."""
-    run_dir = output_dir / "harness"
-    run_dir.mkdir(parents=True)
-    config = {"plugins": plugins if plugins is not None else ["metrics_log"], "disable": [], "severity": {}, "policy": {},
-              "output_dir": None, "max_plugin_errors": 10, "report": True, "report_plots": False, "recent_batches": 4}
-    (run_dir / "config.yaml").write_text(json.dumps(config), encoding="utf-8")  # JSON is YAML
-    info = {"format": "train-harness-run/1", "stage": "causal-lm", "trainer": "Trainer", "world_size": 1,
-            "attempts": [{"started": 1_700_000_000.0, "resumed_from": None, "start_step": 0, "status": "completed",
-                          "ended": 1_700_000_100.0, "end_step": 4}]}
-    info.update(run_json or {})
-    (run_dir / "run.json").write_text(json.dumps(info), encoding="utf-8")
-    lines = [json.dumps(f) if isinstance(f, dict) else f for f in (findings if findings is not None else [_finding()])]
-    (run_dir / "findings.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    steps = [{"step": s, "loss": 5.0 - s / 2, "grad_norm": 1.0, "lr": 1e-3, "tokens": 128 * s} for s in range(1, 5)]
-    (run_dir / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps), encoding="utf-8")
-    return run_dir
 
 
 def snapshot(folder: Path) -> dict[str, tuple[float, int, bytes | str]]:
