@@ -68,6 +68,8 @@ def find_capture_file(capture_dir: Path, rank: int | None) -> Path:
     return files[0]
 
 
+TABLE_WIDTH = 160  # the replay table's columns with their numbers whole and 40 characters of text
+
 CAPTURE_KEYS = {"code": str, "step": int, "rank": int, "weights_from_step": int, "samples": list}
 BATCH_KEYS = ("micro_batches", "micro_batch_index", "rng")
 
@@ -258,7 +260,9 @@ def print_replay(capture_dir: Path, checkpoint: Path | None, rank: int | None, d
     captured_on = meta.get("model", {}).get("device_type") or "cpu"
     device = device or (captured_on if captured_on == "cpu" or torch.cuda.is_available() else "cpu")
     tolerance = default_tolerance(meta) if tolerance is None else tolerance
-    console = Console()
+    # a pipe, a CI log or an 80-column terminal: rich would cut the numbers to "6.588…"; the table needs about 150
+    # columns, and a line the terminal wraps keeps its numbers whole
+    console = Console(width=max(Console().width, TABLE_WIDTH))
     if checkpoint is None:
         checkpoint, _, skipped = _find_checkpoint(meta, capture_file)
         for folder, missing in skipped:
@@ -268,14 +272,19 @@ def print_replay(capture_dir: Path, checkpoint: Path | None, rank: int | None, d
     if device != captured_on:
         console.print(f"[yellow]the capture ran on {captured_on}, this replay on {device}: kernels differ, expect small differences.[/yellow]")
     table = Table(title=f"{meta['code']} at step {meta['step']}, rank {meta['rank']}: per-sample loss and grad norm on {used}")
-    for column in ("suspect", "micro-batch", "row", "sample id", "captured", "replayed", "|diff|", "grad norm", "text"):
-        table.add_column(column, justify="right" if column not in ("text",) else "left")
+    for column in ("suspect", "micro-batch", "row", "sample id", "captured", "replayed", "|diff|", "captured grad norm",
+                   "replayed grad norm", "text"):
+        if column == "text":
+            table.add_column(column, justify="left", overflow="ellipsis", no_wrap=True, max_width=40)
+        else:
+            table.add_column(column, justify="right", no_wrap=True)
     for i, row in enumerate(rows, 1):
         diff = row.diff
         table.add_row(
             str(i), str(row.micro_batch), str(row.row), str(row.sample_id), "-" if row.captured is None else f"{row.captured:.5f}",
-            f"{row.replayed:.5f}", "-" if diff is None else f"{diff:.2e}", "-" if row.grad_norm is None else f"{row.grad_norm:.4g}",
-            row.text.replace("\n", " "),
+            f"{row.replayed:.5f}", "-" if diff is None else f"{diff:.2e}",
+            "-" if row.captured_grad_norm is None else f"{row.captured_grad_norm:.4g}",
+            "-" if row.grad_norm is None else f"{row.grad_norm:.4g}", row.text.replace("\n", " "),
         )
     console.print(table)
     console.print(f"per-sample gradient norms: {blame.method} ({blame.seconds:.3g} s" + (f"; {blame.why}" if blame.why else "") + ")",

@@ -145,6 +145,14 @@ def test_replay_reproduces_the_captured_losses_on_the_checkpoint(
     result = harness_cli("replay", str(capture_dir))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "reproduced" in result.stdout and "not reproduced" not in result.stdout
+    # piped (no terminal, rich's 80 columns): every number whole, the captured grad norm beside the replayed one
+    replayed = f"{rows[0].replayed:.5f}"
+    top = [line for line in result.stdout.splitlines() if replayed in line]
+    assert len(top) == 1, result.stdout[-3000:]  # one line per sample, its numbers not cut to "6.588…"
+    top = top[0]
+    assert f"{rows[0].captured:.5f}" in top, top
+    assert rows[0].captured_grad_norm is not None and f"{rows[0].captured_grad_norm:.4g}" in top, top
+    assert "captured grad" in result.stdout and "replayed grad" in result.stdout
 
     # the other outcomes through the same CLI entry point, in this process (a subprocess per call is only start-up time)
     # another model directory: the numbers are shown, and said not to be comparable
