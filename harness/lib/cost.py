@@ -12,6 +12,7 @@ the weights as well.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 SECONDS_PER_DAY = 86_400.0
@@ -20,6 +21,8 @@ SECONDS_PER_DAY = 86_400.0
 PEAK_TFLOPS: dict[str, float] = {
     "H200": 989.0,
     "H100": 989.0,
+    "H100 PCIE": 756.0,
+    "H100 NVL": 835.0,
     "H800": 989.0,
     "GH200": 989.0,
     "B200": 2250.0,
@@ -105,10 +108,14 @@ def estimate(params: float, tokens: float, devices: int = 1, peak_tflops: float 
 
 
 def peak_for(device_name: str) -> float | None:
-    """The dense 16-bit peak of a device from its name (``torch.cuda.get_device_name()``), if known."""
-    name = device_name.upper()
-    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "GH200" before "H200" before ...
-        if key in name:
+    """The dense 16-bit peak of a device from its name (``torch.cuda.get_device_name()``), if known.
+
+    A known name must stand as a whole word in it ("NVIDIA L40" is not an L4,
+    "NVIDIA H100 PCIe" is the PCIe card, not the SXM one); longer names first.
+    """
+    name = " ".join(device_name.upper().replace("-", " ").split())
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "GH200" before "H200", "H100 PCIE" before "H100" ...
+        if re.search(rf"(?<![A-Z0-9]){re.escape(key)}(?![A-Z0-9])", name):
             return PEAK_TFLOPS[key]
     return None
 
@@ -143,7 +150,7 @@ def describe(result: Estimate) -> list[tuple[str, str]]:
     ]
     if result.seconds is not None:
         rows += [
-            ("devices x peak x MFU", f"{result.devices} x {result.peak_tflops:g} TFLOPS x {result.mfu:.0%}"),
+            ("devices x peak x MFU", f"{result.devices} x {result.peak_tflops:g} TFLOPS x {result.mfu * 100:.3g}%"),
             ("time", f"{duration(result.seconds)} ({result.device_days:.3g} device-days)"),
         ]
     memory = result.memory

@@ -5,6 +5,8 @@ their names are re-exported here. This module adds reading a ``harness run`` sta
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from harness.lib.cost import (  # noqa: F401 - re-exported
@@ -52,7 +54,11 @@ def plan_from_config(path: str, devices: int) -> PlannedRun:
     except Exception as exc:  # noqa: BLE001 - pydantic's message names the key
         raise ConfigError([f"run config error in {source}: {exc}. Fix: check the file against examples/*.yaml."]) from None
     if config.model.path:
-        model_config = AutoConfig.from_pretrained(source.parent / config.model.path if not Path(config.model.path).is_absolute() else config.model.path)
+        model_dir = source.parent / config.model.path if not Path(config.model.path).is_absolute() else Path(config.model.path)
+        if not (model_dir / "config.json").is_file():  # never a Hub id: nothing is downloaded
+            raise ConfigError([f"run config {source}: model.path {config.model.path} ({model_dir}) holds no config.json. "
+                               "Fix: point model.path at a saved model folder, or pass --params instead."])
+        model_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     else:
         model_config = tiny_llama_config(config.tokenizer.vocab_size, **config.model.overrides)
     with torch.device("meta"):
@@ -87,9 +93,16 @@ def print_estimate(params: float | None, tokens: float | None, devices: int, pea
         tokens = tokens or plan.tokens
         precision = precision or plan.precision
         zero = plan.zero if zero is None else zero
-    if not params or not tokens:
+    if params is None or tokens is None:
         raise HarnessError("harness estimate needs --params and --tokens (or --from-config with max_steps set). "
                            "Fix: e.g. `harness estimate --params 7e9 --tokens 1e12 --devices 1024 --peak-tflops 989 --mfu 0.4`.")
+    for flag, value in (("--params", params), ("--tokens", tokens), ("--peak-tflops", peak_tflops)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise HarnessError(f"harness estimate: {flag} {value:g} is not a positive number. Fix: pass a count above 0, "
+                               "e.g. 7e9 (write a negative as --params=-7e9 to get this message instead of argparse's).")
+    if peak_tflops is not None and device:
+        raise HarnessError(f"harness estimate: --peak-tflops {peak_tflops:g} and --device {device} both give the peak. "
+                           "Fix: pass one of them.")
     if peak_tflops is None and device:
         peak_tflops = peak_for(device)
         if peak_tflops is None:
@@ -101,6 +114,9 @@ def print_estimate(params: float | None, tokens: float | None, devices: int, pea
     width = max(len(label) for label, _ in describe(result))
     for label, value in describe(result):
         print(f"{label:<{width}}  {value}")
+    if device and (precision or "bf16") == "fp32":
+        print(f"note: --device {device} gives its dense 16-bit peak; an fp32 run reaches a fraction of it (TF32 about half, "
+              "plain fp32 less). Pass --peak-tflops for the precision you train in.")
     if result.seconds is None:
         print("time: pass --peak-tflops (or --device H100) to estimate it")
     return 0

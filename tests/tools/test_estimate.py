@@ -1,6 +1,7 @@
 """harness estimate: the field notes' worked examples, memory per ZeRO stage, and a stage config as input."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +35,42 @@ def test_memory_per_device_follows_precision_and_zero_stage() -> None:
 def test_device_peaks_by_name() -> None:
     assert peak_for("NVIDIA H100 80GB HBM3") == 989 and peak_for("NVIDIA A100-SXM4-40GB") == 312
     assert peak_for("NVIDIA GH200 480GB") == 989 and peak_for("cpu") is None
+    # a whole name, not a piece of one: an L40 is not an L4, the PCIe H100 is not the SXM one
+    assert peak_for("NVIDIA L40") is None and peak_for("L40S") == 362 and peak_for("NVIDIA L4") == 121
+    assert peak_for("NVIDIA H100 PCIe") == 756 and peak_for("H100") == 989 and peak_for("NVIDIA A100-PCIE-40GB") == 312
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--params", "0", "--tokens", "1e12"], "--params 0 is not a positive number"),
+    (["--params", "nan", "--tokens", "1e12"], "--params nan is not a positive number"),
+    (["--params", "7e9", "--tokens", "inf"], "--tokens inf is not a positive number"),
+    (["--params", "7e9", "--tokens", "1e12", "--peak-tflops", "-5"], "--peak-tflops -5 is not a positive number"),
+    (["--params", "7e9", "--tokens", "1e12", "--peak-tflops", "500", "--device", "H100"], "both give the peak"),
+])
+def test_cli_refuses_numbers_that_are_no_plan(capsys: Any, args: list[str], said: str) -> None:
+    assert harness_main(["estimate", *args]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Fix:" in err, err
+
+
+def test_cli_notes_the_16_bit_peak_of_an_fp32_plan_and_reads_no_hub_model(capsys: Any, tmp_path: Path) -> None:
+    assert harness_main(["estimate", "--params", "1e9", "--tokens", "1e10", "--device", "H100", "--precision", "fp32",
+                         "--mfu", "0.004"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --device H100 gives its dense 16-bit peak" in out and "x 0.4%" in out, out
+    config = tmp_path / "run.yaml"
+    config.write_text((REPO / "examples" / "pretrain.yaml").read_text(encoding="utf-8") + "\n", encoding="utf-8")
+    import yaml
+
+    data = yaml.safe_load(config.read_text(encoding="utf-8"))
+    data["model"] = {"path": "../nothere"}
+    config.write_text(yaml.safe_dump(data), encoding="utf-8")
+    assert harness_main(["estimate", "--from-config", str(config)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "model.path ../nothere" in err and "holds no config.json" in err and "Traceback" not in err, err
+    (tmp_path / "adir").mkdir()
+    assert harness_main(["estimate", "--from-config", str(tmp_path / "adir")]) == 2
+    assert "is a folder" in capsys.readouterr().err
 
 
 def test_cli_prints_the_worked_example_and_reads_a_stage_config(capsys: Any) -> None:
