@@ -43,7 +43,10 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
             owner = catalog.code_owner[code.code]
             print(f"{code.code:<32} {code.severity.value:<8} {owner:<16} {code.summary}")
         return 0
-    if args.config is not None or args.only is not None or args.plugins:
+    from harness.core.config import CONFIG_ENV, ONLY_ENV, PLUGINS_ENV
+
+    inherited = any(os.environ.get(name) is not None for name in (CONFIG_ENV, PLUGINS_ENV, ONLY_ENV))
+    if args.config is not None or args.only is not None or args.plugins or inherited:
         return _print_selection(args, catalog)
     width = max((len(n) for n in catalog.entries), default=8)
     for name, entry in catalog.entries.items():
@@ -54,16 +57,21 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 def _print_selection(args: argparse.Namespace, catalog: Catalog) -> int:
     """Which plugins a run with this config (and ``--plugins``/``--only``) would enable: 'on' or 'off' for each."""
-    from harness.core.config import load_config
+    from harness.core.config import effective_selection, load_config
 
-    only = _names(args.only) if args.only is not None else None
-    resolved = load_config(args.config if args.config else {}, catalog, extra_plugins=_names(args.plugins), only=only)
+    # as `harness wrap` would run it: the flags, else what the environment sets (HARNESS_CONFIG/PLUGINS/ONLY)
+    selection = effective_selection(args.config, _names(args.plugins), _names(args.only) if args.only is not None else None)
+    for note in selection.notes:
+        sys.stderr.write(f"harness plugins: note: {note}.\n")
+    resolved = load_config(selection.config if selection.config else {}, catalog, extra_plugins=selection.plugins,
+                           only=selection.only)
     width = max((len(n) for n in [*catalog.entries, *resolved.enabled]), default=8)
     for name in [*resolved.enabled, *(n for n in catalog.entries if n not in resolved.enabled)]:
         source = catalog.entries[name].source if name in catalog.entries else "path"
         print(f"{name:<{width}}  {'on ' if name in resolved.enabled else 'off'}  {source:<10}  "
               f"{catalog.entries[name].description if name in catalog.entries else ''}".rstrip())
-    print(f"{len(resolved.enabled)} of {len(catalog.entries)} plugins on, for {resolved.source}")
+    inherited = f" (with {', '.join(selection.from_env)} from the environment)" if selection.from_env else ""
+    print(f"{len(resolved.enabled)} of {len(catalog.entries)} plugins on, for {resolved.source}{inherited}")
     return 0
 
 

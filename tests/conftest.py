@@ -20,7 +20,7 @@ for _key, _value in {
     "HARNESS_REPORT_PLOTS": "0",  # a second of matplotlib per run end; the report's own tests and the demo turn plots on
 }.items():
     os.environ.setdefault(_key, _value)
-for _key in ("HARNESS_CONFIG", "HARNESS_PLUGINS", "HARNESS_WRAP"):
+for _key in ("HARNESS_CONFIG", "HARNESS_PLUGINS", "HARNESS_ONLY", "HARNESS_WRAP"):
     os.environ.pop(_key, None)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from harness.core.registry import entry_for
 
 __all__ = [
     "CONFIG_ENV", "CORE_KEYS", "NAMES_CODES", "ONLY_ENV", "PLUGINS_ENV", "REFERENCE_HINT", "REPORT_PLOTS_ENV", "Catalog",
+    "Selection", "effective_selection",
     "CoreOptions", "ResolvedConfig", "config_reference", "load_config", "names_codes", "read_yaml", "resolve_config",
 ]
 
@@ -191,10 +194,10 @@ def _selection_conflicts(model: CoreOptions, source: str, extra: list[str] | Non
         problems.append(f"harness config error in {source}, keys 'only' and 'plugins': both choose the plugins. "
                         "Fix: keep 'only' for exactly those plugins, or 'plugins' (with 'defaults' in it for the defaults too).")
     if only is not None and extra:
-        problems.append(f"harness: --only ({','.join(only)}) and --plugins ({','.join(extra)}) given together. "
+        problems.append(f"--only ({','.join(only)}) and --plugins ({','.join(extra)}) given together. "
                         "Fix: list every plugin you want in --only, or use --plugins to add to the config's.")
     if only is not None and not only:
-        problems.append("harness: --only names no plugin. Fix: give at least one name (`harness plugins` lists them), "
+        problems.append("--only names no plugin. Fix: give at least one name (`harness plugins` lists them), "
                         "or 'disable' plugins in the config to run none of them.")
     return problems
 
@@ -258,6 +261,45 @@ def load_config(
         return resolve_config(config, catalog, "<inline config>", extra, only)
     path = Path(config).resolve()
     return resolve_config(read_yaml(path), catalog, str(path), extra, only)
+
+
+@dataclass
+class Selection:
+    """The config file and plugin lists a run gets from the command line and the environment, with what was set aside."""
+
+    config: str | None
+    plugins: list[str]
+    only: list[str] | None
+    from_env: list[str]  # the environment variables the selection came from (for messages)
+    notes: list[str]  # inherited variables that the command line replaced
+
+
+def effective_selection(config: str | None, plugins: Sequence[str] = (), only: Sequence[str] | None = None,
+                        env: Mapping[str, str] | None = None) -> Selection:
+    """What a run started from here would use: ``--config``/``--plugins``/``--only``, else the inherited
+    ``HARNESS_CONFIG``/``HARNESS_PLUGINS``/``HARNESS_ONLY``. Plugin flags replace both inherited plugin variables
+    (``--only a`` with ``HARNESS_PLUGINS=b`` inherited is exactly ``a``); each variable set aside is a note."""
+    env = os.environ if env is None else env
+    inherited_plugins = _names(env.get(PLUGINS_ENV, ""))
+    inherited_only = _names(env[ONLY_ENV]) if env.get(ONLY_ENV) is not None else None
+    inherited_config = env.get(CONFIG_ENV) or None
+    notes: list[str] = []
+    from_env: list[str] = []
+    if plugins or only is not None:
+        chosen_plugins, chosen_only = list(plugins), list(only) if only is not None else None
+        for name, value in ((PLUGINS_ENV, env.get(PLUGINS_ENV)), (ONLY_ENV, env.get(ONLY_ENV))):
+            if value is not None and value.strip():
+                notes.append(f"{name}={value} from the environment is not used: the command line names the plugins")
+    else:
+        chosen_plugins, chosen_only = inherited_plugins, inherited_only
+        from_env += [name for name, value in ((PLUGINS_ENV, inherited_plugins), (ONLY_ENV, inherited_only)) if value is not None and value != []]
+    if config:
+        if inherited_config and Path(inherited_config).resolve() != Path(config).resolve():
+            notes.append(f"{CONFIG_ENV}={inherited_config} from the environment is not used: --config {config} is")
+    elif inherited_config:
+        config = inherited_config
+        from_env.append(CONFIG_ENV)
+    return Selection(config, chosen_plugins, chosen_only, from_env, notes)
 
 
 def _names(text: str) -> list[str]:

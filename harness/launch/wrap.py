@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from harness.launch.autoattach import CARRIER_ENV, SITE_DIR, WRAP_ENV
-from harness.core.config import CONFIG_ENV, ONLY_ENV, PLUGINS_ENV, Catalog, load_config
+from harness.core.config import CONFIG_ENV, ONLY_ENV, PLUGINS_ENV, Catalog, effective_selection, load_config
 from harness.core.console import QUIET_ENV, quiet_from_env
-from harness.core.errors import HarnessError
+from harness.core.errors import ConfigError, HarnessError
 from harness.launch.light_imports import heavy_imports_deferred
 from harness.lib.stops import STOP_DIR_ENV, read_markers, wrap_summary, wrapped_exit_status
 from harness.lib.wrapped_runs import read_run_markers_since
@@ -56,6 +56,8 @@ def wrap_environment(
     env[WRAP_ENV] = "1"
     paths = [str(SITE_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
+    for inherited in (CONFIG_ENV, PLUGINS_ENV, ONLY_ENV):  # the job gets exactly the selection given here (see validate)
+        env.pop(inherited, None)
     if config:
         env[CONFIG_ENV] = str(Path(config).resolve())
     if plugins:
@@ -88,7 +90,16 @@ def run_wrapped(command: Sequence[str], config: str | None = None, plugins: Sequ
     """
     if not command:
         raise HarnessError("harness wrap needs a command after '--', e.g. `harness wrap -- python train.py`.")
-    validate(config, plugins, only)
+    selection = effective_selection(config, plugins, only)  # the flags, else what the shell's environment sets
+    for note in selection.notes:
+        sys.stderr.write(f"harness wrap: note: {note}.\n")
+    config, plugins, only = selection.config, selection.plugins, selection.only
+    try:
+        validate(config, plugins, only)
+    except ConfigError as exc:
+        if selection.from_env:  # say where a value the user did not type here came from
+            raise ConfigError([*exc.problems, f"(The selection came from the environment: {', '.join(selection.from_env)}.)"]) from None
+        raise
     stop_dir = tempfile.mkdtemp(prefix="harness-wrap-")  # private (0700): the job's stop markers, read after it ends
     try:
         base = {**os.environ, QUIET_ENV: "1"} if quiet else None

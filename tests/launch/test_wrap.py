@@ -199,3 +199,37 @@ def test_wrap_runs_a_subclass_train_body_once_per_call(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "BODIES 2" in result.stdout
     assert (out / "harness" / "findings.jsonl").exists()
+
+
+# -- the selection inherited from the shell: HARNESS_CONFIG / HARNESS_PLUGINS / HARNESS_ONLY ----------------------------
+
+def test_an_inherited_selection_is_checked_before_the_command_and_shown_by_harness_plugins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from harness.cli import main as harness_main
+    from harness.launch.wrap import wrap_environment
+
+    ran = tmp_path / "ran"
+    monkeypatch.setenv("HARNESS_PLUGINS", "nan_gaurd")  # a typo in the shell's environment
+    assert harness_main(["wrap", "--", sys.executable, "-c", f"open({str(ran)!r}, 'w')"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "unknown plugin 'nan_gaurd'" in err and "from the environment: HARNESS_PLUGINS" in err, err
+    assert not ran.exists()  # refused before the command started, not inside it
+
+    monkeypatch.delenv("HARNESS_PLUGINS")
+    monkeypatch.setenv("HARNESS_ONLY", "nan_guard")
+    assert harness_main(["plugins"]) == 0  # what a wrapped run would get: exactly HARNESS_ONLY's plugins
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines() if line.split()[1:2] == ["on"]] == ["nan_guard"], out
+    assert "(with HARNESS_ONLY from the environment)" in out
+    monkeypatch.delenv("HARNESS_ONLY")
+    monkeypatch.setenv("HARNESS_PLUGINS", "layer_stats")
+    assert harness_main(["plugins", "--plugins", "mlflow"]) == 0  # the flag replaces the inherited list, and says so
+    captured = capsys.readouterr()
+    on = [line.split()[0] for line in captured.out.splitlines() if line.split()[1:2] == ["on"]]
+    assert "mlflow" in on and "layer_stats" not in on
+    assert "note: HARNESS_PLUGINS=layer_stats from the environment is not used" in captured.err
+
+    # the job's environment holds exactly the selection wrap checked: --only with HARNESS_PLUGINS inherited is not a clash
+    env = wrap_environment(None, [], base={"HARNESS_PLUGINS": "layer_stats", "PATH": os.environ.get("PATH", "")}, only=["nan_guard"])
+    assert env["HARNESS_ONLY"] == "nan_guard" and "HARNESS_PLUGINS" not in env
