@@ -206,6 +206,20 @@ def check_fault_example(text: str) -> list[str]:
     return problems
 
 
+def check_config_example(text: str) -> list[str]:
+    """Every ```yaml example under `Config` loads as a config (a user copies it first)."""
+    blocks = FENCE.findall(section(text, "Config"))
+    if not blocks:
+        return ["no ```yaml example under the heading `Config`"]
+    problems = []
+    for block in blocks:
+        try:
+            load_config(yaml.safe_load(block), Catalog.build(autoload=False))
+        except Exception as exc:  # noqa: BLE001 - any failure to load is the problem to report
+            problems.append(f"the `Config` example does not load as a config: {exc}")
+    return problems
+
+
 def check_plugin_table(text: str) -> list[str]:
     found = table(text, "Plugins", "plugin")
     if found is None:
@@ -255,6 +269,7 @@ CHECKS: dict[str, Callable[[str], list[str]]] = {
     "hooks": check_hooks,
     "fault options": check_fault_options,
     "fault example": check_fault_example,
+    "config example": check_config_example,
 }
 
 
@@ -359,7 +374,8 @@ def synthetic_readme() -> str:
     faults = "\n".join(f"| `{k}` | `{v}` | `{v}` | meaning |" for k, v in defaults(FaultOptions).items())
     return (
         f"# t\n\n## Commands\n\n| command | what it does |\n|---|---|\n{commands}\n\n"
-        f"## Config\n\n| option | default | meaning |\n|---|---|---|\n{core}\n\n"
+        f"## Config\n\n```yaml\nplugins: [defaults]\nconsole: {{level: off}}\nnan_guard: {{max_consecutive: 5}}\n```\n\n"
+        f"| option | default | meaning |\n|---|---|---|\n{core}\n\n"
         f"## Plugins\n\n| plugin | default | what it does |\n|---|---|---|\n{plugins}\n\n"
         f"**`packing_check`.** the experiment runs every 500 steps; see `on_loss` in prose.\n\n"
         f"### Plugin options\n\n| option | default |\n|---|---|\n{options}\n\n"
@@ -407,7 +423,9 @@ MUTATIONS = [
     ("fault example", _replace("nonfinite_loss_at_steps: [3]", "nonfinite_loss_at_step: 3"), "does not load as a config"),
     ("fault example", _replace("fault_injector: {", "disable: [fault_injector]\nfault_injector: {"), "does not enable"),
     ("fault example", _replace(f'plugins: ["{FAULT_PLUGIN}"]\n', ""), "does not load as a config"),
-    ("fault example", _replace("```yaml", "```text"), "no ```yaml example"),
+    ("fault example", _replace("```yaml\nplugins: [\"", "```text\nplugins: [\""), "no ```yaml example"),
+    ("config example", _replace("nan_guard: {max_consecutive: 5}", "fault_injector: {report_at_step: 4}"), "does not load as a config"),
+    ("config example", _replace("```yaml\nplugins: [defaults]", "```text\nplugins: [defaults]"), "no ```yaml example under the heading `Config`"),
 ]
 
 
