@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,12 @@ def _fields_at(model: type[BaseModel], path: tuple[Any, ...]) -> list[str] | Non
     """Field names of the (nested) model that holds ``path``; None when it is not a model."""
     current: Any = model
     for part in path:
+        if isinstance(part, int):  # an entry of a list of models (`eval_sets: [{path: ...}]`): its item type
+            args = [a for a in typing.get_args(current) if isinstance(a, type) and issubclass(a, BaseModel)]
+            if not args:
+                return None
+            current = args[0]
+            continue
         if not (isinstance(current, type) and issubclass(current, BaseModel)):
             return None
         field = current.model_fields.get(str(part))
@@ -104,6 +111,12 @@ def _explain(error: dict[str, Any], source: str, model: type[BaseModel], catalog
             )
         allowed = _fields_at(model, loc[:-1]) or []
         kind = "option" if loc[:-1] else "top-level key (neither a core option nor a plugin name)"
+        by_path = {_path_plugin(target)[0]: target for target in REFERENCE_PATH_PLUGINS} if len(loc) == 1 else {}
+        if loc[0] in by_path:  # the section of a shipped plugin that is enabled by its path only
+            return (
+                f"harness config error in {source}, key '{key}': the section of the plugin '{loc[0]}', which is not "
+                f"enabled. Fix: enable it by its path, `plugins: [defaults, \"{by_path[loc[0]]}\"]` (or remove the section)."
+            )
         return (
             f"harness config error in {source}, key '{key}' ({owner}): unknown {kind}."
             f"{did_you_mean(loc[-1], allowed)} Valid keys here: {', '.join(allowed)}. "
@@ -153,6 +166,7 @@ def resolve_config(
         requested, key = [*(model.plugins if model.plugins is not None else ["defaults"]), *(extra_plugins or [])], "plugins"
     requested = [name for spec in requested for name in (catalog.default_enabled if spec == "defaults" else [spec])]
     enabled: list[str] = []
+    paths: dict[str, str] = {}  # name -> the 'module:Class' path it was enabled by (written back so, in config.yaml)
     for spec in requested:
         if spec in catalog.broken:
             problems.append(f"harness config error in {source}, key '{key}': {catalog.broken[spec]}. Fix: reinstall or fix that package, or remove it from '{key}'.")
@@ -168,6 +182,8 @@ def resolve_config(
             continue
         if name not in enabled:
             enabled.append(name)
+            if isinstance(spec, str) and ":" in spec and spec != name:
+                paths[name] = spec
     for name in model.disable:
         if name not in catalog.entries:
             problems.append(
@@ -178,7 +194,7 @@ def resolve_config(
     problems += _unknown_codes(model, catalog, source)
     if problems:
         raise ConfigError(problems)
-    return ResolvedConfig(model=model, source=source, enabled=enabled)
+    return ResolvedConfig(model=model, source=source, enabled=enabled, paths=paths)
 
 
 def _list_at(data: dict[str, Any] | None, key: str) -> list[Any]:

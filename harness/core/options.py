@@ -8,7 +8,7 @@ builds the full model on :class:`CoreOptions`, and the run context only needs
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
@@ -121,12 +121,13 @@ class ResolvedConfig:
     model: CoreOptions
     source: str
     enabled: list[str]
+    paths: dict[str, str] = field(default_factory=dict)  # plugins enabled by a 'module:Class' path: name -> path
 
     def options_for(self, plugin: str) -> BaseModel | None:
         return getattr(self.model, plugin, None)
 
     def to_yaml(self) -> str:
         data = self.model.model_dump(mode="json")
-        data["plugins"] = self.enabled
+        data["plugins"] = [self.paths.get(name, name) for name in self.enabled]  # loads back: a path plugin by its path
         data.pop("only", None)  # the plugins that ran are the list above, however they were chosen
         return yaml.safe_dump(data, sort_keys=False)

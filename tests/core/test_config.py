@@ -266,3 +266,25 @@ def test_console_level_off_unquoted_in_yaml_means_off(tmp_path: Path, catalog: C
     path = tmp_path / "quiet.yaml"
     path.write_text("console: {level: off}\n", encoding="utf-8")  # YAML reads it as false
     assert load_config(path, catalog).model.console.level == "off"
+
+
+def test_a_runs_own_config_yaml_loads_back_with_a_plugin_enabled_by_path(catalog: Catalog) -> None:
+    import yaml
+
+    resolved = load_config({"plugins": ["defaults", FAULTS], "fault_injector": {"report_at_step": 4}}, catalog)
+    written = yaml.safe_load(resolved.to_yaml())
+    assert FAULTS in written["plugins"] and "fault_injector" not in written["plugins"]
+    again = load_config(written, Catalog.build(autoload=False))  # a fresh catalog, as `harness plugins --config` has
+    assert again.enabled == resolved.enabled and again.model.fault_injector.report_at_step == 4
+
+
+def test_a_section_of_a_path_plugin_not_enabled_says_how_to_enable_it(tmp_path: Path) -> None:
+    message = _error(tmp_path, Catalog.build(autoload=False), {"fault_injector": {"report_at_step": 4}})
+    assert "the section of the plugin 'fault_injector', which is not enabled" in message
+    assert f'plugins: [defaults, "{FAULTS}"]' in message
+
+
+def test_an_unknown_key_in_a_list_entry_lists_the_entrys_keys(tmp_path: Path, catalog: Catalog) -> None:
+    message = _error(tmp_path, catalog, {"contamination": {"eval_sets": [{"path": "e.jsonl", "feild": "text"}]}})
+    assert "contamination.eval_sets.0.feild" in message and "Did you mean 'field'?" in message
+    assert "Valid keys here: path, field" in message, message
