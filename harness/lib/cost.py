@@ -155,7 +155,7 @@ def describe(result: Estimate) -> list[tuple[str, str]]:
         ]
     memory = result.memory
     rows += [
-        (f"memory per device ({result.precision}, ZeRO-{result.zero}, {result.devices} devices)", human(memory.total, "B")),
+        (f"memory per device ({result.precision}, ZeRO-{result.zero}, {result.devices} device{'' if result.devices == 1 else 's'})", human(memory.total, "B")),
         ("  weights / gradients / optimizer state", f"{human(memory.weights, 'B')} / {human(memory.gradients, 'B')} / {human(memory.optimizer, 'B')}"),
     ]
     return rows

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from urllib.parse import quote
 from collections import defaultdict
 from pathlib import Path
@@ -230,7 +231,18 @@ def next_step(group: FindingGroup, output_dir: Path | None = None) -> str:
         text = text.replace("<N>", str(group.steps[0]))
     if len(group.ranks) == 1:
         text = text.replace("<r>", str(group.ranks[0]))
-    return text
+    return _drop_filled_legend(text)
+
+
+_LEGEND = {"<N>": re.compile(r"N the finding's `step`(?:, |; )?"), "<r>": re.compile(r"r its (?:`evidence\.rank`|rank)(?:, |; )?")}
+
+
+def _drop_filled_legend(text: str) -> str:
+    """``(N the finding's `step`, r its rank)`` says what the placeholders mean: once they are filled in, it goes."""
+    for placeholder, legend in _LEGEND.items():
+        if placeholder not in text:
+            text = legend.sub("", text)
+    return re.sub(r"\s*\(\s*\)", "", text).replace("( ", "(").replace(", )", ")").replace("; )", ")")
 
 
 __all__ = ["build_report", "group_findings", "next_step", "run_card", "Severity"]

@@ -184,7 +184,9 @@ def load_model(checkpoint: Path, meta: dict[str, Any], device: str) -> Any:
     try:
         model = AutoModelForCausalLM.from_pretrained(str(checkpoint), **kwargs)
     except (OSError, ValueError) as exc:
-        raise HarnessError(f"could not load a model from {checkpoint}: {exc}. Pass --checkpoint with a directory that has config.json and weights.") from exc
+        detail = " ".join(str(exc).split()).rstrip(".")
+        raise HarnessError(f"could not load a model from {checkpoint}: {detail}. Fix: pass --checkpoint with a directory that has "
+                           "config.json and weights.") from None
     model.to(device)
     model.train(bool(model_info.get("training_mode", True)))
     return model

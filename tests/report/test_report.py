@@ -275,3 +275,23 @@ def test_a_loss_that_does_not_fall_points_at_its_general_playbook(make_trainer: 
     report = (ctx.run_dir / "report.md").read_text(encoding="utf-8")
     link = "- [Loss not decreasing](report/playbooks/loss-not-decreasing.md): median loss of the last 2 steps"
     assert (link in report) is stuck and ("## Worth a look" in report) is stuck
+
+
+def test_a_next_step_drops_the_legend_of_the_placeholders_it_filled_in() -> None:
+    """`(N the finding's step, r its evidence.rank)` explains `<N>`/`<r>`; filled in, the legend went on saying it."""
+    from harness.core.findings import Finding, Severity
+    from harness.lib.playbook import find_section
+    from harness.report.build import next_step
+    from harness.report.model import FindingGroup
+
+    def group(code: str, steps: tuple[int, ...]) -> FindingGroup:
+        section = find_section(code)
+        assert section is not None and "(N the finding's `step`" in (section.next_step or ""), code
+        return FindingGroup(code, Severity.WARNING, [Finding(code, Severity.WARNING, "p", "m", step=s, rank=1) for s in steps], section)
+
+    text = next_step(group("LOSS_SPIKE", (7,)), Path("/out"))
+    assert "/out/harness/captures/step-7/summary.rank-1.md" in text and "N the finding's" not in text, text
+    assert "(`evidence.capture` is the path of `capture.rank-1.json` in the same folder)" in text, text
+    assert "(N the finding's" not in next_step(group("FAULT_REPRODUCED", (7,)), Path("/out")).replace("`", "")
+    several = next_step(group("LOSS_SPIKE", (7, 9)), Path("/out"))
+    assert "step-<N>" in several and "N the finding's `step`" in several  # not filled in: the legend stays

@@ -57,7 +57,7 @@ def test_cli_notes_the_16_bit_peak_of_an_fp32_plan_and_reads_no_hub_model(capsys
     assert harness_main(["estimate", "--params", "1e9", "--tokens", "1e10", "--device", "H100", "--precision", "fp32",
                          "--mfu", "0.004"]) == 0
     out = capsys.readouterr().out
-    assert "note: --device H100 gives its dense 16-bit peak" in out and "x 0.4%" in out, out
+    assert "note: --device H100 gives its dense 16-bit peak" in out and "x 0.4%" in out and ", 1 device)" in out, out
     config = tmp_path / "run.yaml"
     config.write_text((REPO / "examples" / "pretrain.yaml").read_text(encoding="utf-8") + "\n", encoding="utf-8")
     import yaml
