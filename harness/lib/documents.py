@@ -104,6 +104,13 @@ def missing_field(file: Path | str, field: str, keys: list[str] | None, line: in
     return MissingFieldError(file, field, keys, line)
 
 
+def not_text(file: Path | str, line: int, field: str, kind: str, shown: str) -> ScanError:
+    """A record whose text field holds a ``kind`` (a number, a list, an object): never skipped in silence (null is no
+    text); ``shown``: the value's start."""
+    return ScanError(f"harness scan: {file} line {line}: field '{field}' holds a {kind} ({shown!r}), not text. "
+                     "Fix: make it a string (or null for a record without text).")
+
+
 def unique_names(stems: list[str]) -> list[str]:
     """``stems`` made distinct in order: a repeated one gets -2, -3 ... (two eval sets both named eval.jsonl)."""
     used: dict[str, int] = {}
@@ -125,6 +132,8 @@ def _read_jsonl(file: Path, field: str, id_field: str) -> Iterator[tuple[str, st
         if not isinstance(record, dict) or field not in record:
             raise missing_field(file, field, list(record) if isinstance(record, dict) else None, line_number)
         text = record[field]
+        if text is not None and not isinstance(text, str):
+            raise not_text(file, line_number, field, type(text).__name__, str(text)[:40])
         if isinstance(text, str) and text.strip():
             yield str(record.get(id_field, f"{file.name}:{line_number}")), text
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.lib.documents import ScanError, missing_field, not_json, not_utf8
+from harness.lib.documents import ScanError, missing_field, not_json, not_text, not_utf8
 from harness.lib.word_scan import ASCII_WHITESPACE, LINE_TABLE, WordChunk, documents_buffer, lines_buffer
 
 RANGE_BYTES = 1 << 19  # bytes a worker reads per range: whole-range numpy passes whose arrays stay in cache, and balance
@@ -43,7 +43,8 @@ def byte_ranges(file: Path | str, size: int = RANGE_BYTES) -> list[tuple[int, in
 
 @dataclass
 class Failure:
-    """Why a range stopped: ``kind`` utf8 (byte, column), json (message) or missing (keys), at local ``line``."""
+    """Why a range stopped: ``kind`` utf8 (byte, column), json (message), missing (keys) or type (the text field's
+    type name, its value's start), at local ``line``."""
 
     kind: str
     line: int
@@ -55,6 +56,8 @@ class Failure:
             return not_utf8(file, line, *self.detail)
         if self.kind == "json":
             return not_json(file, line, *self.detail)
+        if self.kind == "type":
+            return not_text(file, line, field, *self.detail)
         return missing_field(Path(file), field, None if self.detail is None else list(self.detail), line)
 
 
@@ -153,6 +156,9 @@ def _jsonl_range(lines: list[bytes], lines_read: int, failure: Failure | None, f
             failure = Failure("missing", k + 1, tuple(map(str, record)) if isinstance(record, dict) else None)
             break
         text = record[field]
+        if text is not None and not isinstance(text, str):
+            failure = Failure("type", k + 1, (type(text).__name__, str(text)[:40]))
+            break
         if isinstance(text, str) and text.strip():
             found.append(text)
             refs.append(str(record[id_field]) if id_field in record else k + 1)

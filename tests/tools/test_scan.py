@@ -170,6 +170,9 @@ def test_bad_input_names_the_file_and_the_field(corpus: dict[str, Any], tmp_path
         scan([str(root / "train")], [str(root / "eval.jsonl")], eval_field="prompt", progress=False)
     with pytest.raises(ScanError, match=r"a.jsonl line 1 has no field 'body'.*text.*--field"):
         scan([str(root / "train")], [str(root / "eval.jsonl")], field="body", eval_field="question", progress=False)
+    (tmp_path / "listed.jsonl").write_text(json.dumps({"question": "a b c"}) + "\n" + json.dumps({"question": ["a", "list"]}) + "\n")
+    with pytest.raises(ScanError, match=r"listed.jsonl line 2: field 'question' holds a list .*, not text"):
+        scan([str(root / "train")], [str(tmp_path / "listed.jsonl")], eval_field="question", progress=False)
     (tmp_path / "empty.jsonl").write_text(json.dumps({"question": "   "}) + "\n")
     with pytest.raises(ScanError, match=r"empty.jsonl has no example with text in field 'question'"):
         scan([str(root / "train")], [str(tmp_path / "empty.jsonl")], eval_field="question", progress=False)

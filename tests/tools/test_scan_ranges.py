@@ -79,17 +79,18 @@ def test_byte_ranges_cover_the_file_at_line_breaks(corpus: dict[str, Any]) -> No
     assert all(data[stop - 1 : stop] == b"\n" for _, stop in ranges)
 
 
-@pytest.mark.parametrize("case", ["utf8", "json", "json_before_utf8", "missing"])
+@pytest.mark.parametrize("case", ["utf8", "json", "json_before_utf8", "missing", "not_text"])
 def test_a_problem_in_a_later_range_names_its_line(case: str, tmp_path: Path) -> None:
     (tmp_path / "eval.jsonl").write_text(json.dumps({"id": "e", "text": " ".join(f"w{i}" for i in range(20))}) + "\n")
     lines = [json.dumps({"id": f"d{k}", "text": f"some words of document {k}"}).encode() for k in range(400)]
     bad = {"utf8": {250: b'{"text": "caf\xe9"}'}, "json": {260: b'{"text": '}, "missing": {270: b'{"body": "x"}'},
-           "json_before_utf8": {262: b"not json", 264: b'{"text": "\xff"}'}}[case]
+           "json_before_utf8": {262: b"not json", 264: b'{"text": "\xff"}'}, "not_text": {280: b'{"text": 12345}'}}[case]
     for line, content in bad.items():
         lines[line - 1] = content
     (tmp_path / "train.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     expected = {"utf8": "line 250 is not valid UTF-8 (byte 0xe9 at column 14)", "json": "line 260 is not JSON",
-                "missing": "line 270 has no field 'text' (it has: body)", "json_before_utf8": "line 262 is not JSON"}[case]
+                "missing": "line 270 has no field 'text' (it has: body)", "json_before_utf8": "line 262 is not JSON",
+                "not_text": "line 280: field 'text' holds a int ('12345'), not text"}[case]
     for workers in (1, 2):
         with pytest.raises(ScanError, match=expected.replace("(", r"\(").replace(")", r"\)")):
             scan([str(tmp_path / "train.jsonl")], [str(tmp_path / "eval.jsonl")], workers=workers, progress=False, range_bytes=700)
