@@ -252,6 +252,36 @@ def markdown_table(frame: Any) -> str:
     return md_table([str(c) for c in frame.columns], frame.itertuples(index=False), limit=10_000)
 
 
+SAMPLE_BYTES = 1 << 16  # the start of a .txt file read to tell hard-wrapped prose
+
+
+def wrapped_text_notes(train: list[str], n: int) -> list[str]:
+    """A note per .txt training file that looks hard-wrapped: a .txt line is one document and n-grams never cross a
+    line break, so an eval example wrapped over lines shorter than ``n`` words is missed (training, which joins the
+    lines, sees it). Judged from the file's first 64 KiB: most lines shorter than ``n`` words, in blocks of several."""
+    notes = []
+    for path in train:
+        try:
+            files = [f for f in document_files(Path(path)) if f.is_file() and f.suffix.lower() == ".txt"]
+        except ScanError:
+            continue
+        for file in files:
+            try:
+                with open(file, "rb") as handle:
+                    sample = handle.read(SAMPLE_BYTES).decode("utf-8", errors="replace")
+            except OSError:
+                continue
+            lines = sample.splitlines()[:-1] if len(sample) == SAMPLE_BYTES else sample.splitlines()  # no cut last line
+            counts = [len(line.split()) for line in lines]
+            words = sorted(c for c in counts if c)
+            joined = sum(1 for a, b in zip(counts, counts[1:]) if a and b)  # a non-blank line right after another
+            if len(words) >= 8 and words[len(words) // 2] < n and joined >= len(words) // 2:
+                notes.append(f"{file} looks hard-wrapped (median {words[len(words) // 2]} words a line, under -n {n}): "
+                             "each .txt line is one document and n-grams across line breaks are not matched, while "
+                             "training joins the lines. Fix: one paragraph per line, or JSON lines with a text field.")
+    return notes
+
+
 def _check_out_dir(out: Path) -> None:
     """``--out`` must be a folder that can be made: said before the scan's work, not as a traceback after it."""
     if out.exists() and not out.is_dir():
@@ -308,6 +338,9 @@ def print_scan(train: list[str], evals: list[str], field: str, tokenizer_dir: st
     console = Console()
     console.print(table)
     console.print(f"report: {paths['markdown']}  table: {paths['csv']}  clean ids: {paths['clean']}  dirty ids: {paths['dirty']}")
+    if tokenizer is None:
+        for note in wrapped_text_notes(train, options.n):
+            console.print(f"note: {note}", style="yellow", markup=False, highlight=False)
     if clean is not None:
         written = decontaminate.write_clean(result, train, evals, field, eval_field, id_field, tokenizer, options, clean,
                                             near_factory=NearDuplicates, checked=True, workers=workers)

@@ -314,3 +314,20 @@ def test_two_eval_sets_with_one_file_name_stay_apart(tmp_path: Path) -> None:
                   progress=False)
     statuses = {(r["eval_set"], r["id"]): r["status"] for r in result.rows}
     assert statuses == {("eval", "q0"): "dirty", ("eval-2", "q0"): "clean"}, statuses
+
+
+def test_a_hard_wrapped_text_file_gets_a_note(tmp_path: Path, capsys: Any) -> None:
+    """An eval example wrapped over short lines is not matched by a .txt scan (a line is a document): the scan says so."""
+    from harness.cli import main as harness_main
+
+    words = [f"w{i}x" for i in range(300)]
+    wrapped = "\n".join(" ".join(words[i : i + 8]) for i in range(0, 120, 8)) + "\n\n" + "\n".join(
+        " ".join(words[i : i + 8]) for i in range(120, 240, 8)) + "\n"
+    (tmp_path / "wrapped.txt").write_text(wrapped, encoding="utf-8")
+    (tmp_path / "lines.txt").write_text("".join(" ".join(words[i : i + 40]) + "\n" for i in range(0, 240, 40)), encoding="utf-8")
+    (tmp_path / "e.jsonl").write_text(json.dumps({"text": " ".join(words[:30])}) + "\n", encoding="utf-8")
+    harness_main(["scan", "--train", str(tmp_path / "wrapped.txt"), str(tmp_path / "lines.txt"), "--eval",
+                  str(tmp_path / "e.jsonl"), "--out", str(tmp_path / "out"), "--workers", "1"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "wrapped.txt looks hard-wrapped (median 8 words a line, under -n 13)" in out, out
+    assert "lines.txt looks" not in out
