@@ -54,6 +54,7 @@ class TrackerFeed(TrainerCallback):
         self.values: dict[str, float] = {}  # latest harness metric values, keys with the prefix
         self.skipped_steps = 0
         self.counts: Counter[str] = Counter()
+        self.latest: dict[str, tuple[str, int | None]] = {}  # code -> (worst severity, last step): the MLflow tag's text
         self.rows: list[list[Any]] = []
         self._pending: list[Finding] = []  # findings not yet handed to the text trackers
         self._lock = threading.Lock()  # findings arrive from the watchdog's and the checkers' threads too
@@ -100,6 +101,10 @@ class TrackerFeed(TrainerCallback):
             return
         with self._lock:
             self.counts[finding.code] += 1
+            worst = self.latest.get(finding.code, (finding.severity.value, None))[0]
+            if Severity(worst).rank < finding.severity.rank:
+                worst = finding.severity.value
+            self.latest[finding.code] = (worst, finding.step)
             self._pending.append(finding)
             if len(self.rows) < TABLE_ROWS:
                 self.rows.append([finding.step, finding.code, finding.severity.value, finding.rank, finding.plugin,
@@ -208,8 +213,11 @@ class TrackerFeed(TrainerCallback):
             return
         module, run_id = self._mlflow_run
         client = module.MlflowClient()
-        for code, n in counts.items():
-            client.set_tag(run_id, f"harness.findings.{code}", str(n))
+        with self._lock:
+            latest = dict(self.latest)
+        for code, n in counts.items():  # the tag the mlflow plugin writes: one name whichever of the two logs the run
+            severity, step = latest.get(code, ("?", None))
+            client.set_tag(run_id, f"harness.finding.{code}", f"{n} ({severity}), last at step {step if step is not None else '?'}")
         client.set_tag(run_id, "harness.findings", str(sum(counts.values())))
 
     def _warn_once(self, where: str, exc: BaseException) -> None:

@@ -56,6 +56,7 @@ class MlflowTracker(Plugin):
         self.writer: MlflowWriter | None = None
         self.training_thread_seconds = 0.0  # per-step time on the training thread, start-up excluded (benchmarks read it)
         self._finding_counts: dict[str, int] = {}
+        self._skipped_steps = 0  # optimizer steps the harness skipped in this run (harness/skipped_steps)
         self._skipped_keys: set[str] = set()
         self._trainer: Any = None
         self._tracking_uri = ""
@@ -191,7 +192,8 @@ class MlflowTracker(Plugin):
         if self.writer is None:
             return
         if metrics.get("skipped"):
-            self._put_metrics({"harness/skipped_step": 1.0}, step)
+            self._skipped_steps += 1  # the event, and the running count under the name report_to's feed gives it
+            self._put_metrics({"harness/skipped_step": 1.0, "harness/skipped_steps": float(self._skipped_steps)}, step)
         self._report_events(ctx)
 
     @hookimpl
@@ -203,6 +205,8 @@ class MlflowTracker(Plugin):
         self._finding_counts[finding.code] = count
         step = finding.step if finding.step is not None else ctx.step
         self.writer.put({"k": "m", "key": f"harness/findings/{finding.code}", "value": float(count), "ts": int(finding.time * 1000), "step": int(step)})
+        total = sum(self._finding_counts.values())
+        self.writer.put({"k": "m", "key": "harness/findings/total", "value": float(total), "ts": int(finding.time * 1000), "step": int(step)})
         self.writer.put({"k": "t", "key": f"harness.finding.{finding.code}", "value": f"{count} ({finding.severity.value}), last at step {step}"})
         self.writer.put({"k": "a", "path": str(ctx.run_dir / "findings.jsonl"), "dir": "harness"})
         self.training_thread_seconds += time.perf_counter() - began

@@ -180,7 +180,7 @@ def test_report_to_mlflow_without_the_plugin_gets_counts_and_tags(make_trainer: 
     harness.attach(trainer, config={"fault_injector": {"report_at_step": 2}}, plugins=[FAULTS])
     trainer.train()
     (run,) = all_runs(mlflow_server.uri)
-    assert run.data.tags["harness.findings.TEST_FAULT"] == "1" and run.data.tags["harness.findings"] == "1"
+    assert run.data.tags["harness.finding.TEST_FAULT"] == "1 (warning), last at step 2" and run.data.tags["harness.findings"] == "1"
     steps = {key: sorted(set(metric_steps(mlflow_server.uri, run.info.run_id, key)))  # step 4 is logged twice (the summary)
              for key in ("harness/findings/TEST_FAULT", "harness/skipped_steps")}
     assert steps == {"harness/findings/TEST_FAULT": [2, 3, 4], "harness/skipped_steps": [1, 2, 3, 4]}

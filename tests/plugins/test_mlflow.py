@@ -84,6 +84,7 @@ def test_long_params_non_numeric_metrics_and_findings(make_trainer: Any) -> None
     assert metric_steps(uri, run.info.run_id, "custom/tensor") == [1, 2, 3]
     assert "custom/text" not in run.data.metrics and "custom/none" not in run.data.metrics
     assert metric_steps(uri, run.info.run_id, "harness/findings/TEST_FAULT") == [2]
+    assert metric_steps(uri, run.info.run_id, "harness/findings/total") == [2]  # as report_to's feed names it
     assert run.data.tags["harness.finding.TEST_FAULT"].startswith("1 (warning)")
     assert findings_of(trainer.args.output_dir, "INTERNAL_PLUGIN_ERROR") == []
     assert findings_of(trainer.args.output_dir, "TRACKING_DEGRADED") == []
@@ -189,3 +190,15 @@ def test_two_processes_make_exactly_one_run(tmp_path: Path) -> None:
     (run,) = all_runs(_store(out))
     assert metric_steps(_store(out), run.info.run_id, "loss") == [1, 2, 3, 4]
     assert run.data.tags["harness.world_size"] == "2"
+
+
+def test_a_skipped_step_is_counted_under_the_name_report_to_gives_it(make_trainer: Any) -> None:
+    """`harness/skipped_steps` (the running count) whether the mlflow plugin or report_to's feed logs the run."""
+    trainer = make_trainer(max_steps=4)
+    harness.attach(trainer, config={"plugins": ["mlflow", FAULTS], "fault_injector": {"report_at_step": 2, "action": "skip_step"}})
+    trainer.train()
+    uri = _store(trainer.args.output_dir)
+    (run,) = all_runs(uri)
+    history = mlflow_client(uri).get_metric_history(run.info.run_id, "harness/skipped_steps")
+    assert [(m.step, m.value) for m in history] == [(2, 1.0)]
+    assert metric_steps(uri, run.info.run_id, "harness/skipped_step") == [2]
