@@ -128,7 +128,10 @@ class TrackerFeed(TrainerCallback):
         if not self.enabled or logs is None:
             return control
         try:
-            added = {k: v for k, v in self.scalars().items() if k not in logs}
+            # an evaluation's log (eval_loss ...) at a step whose training log already carried them: the integrations
+            # would record every harness series twice at that step (as train/harness/... both times)
+            evaluation = any(isinstance(k, str) and k.startswith(("eval_", "test_")) for k in logs)
+            added = {} if evaluation else {k: v for k, v in self.scalars().items() if k not in logs}
             logs.update(added)
             self._added = list(added)
             self.flush_findings(state.global_step)

@@ -67,6 +67,9 @@ def test_the_feed_wraps_the_integrations_and_takes_its_keys_back(make_trainer: A
     trainer.callback_handler.on_log(trainer.args, trainer.state, trainer.control, logs)
     assert seen["harness/skipped_steps"] == 1.0 and seen["loss"] == 1.0
     assert logs == {"loss": 1.0}
+    seen.clear()  # an evaluation's log at the same step: the harness series are not recorded a second time
+    trainer.callback_handler.on_log(trainer.args, trainer.state, trainer.control, {"eval_loss": 2.0})
+    assert seen == {"eval_loss": 2.0}, seen
     alone = make_trainer(report_to="none")
     none = TrackerFeed(TrackerOptions(), is_main=True)
     none.install(alone)
