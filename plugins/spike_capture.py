@@ -307,8 +307,9 @@ class SpikeCapture(Plugin):
 
     # -- reports ------------------------------------------------------------------------------------
 
-    def _grad_rise(self) -> dict[str, Any]:
-        return grad_rise((h[2] for h in self.history), self.grad_base.median())
+    def _grad_rise(self, grad: Judgement | None = None) -> dict[str, Any]:
+        """``grad``: this step's grad-norm judgement; its median is the one the message quotes, so the evidence's is too."""
+        return grad_rise((h[2] for h in self.history), grad.median if grad is not None else self.grad_base.median())
 
     def _resume_evidence(self, step: int) -> dict[str, Any]:
         since = step - self.resumed_at if self.resumed_at is not None else None
@@ -317,7 +318,7 @@ class SpikeCapture(Plugin):
     def _report_loss_spike(
         self, ctx: Any, step: int, j: Judgement, grad: Judgement | None, capture: CaptureResult | None, current: list[Micro]
     ) -> None:
-        rise, resume = self._grad_rise(), self._resume_evidence(step)
+        rise, resume = self._grad_rise(grad), self._resume_evidence(step)
         notes = loss_spike_notes(rise, grad, resume)
         surged = _surged(ctx, step)
         if surged:

@@ -8,6 +8,7 @@ then stand out the way they do in real runs.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -52,6 +53,10 @@ def test_a_corrupted_batch_is_a_loss_spike_and_its_capture_lists_the_corrupted_s
     assert "micro-batch 0 row 1" in spike["message"] and "micro-batch 0 row 3" in spike["message"]
     assert evidence["grad_norm_jumped_with_it"] and not evidence["after_resume"]
     (grad,) = findings_of(out, "GRAD_NORM_SPIKE")
+    # the message's "Nx its median" and the evidence's grad_norm_median are one median
+    quoted = float(re.search(r"the grad norm jumped with it \(([\d.]+)x its median\)", spike["message"]).group(1))  # type: ignore[union-attr]
+    assert evidence["grad_norm_median"] == pytest.approx(grad["evidence"]["median"]), (evidence["grad_norm_median"], grad["evidence"])
+    assert quoted == pytest.approx(grad["evidence"]["grad_norm"] / evidence["grad_norm_median"], abs=0.06), quoted
     assert grad["step"] == 40 and grad["severity"] == "warning" and grad["evidence"]["with_loss_spike"]
     assert _serious(out) == [("LOSS_SPIKE", 40), ("GRAD_NORM_SPIKE", 40), ("FAULT_REPRODUCED", 40)]  # nothing before or after the fault
     # (rerun recomputed step 40 and got the spike again: it is in the data)
