@@ -108,8 +108,13 @@ def captures_section(run: RunRecord) -> ReportSection | None:
         table = summary.with_name(summary.name.replace("capture.", "summary.").replace(".json", ".md"))
         folder = summary.parent.relative_to(run.run_dir).as_posix()
         links = [f"[capture]({quote(f'{folder}/{summary.name}')})"] + ([f"[samples]({quote(f'{folder}/{table.name}')})"] if table.exists() else [])
-        rows.append([data.get("step", "?"), data.get("rank", "?"), data.get("code", "?"), data.get("reason", ""),
-                     "yes" if data.get("after_resume") else "no", suspect, Raw(", ".join(links)), f"harness replay {summary.parent}"])
+        replay = f"harness replay {summary.parent}"
+        if not data:  # damaged or edited by hand: said, and no replay suggested that would only fail on it
+            reason, replay = f"{summary.name} could not be read (not the JSON object a capture writes)", "-"
+        else:
+            reason = data.get("reason", "")
+        rows.append([data.get("step", "?"), data.get("rank", "?"), data.get("code", "?"), reason,
+                     "yes" if data.get("after_resume") else "no", suspect, Raw(", ".join(links)), replay])
     if not rows:
         return None
     text = ("Batches captured when a finding fired, most suspect sample first in each `samples` table; "

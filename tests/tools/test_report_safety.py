@@ -366,3 +366,16 @@ def test_report_links_no_evidence_outside_the_run(tmp_path: Path) -> None:
     for text in (markdown, html):
         assert "secret.txt" not in text and "out.txt" not in text, text[:4000]
     assert broken_report_links(run_dir) == []
+
+
+def test_a_damaged_capture_file_is_said_in_the_report_not_offered_to_replay(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run_dir = make_run(out)
+    capture = run_dir / "captures" / "step-2"
+    capture.mkdir(parents=True)
+    (capture / "capture.rank-0.json").write_text('{"code": "LOSS', encoding="utf-8")  # cut short
+    result = harness_cli("report", str(out), "--no-plots")
+    assert result.returncode == 0, result.stderr[-3000:]
+    markdown = (run_dir / "report.md").read_text(encoding="utf-8")
+    row = next(line for line in markdown.splitlines() if "capture.rank-0.json could not be read" in line)
+    assert "harness replay" not in row, row
