@@ -257,6 +257,9 @@ def print_replay(capture_dir: Path, checkpoint: Path | None, rank: int | None, d
     from rich.console import Console
     from rich.table import Table
 
+    if tolerance is not None and not (math.isfinite(tolerance) and tolerance >= 0):
+        raise HarnessError(f"--tolerance {tolerance:g} is not a tolerance. Fix: pass a number of 0 or more, e.g. 1e-4.")
+
     capture_file = find_capture_file(Path(capture_dir), rank)
     meta = read_capture(capture_file)
     captured_on = meta.get("model", {}).get("device_type") or "cpu"

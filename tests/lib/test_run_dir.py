@@ -260,6 +260,8 @@ def test_replay_never_takes_a_relative_output_dir_from_the_working_directory(
     result = harness_in_process(capsys, monkeypatch, "replay", str(loose))
     message = " ".join(result.stderr.split())
     assert result.returncode == 2 and "lies outside its run directory" in message and "--checkpoint DIR" in message, message
+    result = harness_in_process(capsys, monkeypatch, "replay", str(loose), "--tolerance", "-1")
+    assert result.returncode == 2 and "--tolerance -1 is not a tolerance" in result.stderr, result.stderr[-2000:]
     result = harness_in_process(capsys, monkeypatch, "replay", str(loose / "capture.rank-0.json"))
     assert result.returncode == 2 and f"Fix: harness replay {loose}" in " ".join(result.stderr.split())
     for damage, said in (("{\"code\": \"LOSS", "cannot be read as JSON"), ("[1, 2]", "holds a JSON list"),
