@@ -25,6 +25,8 @@ def document_files(path: Path) -> list[Path]:
     if not path.exists():
         raise ScanError(f"harness scan: {path} does not exist. Fix: pass an existing file or folder.")
     if path.is_file():
+        if path.suffix.lower() == ".json" and _starts_with(path, b"["):
+            raise ScanError(f"harness scan: {path} holds a JSON array; {JSON_LINES_FIX}.")
         if path.suffix.lower() not in TEXT_SUFFIXES:
             raise ScanError(f"harness scan: {path} has unsupported extension '{path.suffix or '(none)'}'; scan reads "
                             f"{', '.join(TEXT_SUFFIXES)} files (any case) and `datasets` folders. "
@@ -33,9 +35,22 @@ def document_files(path: Path) -> list[Path]:
     if (path / "dataset_info.json").exists() or (path / "state.json").exists():
         return [path]  # a `datasets` folder saved with save_to_disk
     found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    for file in found:
+        if file.suffix.lower() == ".json" and _starts_with(file, b"["):
+            raise ScanError(f"harness scan: {file} holds a JSON array; {JSON_LINES_FIX}.")
     if not found:
         raise ScanError(f"harness scan: {path} holds no {', '.join(TEXT_SUFFIXES)} files and is no `datasets` folder. Fix: point at the data files.")
     return found
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    """Whether the file's first non-blank bytes are ``prefix`` (a BOM skipped)."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4096)
+    except OSError:
+        return False
+    return head.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(prefix)
 
 
 def iter_documents(path: Path | str, field: str = "text", id_field: str = "id") -> Iterator[tuple[str, str]]:
@@ -80,8 +95,16 @@ def not_utf8(file: Path | str, line: int, byte: int, column: int) -> ScanError:
                      "Fix: convert the file to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or remove that line.")
 
 
+JSON_LINES_FIX = ("a .json file is read as JSON lines; convert a JSON array or a pretty-printed file first, e.g. "
+                  "`jq -c '.[]' data.json > data.jsonl`")
+
+
 def not_json(file: Path | str, line: int, message: str) -> ScanError:
-    return ScanError(f"harness scan: {file} line {line} is not JSON ({message}). Fix: one JSON object per line.")
+    if "BOM" in message:
+        return ScanError(f"harness scan: {file} starts with a UTF-8 byte-order mark. Fix: save it without one "
+                         "(e.g. `sed -i '1s/^\xEF\xBB\xBF//' FILE`).")
+    fix = JSON_LINES_FIX if str(file).lower().endswith(".json") else "one JSON object per line"
+    return ScanError(f"harness scan: {file} line {line} is not JSON ({message}). Fix: {fix}.")
 
 
 class MissingFieldError(ScanError):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -331,3 +332,17 @@ def test_a_hard_wrapped_text_file_gets_a_note(tmp_path: Path, capsys: Any) -> No
     out = " ".join(capsys.readouterr().out.split())
     assert "wrapped.txt looks hard-wrapped (median 8 words a line, under -n 13)" in out, out
     assert "lines.txt looks" not in out
+
+
+@pytest.mark.parametrize("case", ["array", "pretty", "bom"])
+def test_a_json_file_that_is_not_json_lines_says_how_to_convert_it(tmp_path: Path, case: str) -> None:
+    records = [{"text": f"one two three four five six {i}"} for i in range(3)]
+    body = {"array": json.dumps(records), "pretty": json.dumps(records[0], indent=2),
+            "bom": "\ufeff" + "".join(json.dumps(r) + "\n" for r in records)}[case]
+    path = tmp_path / ("data.json" if case != "bom" else "data.jsonl")
+    path.write_text(body, encoding="utf-8")
+    (tmp_path / "e.jsonl").write_text(json.dumps({"text": "a b c d e f"}) + "\n", encoding="utf-8")
+    expected = {"array": "holds a JSON array; a .json file is read as JSON lines", "pretty": "jq -c",
+                "bom": "starts with a UTF-8 byte-order mark. Fix: save it without one"}[case]
+    with pytest.raises(ScanError, match=re.escape(expected)):
+        scan([str(path)], [str(tmp_path / "e.jsonl")], progress=False)
