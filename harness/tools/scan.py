@@ -340,7 +340,7 @@ def print_scan(train: list[str], evals: list[str], field: str, tokenizer_dir: st
     console.print(f"report: {paths['markdown']}  table: {paths['csv']}  clean ids: {paths['clean']}  dirty ids: {paths['dirty']}")
     if tokenizer is None:
         for note in wrapped_text_notes(train, options.n):
-            console.print(f"note: {note}", style="yellow", markup=False, highlight=False)
+            console.print(f"note: {note}", style="yellow", markup=False, highlight=False, soft_wrap=True)  # a path whole
     if clean is not None:
         written = decontaminate.write_clean(result, train, evals, field, eval_field, id_field, tokenizer, options, clean,
                                             near_factory=NearDuplicates, checked=True, workers=workers)
