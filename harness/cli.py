@@ -65,6 +65,8 @@ def _print_selection(args: argparse.Namespace, catalog: Catalog) -> int:
         sys.stderr.write(f"harness plugins: note: {note}.\n")
     resolved = load_config(selection.config if selection.config else {}, catalog, extra_plugins=selection.plugins,
                            only=selection.only)
+    for note in resolved.notes:
+        sys.stderr.write(f"harness plugins: note: {note}.\n")
     width = max((len(n) for n in [*catalog.entries, *resolved.enabled]), default=8)
     for name in [*resolved.enabled, *(n for n in catalog.entries if n not in resolved.enabled)]:
         source = catalog.entries[name].source if name in catalog.entries else "path"

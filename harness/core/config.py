@@ -194,7 +194,11 @@ def resolve_config(
     problems += _unknown_codes(model, catalog, source)
     if problems:
         raise ConfigError(problems)
-    return ResolvedConfig(model=model, source=source, enabled=enabled, paths=paths)
+    unused = [key for key in (data or {}) if key in catalog.entries and key not in enabled]
+    notes = [f"{source}: the '{key}' section is set but the plugin '{key}' is not enabled, so its options take no effect "
+             f"(enable it with `plugins: [defaults, {key}]` or --plugins {key}"
+             + (", and take it out of 'disable'" if key in model.disable else "") + ")" for key in unused]
+    return ResolvedConfig(model=model, source=source, enabled=enabled, paths=paths, notes=notes)
 
 
 def _list_at(data: dict[str, Any] | None, key: str) -> list[Any]:

@@ -122,6 +122,7 @@ class ResolvedConfig:
     source: str
     enabled: list[str]
     paths: dict[str, str] = field(default_factory=dict)  # plugins enabled by a 'module:Class' path: name -> path
+    notes: list[str] = field(default_factory=list)  # what is valid but takes no effect (a disabled plugin's section)
 
     def options_for(self, plugin: str) -> BaseModel | None:
         return getattr(self.model, plugin, None)

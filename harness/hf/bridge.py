@@ -22,6 +22,8 @@ callback's events to them; each part lives in its own module.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -43,6 +45,8 @@ from harness.hf.tap import MicroBatchTap
 from harness.hf.tracker_feed import TrackerFeed
 from harness.lib import rundir
 
+log = logging.getLogger("harness.bridge")
+
 
 class Bridge:
     """Owns the run context of one trainer and wires the parts that feed it."""
@@ -55,6 +59,9 @@ class Bridge:
         rundir.check_writable(run_dir)  # a clear error now, not a PermissionError from inside train()
         if dist.is_main:
             refuse_if_locked(run_dir)  # before config.yaml (or anything else) is written
+        if dist.is_main and not os.environ.get("HARNESS_WRAP"):  # under `harness wrap` its own check said them already
+            for note in resolved.notes:
+                log.warning("harness: note: %s.", note)
         manager = HarnessPluginManager(resolved.model.max_plugin_errors)
         for name in resolved.enabled:
             manager.register(catalog.entries[name])

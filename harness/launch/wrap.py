@@ -77,8 +77,10 @@ def validate(config: str | None, plugins: Sequence[str], only: Sequence[str] | N
     loading torch here would delay the user's command by seconds.
     """
     with heavy_imports_deferred():
-        load_config(config if config else {}, Catalog.build(), extra_plugins=list(plugins),
-                    only=list(only) if only is not None else None)
+        resolved = load_config(config if config else {}, Catalog.build(), extra_plugins=list(plugins),
+                               only=list(only) if only is not None else None)
+    for note in resolved.notes:
+        sys.stderr.write(f"harness wrap: note: {note}.\n")
 
 
 def run_wrapped(command: Sequence[str], config: str | None = None, plugins: Sequence[str] = (), quiet: bool = False,

@@ -288,3 +288,17 @@ def test_an_unknown_key_in_a_list_entry_lists_the_entrys_keys(tmp_path: Path, ca
     message = _error(tmp_path, catalog, {"contamination": {"eval_sets": [{"path": "e.jsonl", "feild": "text"}]}})
     assert "contamination.eval_sets.0.feild" in message and "Did you mean 'field'?" in message
     assert "Valid keys here: path, field" in message, message
+
+
+def test_a_section_of_a_plugin_that_is_off_is_noted(tmp_path: Path, catalog: Catalog, capsys: pytest.CaptureFixture[str]) -> None:
+    """Valid, but taking no effect: `layer_stats: {interval: 5}` with layer_stats off said nothing."""
+    from harness.cli import main as harness_main
+
+    resolved = load_config({"layer_stats": {"interval": 5}, "nan_guard": {"max_consecutive": 5}}, catalog)
+    assert len(resolved.notes) == 1 and "the 'layer_stats' section is set but the plugin 'layer_stats' is not enabled" in resolved.notes[0]
+    disabled = load_config({"disable": ["nan_guard"], "nan_guard": {"max_consecutive": 5}}, catalog)
+    assert "take it out of 'disable'" in disabled.notes[0]
+    config = write_yaml(tmp_path / "h.yaml", {"layer_stats": {"interval": 5}})
+    assert harness_main(["plugins", "--config", str(config)]) == 0
+    err = capsys.readouterr().err
+    assert "harness plugins: note:" in err and "'layer_stats' section is set" in err, err
