@@ -30,6 +30,7 @@ from harness.core.plugin import Plugin
 from harness.lib.capture import IGNORE_INDEX, can_recompute
 from harness.lib.ga_scaling import GaScaling, judge_ga_scaling, micro_batch_mean_loss
 from harness.lib.model_state import loaded_from, weights_state
+from harness.lib.trainer_kind import token_loss
 
 INITIAL_LOSS_ANOMALY = FindingCode(
     "INITIAL_LOSS_ANOMALY",
@@ -106,7 +107,7 @@ class LossBaseline(Plugin):
         self._weights, self._loaded_from = weights_state(model), loaded_from(model)
         # a resumed run is past its first steps; a preference or policy-gradient loss (DPO: ln 2 at the start, GRPO's
         # near 0) is not a token loss to hold against ln(vocab)
-        self._first_done = ctx.resumed_from is not None or not _token_loss(trainer)
+        self._first_done = ctx.resumed_from is not None or not token_loss(trainer)
         self.idle_hooks("on_step_end", idle=self._first_done)  # the first step's check is its only work
 
     @hookimpl
@@ -257,11 +258,3 @@ def _accumulation(trainer: Any) -> int:
     return int(getattr(args, "gradient_accumulation_steps", 1) or 1)
 
 
-# TRL trainers whose loss is not a per-token cross-entropy (their subclasses too)
-NOT_TOKEN_LOSS = frozenset({"DPOTrainer", "GRPOTrainer", "RLOOTrainer", "PPOTrainer", "KTOTrainer", "ORPOTrainer",
-                            "CPOTrainer", "OnlineDPOTrainer", "RewardTrainer", "BCOTrainer", "NashMDTrainer", "XPOTrainer"})
-
-
-def _token_loss(trainer: Any) -> bool:
-    """Whether the trainer's loss is a token cross-entropy (not a preference, reward or policy-gradient loss)."""
-    return not any(cls.__name__ in NOT_TOKEN_LOSS for cls in type(trainer).__mro__)

@@ -32,6 +32,7 @@ from harness.core.plugin import Plugin
 from harness.lib.capture import CaptureResult, write_capture
 from harness.lib.layer_history import describe, surged_before
 from harness.lib.robust import Baseline, Judgement
+from harness.lib.trainer_kind import token_loss
 from harness.lib.spike_notes import earlier_micro_batches, grad_rise, loss_context, loss_spike_notes, step_dataset_indices
 
 LOSS_SPIKE = FindingCode(
@@ -131,6 +132,7 @@ class SpikeCapture(Plugin):
         self._copies: list[tuple[int, dict[str, Any]]] = []  # with copy_batches: this step's micro-batches, copied
         self._ring: deque[tuple[int, int, dict[str, Any]]] = deque(maxlen=o.ring_size)
         self._grad_pending: tuple[int, list[Micro], CaptureResult | None] | None = None
+        self._judge_loss = True  # a token loss (on_run_start asks the trainer)
         self._loss_seen: tuple[int, Judgement | None, bool, bool] | None = None  # (step, judgement, spike, elevated) of the last loss
 
     def setup(self, ctx: Any) -> None:
@@ -139,6 +141,12 @@ class SpikeCapture(Plugin):
     @hookimpl
     def on_run_start(self, ctx: Any) -> None:
         self._reset()  # a rollback trains again with the same plugin: start from the checkpoint's state, not this run's
+        # a preference or policy loss (DPO, GRPO ...) moves with its batch's margins and the policy's own samples: a jump
+        # is no bad batch and a climb no divergence. Its grad norm is still judged; the loss curve has its own checks
+        self._judge_loss = token_loss(getattr(ctx, "trainer", None))
+        if not self._judge_loss:
+            log.info("spike_capture: %s optimises no token loss: its loss is not judged for spikes or divergence, its "
+                     "grad norm is", type(getattr(ctx, "trainer", None)).__name__)
         self.idle_hooks("on_loss", idle=not self.options.copy_batches)  # by reference, the loop's ctx.step_batches serve
 
     # -- state across checkpoints ------------------------------------------------------------------
@@ -210,7 +218,7 @@ class SpikeCapture(Plugin):
         ready = self.loss_base.ready and self.steps_seen > o.warmup_steps
         # against what is there, from the first steps: outliers never enter. A loss under (1 + loss_min_rise) times the
         # lowest level the window can give is no outlier whatever its spread: judged later only if a report needs it
-        normal = self.loss_base.under_level(loss, 1.0 + o.loss_min_rise)
+        normal = not self._judge_loss or self.loss_base.under_level(loss, 1.0 + o.loss_min_rise)
         j = None if normal else self.loss_base.judge(loss)
         rise = j is not None and j.value - j.median > o.loss_min_rise * abs(j.median)
         outlier = rise and j is not None and j.z > min(o.divergence_z, o.loss_z)
@@ -225,7 +233,7 @@ class SpikeCapture(Plugin):
         capture: CaptureResult | None = None
         if spike and episode_started and j is not None:
             current = _micros(kept, losses)
-            capture = self._capture(ctx, step, LOSS_SPIKE.code, f"loss {loss:.4f} vs running median {j.median:.4f}", current)
+            capture = self._capture(ctx, step, LOSS_SPIKE.code, f"loss {loss:.4f} vs running level {j.median:.4f}", current)
             self._report_loss_spike(ctx, step, j, grad, capture, current)
         if self.elevated_run >= o.divergence_patience and not self.divergence_reported and j is not None:
             self.divergence_reported = True
@@ -325,7 +333,7 @@ class SpikeCapture(Plugin):
             notes.append(f"layers surged first: {describe(surged)}")
         self.report(
             LOSS_SPIKE.code,
-            f"loss {j.value:.4f} at step {step} on rank {ctx.rank} is {j.z:.1f} robust SDs above its running median {j.median:.4f} "
+            f"loss {j.value:.4f} at step {step} on rank {ctx.rank} is {j.z:.1f} robust SDs above its running level {j.median:.4f} "
             f"(+{(j.value - j.median) / abs(j.median) * 100 if j.median else math.inf:.0f}%; baseline of {j.size} steps)"
             + (f"; {'; '.join(notes)}" if notes else "")
             + (f". Top suspects: {capture.describe()}." if capture else "."),

@@ -17,6 +17,7 @@ from typing import Any
 
 from harness.core.strictjson import dumps
 from harness.lib.tokens import count_parameters
+from harness.lib.trainer_kind import NOT_TOKEN_LOSS
 
 RUN_FILE = "run.json"
 RUN_FORMAT = "train-harness-run/1"  # run.json's "format": marks a run directory written by this harness
@@ -123,12 +124,16 @@ def run_facts(trainer: Any, world_size: int, stage: str | None) -> dict[str, Any
 
 
 def _stage_of(trainer: Any) -> str:
+    """``dpo``, ``grpo``, ``sft``, another TRL trainer's name (``kto`` ...) when its loss is no token loss, else causal-lm."""
     names = [cls.__name__ for cls in type(trainer).__mro__]
     if "DPOTrainer" in names:
         return "dpo"
+    if "GRPOTrainer" in names:
+        return "grpo"
     if "SFTTrainer" in names:
         return "sft"
-    return "causal-lm"
+    other = next((name for name in names if name in NOT_TOKEN_LOSS), None)
+    return other[: -len("Trainer")].lower() if other else "causal-lm"
 
 
 def _model_facts(model: Any) -> dict[str, Any]:

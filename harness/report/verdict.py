@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from harness.core.findings import Severity, worst
 from harness.lib.runinfo import RUN_FILE, UNREADABLE
+from harness.lib.trainer_kind import token_loss_named, token_loss_stage
 from harness.report.record import RunRecord, as_float
 
 HEALTHY, ATTENTION, FAILED = "healthy", "needs attention", "failed"
@@ -89,7 +90,9 @@ def symptoms_of(run: RunRecord) -> list[Symptom]:
     found: list[Symptom] = []
     steps, losses = run.series("loss")
     diverged = any(f.code == "LOSS_DIVERGENCE" for f in run.findings)  # its own playbook covers a rising loss
-    if len(losses) >= 20 and not diverged:
+    # a preference or policy loss (DPO, GRPO ...) is no progress signal that must fall: its own checks judge the run
+    token = token_loss_named(run.info.get("trainer")) and token_loss_stage(run.info.get("stage"))
+    if len(losses) >= 20 and not diverged and token:
         tenth = max(2, len(losses) // 10)
         first, last = statistics.median(losses[:tenth]), statistics.median(losses[-tenth:])
         if last > first * 0.98:

@@ -88,3 +88,16 @@ def test_a_run_without_run_json_keeps_the_old_wording(tmp_path: Path) -> None:
     (tmp_path / "harness" / "run.json").write_text('{"attempts": []}', encoding="utf-8")
     run = RunRecord.load(tmp_path / "harness")
     assert verdict_of(run).reason.startswith("no record of how training ended (run.json records no attempt that ended)")
+
+
+def test_a_policy_loss_that_does_not_fall_is_no_symptom(tmp_path: Path) -> None:
+    """GRPO's (and DPO's) loss is no progress signal: "loss-not-decreasing" is for token losses only."""
+    from harness.report.verdict import symptoms_of
+
+    steps = [{"step": s, "loss": -0.3 + 0.002 * s} for s in range(1, 41)]  # flat to slightly rising
+    token = _run(tmp_path / "lm", [], [], steps)
+    token.info.update({"trainer": "Trainer", "stage": "causal-lm"})
+    policy = _run(tmp_path / "grpo", [], [], steps)
+    policy.info.update({"trainer": "GRPOTrainer", "stage": "grpo"})
+    assert [s.topic for s in symptoms_of(token)] == ["loss-not-decreasing"]
+    assert [s.topic for s in symptoms_of(policy)] == []

@@ -68,6 +68,17 @@ def test_dpo_example(tmp_path: Path) -> None:
     _assert_trained(tmp_path / "dpo", 12)
 
 
+@pytest.mark.slow  # a whole DPO run of the shipped example
+def test_the_dpo_example_as_shipped_is_a_clean_run(tmp_path: Path) -> None:
+    """Its 20 steps used to end in a LOSS_SPIKE at step 18 (batch noise of a preference loss, judged as a token loss's)."""
+    config = example_config("dpo", tmp_path)
+    assert run_stage("dpo", config) == 0
+    out = tmp_path / "dpo"
+    assert [(f["code"], f["step"]) for f in findings_of(out) if f["severity"] in ("warning", "error", "critical")] == []
+    info = json.loads((out / "harness" / "run.json").read_text())
+    assert info["stage"] == "dpo"
+
+
 def test_rollback_resumes_from_the_last_good_checkpoint_and_skips_the_bad_rows(tmp_path: Path) -> None:
     config = example_config(
         "pretrain", tmp_path, training={"max_steps": 8, "save_steps": 2, "per_device_train_batch_size": 4},
