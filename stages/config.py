@@ -57,7 +57,7 @@ class DataSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    sources: list[DataSource] = Field(description="Data sources (.txt, .jsonl, .parquet or a save_to_disk folder) with mixture weights.")
+    sources: list[DataSource] = Field(min_length=1, description="Data sources (.txt, .jsonl, .parquet or a save_to_disk folder) with mixture weights.")
     old_sources: list[DataSource] = Field(
         default_factory=list, description="continue only: the original pretraining data replayed against forgetting."
     )

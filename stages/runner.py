@@ -8,6 +8,7 @@ checkpoint before the fault, a bounded number of times.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from transformers import TrainerCallback
 
 from harness.core.config import Catalog, resolve_config
 from harness.core.errors import HarnessError
+from harness.lib.stops import EXIT_STOPPED
 from harness.stages.config import LoadedRunConfig, arguments_class, load_run_config
 from harness.stages.data import DataSource, check_fields, load_source, mix_sources, resolve_path
 
@@ -273,6 +275,9 @@ def run_stage(stage: str, config_path: str | Path, resume: str | bool | None = N
     from harness.hf.attach import attach
 
     loaded = load_run_config(config_path, stage)
+    if isinstance(resume, str) and not Path(resume).is_dir():  # before anything is built: not a traceback from train()
+        raise HarnessError(f"harness run --resume {resume}: no such checkpoint folder. Fix: name an existing "
+                           "checkpoint-<N> folder of the run, or pass --resume alone to resume from its last complete one.")
     harness_config = dict(loaded.config.harness)
     data = loaded.config.data
     if any(s.max_repeats > 1 for s in [*data.sources, *(data.old_sources or [])]):
@@ -306,4 +311,22 @@ def run_stage(stage: str, config_path: str | Path, resume: str | bool | None = N
         log.info("harness run %s: %s; findings in %s", stage, status, ctx.run_dir / "findings.jsonl")
     if status == "completed":
         trainer.save_model()  # the final model, loadable by a later stage (continue, sft, dpo)
-    return 0
+    if ctx.is_main:
+        _print_outcome(stage, ctx.run_dir)
+    return EXIT_STOPPED if status == "stopped" else 0  # a harness stop is not a success (harness wrap says 75 too)
+
+
+def _print_outcome(stage: str, run_dir: Path) -> None:
+    """The run's verdict, report and next command on stderr: the last lines on screen (never fails the run)."""
+    from harness.core.console import quiet_from_env
+    from harness.report.record import RunRecord
+    from harness.report.verdict import verdict_of
+
+    if quiet_from_env():  # --quiet / HARNESS_QUIET=1
+        return
+    try:
+        verdict = verdict_of(RunRecord.load(run_dir)).line()
+        sys.stderr.write(f"harness run {stage}: {verdict}\n  report: {run_dir / 'report.html'}\n"
+                         f"  next: harness explain {run_dir.parent}\n")
+    except Exception:  # noqa: BLE001 - a summary line is never worth the run's exit status
+        log.debug("harness run: no closing summary", exc_info=True)

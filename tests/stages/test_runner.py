@@ -203,3 +203,28 @@ def test_runner_refuses_unknown_model_override(tmp_path: Path, capsys: Any, monk
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "model.overrides.vocab_size" in result.stderr and "from the tokenizer" in result.stderr
     assert not (tmp_path / "pretrain").exists()
+
+
+def test_a_resume_path_that_does_not_exist_and_no_sources_fail_before_anything_is_built(tmp_path: Path) -> None:
+    config = example_config("pretrain", tmp_path)
+    with pytest.raises(HarnessError, match=r"--resume .*nock: no such checkpoint folder\. Fix:"):
+        run_stage("pretrain", config, resume=str(tmp_path / "nock"))
+    assert not (tmp_path / "pretrain").exists()
+    empty = example_config("pretrain", tmp_path / "empty")
+    data = yaml.safe_load(empty.read_text())
+    data["data"]["sources"] = []
+    empty.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"data\.sources"):
+        run_stage("pretrain", empty)
+
+
+def test_a_harness_stop_under_harness_run_exits_75_and_the_outcome_is_the_last_word(tmp_path: Path, capsys: Any) -> None:
+    from harness.lib.tiny import save_tiny_model_dir
+
+    model_dir = save_tiny_model_dir(tmp_path / "base", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4)
+    config = example_config("continue", tmp_path, training={"max_steps": 4}, model={"path": str(model_dir)},
+                            harness={"plugins": ["defaults", "harness.testing:FaultInjector"], "fault_injector": {"stop_at_step": 2}})
+    assert run_stage("continue", config) == 75  # exit 0 told a launcher the stage had finished
+    err = capsys.readouterr().err
+    assert "harness run continue: failed: the harness stopped training at step 2" in err, err[-2000:]
+    assert f"next: harness explain {tmp_path / 'continue'}" in err
