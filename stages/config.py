@@ -9,6 +9,7 @@ arguments class of the stage, so a typo fails before anything is built.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -133,8 +134,48 @@ def check_training_keys(training: dict[str, Any], stage: str, source: str) -> No
     ]
     if "output_dir" in training:
         problems.append(f"run config error in {source}, key 'training.output_dir': set the top-level 'output_dir' instead.")
+    fields = {f.name: f.type for f in dataclasses.fields(cls) if f.init}
+    for key, value in list(training.items()):
+        kind = _scalar_kind(fields.get(key))
+        if kind is None or value is None or isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            continue
+        fixed = _as_kind(value, kind)
+        if fixed is None:
+            hint = " (YAML reads 1e-3 as text: write 1.0e-3 or 0.001)" if isinstance(value, str) and "e" in value.lower() else ""
+            problems.append(f"run config error in {source}, key 'training.{key}': expected {_KIND_WORDS[kind]}, got "
+                            f"{value!r}{hint}. Fix: give {_KIND_WORDS[kind]}.")
+        else:
+            training[key] = fixed  # '1e-3' (YAML 1.1 text) is the number it reads as; TrainingArguments would keep a str
     if problems:
         raise ConfigError(problems)
+
+
+_KIND_WORDS = {int: "a whole number", float: "a number", bool: "true or false"}
+
+
+def _scalar_kind(annotation: Any) -> type | None:
+    """int, float or bool when a TrainingArguments field is one of them (``float | None`` too); else None."""
+    text = str(annotation).replace("typing.", "").replace("Optional[", "").replace("]", "")
+    parts = {p.strip() for p in text.replace("|", ",").split(",")} - {"None", "NoneType", "<class 'NoneType'>"}
+    names = {p.replace("<class '", "").replace("'>", "") for p in parts}
+    if len(names) != 1:
+        return None
+    return {"int": int, "float": float, "bool": bool}.get(names.pop())
+
+
+def _as_kind(value: str | int | float, kind: type) -> Any:
+    """``value`` as ``kind`` when it plainly is one (an int is a float, '3' an int, '1e-3' a float); else None."""
+    if kind is bool:
+        return value if isinstance(value, bool) else {"true": True, "false": False}.get(str(value).strip().lower())
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    if not math.isfinite(number):
+        return None
+    if kind is int:
+        return int(number) if number == int(number) else None
+    return number if isinstance(value, str) else value
 
 
 TOKENIZER_SET = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")  # the preset takes these from the tokenizer

@@ -228,3 +228,19 @@ def test_a_harness_stop_under_harness_run_exits_75_and_the_outcome_is_the_last_w
     err = capsys.readouterr().err
     assert "harness run continue: failed: the harness stopped training at step 2" in err, err[-2000:]
     assert f"next: harness explain {tmp_path / 'continue'}" in err
+
+
+def test_training_values_are_checked_against_their_types(tmp_path: Path) -> None:
+    """YAML reads `learning_rate: 1e-3` as text: taken as the number it means; `batch size: four` is an error, not a
+    traceback from inside train()."""
+    from harness.stages.config import load_run_config
+
+    config = example_config("pretrain", tmp_path, training={"learning_rate": "1e-3", "max_steps": "5", "warmup_steps": 2})
+    loaded = load_run_config(config, "pretrain")
+    assert loaded.config.training["learning_rate"] == 0.001 and loaded.config.training["max_steps"] == 5
+    bad = example_config("pretrain", tmp_path / "bad", training={"per_device_train_batch_size": "four", "num_train_epochs": "abc"})
+    with pytest.raises(ConfigError) as info:
+        load_run_config(bad, "pretrain")
+    message = str(info.value)
+    assert "training.per_device_train_batch_size': expected a whole number, got 'four'" in message
+    assert "training.num_train_epochs': expected a number, got 'abc'" in message
