@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from harness.core.actions import Action
 from harness.lib.capture import sample_ids
-from harness.core.findings import FindingCode, Severity
+from harness.core.findings import FindingCode, Severity, read_run_findings
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.lib.hashing import combine_row_hashes, dataset_hashes, dataset_rows, device_row_hashes, from_hex64, hash_token_rows, hex64, hex64_all
@@ -187,14 +187,23 @@ class DataHash(Plugin):
         if self._multiplicity is not None and ctx.is_main:
             twins = {h: n for h, n in self._multiplicity.items() if n > 1}
             extra = sum(n - 1 for n in twins.values())
-            if extra > self.options.max_duplicates:
+            if extra > self.options.max_duplicates and not self._dataset_reported_before(ctx, self.fingerprint["digest"]):
                 self.report(
                     DUPLICATE_SAMPLES.code,
                     f"{extra} of the {size} training rows repeat another row's content ({len(twins)} distinct samples "
                     f"appear more than once, the most frequent {max(twins.values())} times); each is trained that many times per epoch.",
-                    evidence={"rows": size, "extra_copies": extra, "distinct_duplicated": len(twins), "source": "dataset index"},
+                    evidence={"rows": size, "extra_copies": extra, "distinct_duplicated": len(twins), "source": "dataset index",
+                              "dataset_digest": self.fingerprint["digest"]},
                     limit=self.options.max_reports,
                 )
+
+    def _dataset_reported_before(self, ctx: Any, digest: str) -> bool:
+        """An earlier attempt in this run directory (a resume, a rollback) reported this very dataset's duplicates."""
+        try:
+            return any(f.code == DUPLICATE_SAMPLES.code and f.evidence.get("dataset_digest") == digest
+                       for f in read_run_findings(ctx.run_dir))
+        except Exception:  # noqa: BLE001 - unreadable findings: report again rather than lose the finding
+            return False
 
     # -- per micro-batch: hashes stay on the device ----------------------------------------------------
 

@@ -85,12 +85,17 @@ def test_an_action_tied_to_data_repeated_comes_at_the_step_of_the_repeat(make_tr
 
 def test_duplicate_rows_are_reported_once_and_may_recur_within_an_epoch(make_trainer: Any, repetitive_rows: Any) -> None:
     distinct = len(set(map(tuple, repetitive_rows["input_ids"])))
-    trainer = make_trainer(max_steps=30, train_dataset=repetitive_rows)
+    trainer = make_trainer(max_steps=30, train_dataset=repetitive_rows, save_strategy="steps", save_steps=30)
     harness.attach(trainer)
     trainer.train()
     (dup,) = findings_of(trainer.args.output_dir, "DUPLICATE_SAMPLES")
     assert dup["evidence"]["extra_copies"] == len(repetitive_rows) - distinct and dup["evidence"]["source"] == "dataset index"
     assert findings_of(trainer.args.output_dir, "DATA_REPEATED") == []  # each copy may be trained once per epoch
+    # a resume in the same run directory trains the same dataset: its duplicates were said, once is enough
+    again = make_trainer(max_steps=32, train_dataset=repetitive_rows, output_dir=trainer.args.output_dir)
+    harness.attach(again)
+    again.train(resume_from_checkpoint=True)
+    assert len(findings_of(trainer.args.output_dir, "DUPLICATE_SAMPLES")) == 1
 
 
 def test_changed_training_data_on_resume(make_trainer: Any, lm_rows: Any, tmp_path: Path) -> None:
