@@ -413,7 +413,11 @@ class DataHash(Plugin):
         if type(position) is int and position >= 0 and type(epoch) is int and epoch == self._step_epoch:
             self._position = position  # the count at the save: the ledger's lines miss a step whose hashes an error lost
         stored = (state or {}).get("fingerprint")
-        if stored and self.fingerprint and stored["digest"] != self.fingerprint["digest"] and ctx.is_main:
+        edit = getattr(ctx, "data_edit", None)
+        if edit:  # the data changed on purpose: what the interrupted run trained next is not what this one should
+            self._interrupted.clear()
+            log.info("data_hash: the resume's data differs from the checkpoint's on purpose (%s): not compared", edit)
+        elif stored and self.fingerprint and stored["digest"] != self.fingerprint["digest"] and ctx.is_main:
             self.report(
                 RESUME_DATA_CHANGED.code,
                 f"the training data changed since the checkpoint: {stored['rows']} rows (fingerprint {stored['digest']}) then, "

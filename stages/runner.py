@@ -251,6 +251,7 @@ def _train_with_rollback(loaded: LoadedRunConfig, trainer: Any, ctx: Any, resume
         dataset = trainer.train_dataset
         keep = [i for i in range(len(dataset)) if not start <= i < stop]
         trainer.train_dataset = dataset.select(keep)
+        ctx.data_edit = f"the rollback left training rows [{start}, {stop}) out"  # the resume checks expect other data
         rollback.performed += 1
         rollback.skipped.append((start, stop))
         rollback.lr_scale_pending = policy.lr_scale

@@ -125,6 +125,9 @@ class RunContext:
         self.after_update_cause: Finding | None = None
         self.status = "running"
         self.stage: str | None = None  # set by the stage runner; otherwise inferred from the trainer class
+        # why this train() call's data differs on purpose from its checkpoint's (a rollback that left rows out): the
+        # checks that compare the data after a resume with the interrupted run's hold their findings
+        self.data_edit: str | None = None
         self._hub = FindingsHub(self.run_dir, dist)
         self._in_on_finding = False
         self.console = Console(config.model.console, is_main=dist.is_main)  # live lines on rank 0's stderr

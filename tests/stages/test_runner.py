@@ -244,3 +244,19 @@ def test_training_values_are_checked_against_their_types(tmp_path: Path) -> None
     message = str(info.value)
     assert "training.per_device_train_batch_size': expected a whole number, got 'four'" in message
     assert "training.num_train_epochs': expected a number, got 'abc'" in message
+
+
+def test_a_rollback_with_the_default_plugins_trains_on(tmp_path: Path) -> None:
+    """The resume checks knew nothing of the rows the rollback left out: RESUME_DATA_CHANGED and RESUME_DATA_POSITION
+    stopped the run it had just rolled back (and `harness run` exited 0)."""
+    config = example_config(
+        "pretrain", tmp_path, training={"max_steps": 8, "save_steps": 2, "per_device_train_batch_size": 4},
+        harness={"plugins": ["defaults", "rollback_plugin:BadBatchOnce"]},
+    )
+    assert run_stage("pretrain", config) == 0
+    out = tmp_path / "pretrain"
+    (performed,) = findings_of(out, "ROLLBACK_PERFORMED")
+    assert performed["evidence"]["skipped_rows"] == [16, 20]
+    codes = {f["code"] for f in findings_of(out)}
+    assert not codes & {"RESUME_DATA_CHANGED", "RESUME_DATA_POSITION", "DATA_SKIPPED", "PLUGIN_STOP"}, codes
+    assert json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())["global_step"] == 8
