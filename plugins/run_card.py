@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from harness.lib.cost import duration, memory_per_device, peak_for
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
+from harness.lib.textsafe import counted
 from harness.core.strictjson import dumps
 from harness.lib.runinfo import run_facts
 from harness.lib.sharding import full_parameter_counts, trainer_sharding
@@ -185,7 +186,7 @@ class RunCard(Plugin):
         rows = [["parameters", f"{card.get('parameters'):,}"],
                 ["planned tokens", f"{card['planned_tokens']:,}" if card.get("planned_tokens") else "-"],
                 ["compute C = 6ND", f"{card['compute_flops']:.3g} FLOPs" if card.get("compute_flops") else "-"],
-                [f"memory per device ({card.get('precision')}, {card.get('sharding') or 'ZeRO-' + str(card.get('zero_stage'))}, {card.get('world_size')} ranks)",
+                [f"memory per device ({card.get('precision')}, {card.get('sharding') or 'ZeRO-' + str(card.get('zero_stage'))}, {counted(card.get('world_size'), 'ranks')})",
                  f"{memory.get('total', 0) / 1e9:.3g} GB (weights {memory.get('weights', 0) / 1e9:.3g}, gradients "
                  f"{memory.get('gradients', 0) / 1e9:.3g}, optimizer {memory.get('optimizer', 0) / 1e9:.3g}; activations extra)"]]
         measured = card.get("measured")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from harness.lib.sample_rows import dataset_indices, sample_ids
+from harness.lib.textsafe import counted
 from harness.lib.hashing import content_hashes
 from harness.lib.robust import Judgement
 
@@ -43,7 +44,7 @@ def loss_spike_notes(rise: dict[str, Any], grad: Judgement | None, resume: dict[
     if grad is not None:
         notes.append(f"the grad norm jumped with it ({grad.value / grad.median if grad.median > 0 else math.inf:.1f}x its median)")
     if resume["after_resume"]:
-        notes.append(f"it came {resume['steps_since_resume']} steps after a resume (suspect the checkpoint restore first)")
+        notes.append(f"it came {counted(resume['steps_since_resume'], 'steps')} after a resume (suspect the checkpoint restore first)")
     return notes
 
 

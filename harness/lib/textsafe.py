@@ -43,3 +43,8 @@ def md_code(text: Any) -> str:
 
 
 __all__ = ["md_cell", "md_code", "md_escape"]
+
+
+def counted(count: Any, noun: str) -> str:
+    """``1 layer``, ``2 layers``: a count with its noun in the right number (``noun`` given in the plural)."""
+    return f"{count} {noun[:-1] if count == 1 and noun.endswith('s') else noun}"

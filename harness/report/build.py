@@ -17,7 +17,7 @@ from harness.report.provider import SectionsProvider
 from harness.report.section_plots import name_section_plots
 from harness.report.record import RunRecord, as_float
 from harness.report.verdict import symptoms_of, verdict_of
-from harness.lib.textsafe import md_escape
+from harness.lib.textsafe import counted, md_escape
 
 MAX_EVIDENCE_LINKS = 6
 
@@ -189,8 +189,9 @@ def _count(value: Any) -> str | None:
 
 
 def _architecture(model: dict[str, Any]) -> str | None:
-    parts = [f"{model[k]} {label}" for k, label in (("num_hidden_layers", "layers"), ("hidden_size", "hidden"),
-             ("num_attention_heads", "heads"), ("vocab_size", "vocab")) if model.get(k)]
+    parts = [counted(model[k], label) if label.endswith("s") else f"{model[k]} {label}" for k, label in
+             (("num_hidden_layers", "layers"), ("hidden_size", "hidden"), ("num_attention_heads", "heads"), ("vocab_size", "vocab"))
+             if model.get(k)]
     return ", ".join(parts) or None
 
 
@@ -198,7 +199,7 @@ def _global_batch(training: dict[str, Any], info: dict[str, Any]) -> str | None:
     if not training.get("global_batch_size"):
         return None
     return (f"{training['global_batch_size']} = {training.get('per_device_train_batch_size')} per device x "
-            f"{training.get('gradient_accumulation_steps')} accumulation x {info.get('world_size')} ranks")
+            f"{training.get('gradient_accumulation_steps')} accumulation x {counted(info.get('world_size'), 'ranks')}")
 
 
 def _schedule(training: dict[str, Any]) -> str | None:
