@@ -1,3 +1,5 @@
+"""Text helpers for reports and messages."""
+from __future__ import annotations
 
 
 def test_a_count_gets_its_noun_in_the_right_number() -> None:
