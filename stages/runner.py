@@ -288,7 +288,9 @@ def run_stage(stage: str, config_path: str | Path, resume: str | bool | None = N
     card.setdefault("data_sources", {s.path: s.weight for s in data.sources})  # the card names the mixture it trains on
     harness_config["run_card"] = card
     catalog = Catalog.build()
-    resolve_config(harness_config, catalog, source=f"{loaded.path}, section 'harness'", extra_plugins=["mlflow"])
+    resolved = resolve_config(harness_config, catalog, source=f"{loaded.path}, section 'harness'", extra_plugins=["mlflow"])
+    if "run_card" not in resolved.enabled and "run_card" not in loaded.config.harness:
+        del harness_config["run_card"]  # the runner's own addition: no note about a section the user never wrote
     mixed, texts = load_training_data(loaded)
     from transformers import set_seed
 
