@@ -79,13 +79,18 @@ def test_the_dpo_example_as_shipped_is_a_clean_run(tmp_path: Path) -> None:
     assert info["stage"] == "dpo"
 
 
-def test_rollback_resumes_from_the_last_good_checkpoint_and_skips_the_bad_rows(tmp_path: Path) -> None:
+def _rolled_back(tmp_path: Path, plugins: list[str]) -> Path:
+    """An 8-step pretrain whose step 5 asks for a rollback (checkpoints every 2 steps), run to its end; its output dir."""
     config = example_config(
         "pretrain", tmp_path, training={"max_steps": 8, "save_steps": 2, "per_device_train_batch_size": 4},
-        harness={"plugins": ["metrics_log", "rollback_plugin:BadBatchOnce"]},
+        harness={"plugins": [*plugins, "rollback_plugin:BadBatchOnce"]},
     )
     assert run_stage("pretrain", config) == 0
-    out = tmp_path / "pretrain"
+    return tmp_path / "pretrain"
+
+
+def test_rollback_resumes_from_the_last_good_checkpoint_and_skips_the_bad_rows(tmp_path: Path) -> None:
+    out = _rolled_back(tmp_path, ["metrics_log"])
     (performed,) = findings_of(out, "ROLLBACK_PERFORMED")
     assert performed["step"] == 5 and performed["evidence"]["checkpoint"].endswith("checkpoint-4")
     assert performed["evidence"]["skipped_rows"] == [16, 20]
@@ -249,12 +254,7 @@ def test_training_values_are_checked_against_their_types(tmp_path: Path) -> None
 def test_a_rollback_with_the_default_plugins_trains_on(tmp_path: Path) -> None:
     """The resume checks knew nothing of the rows the rollback left out: RESUME_DATA_CHANGED and RESUME_DATA_POSITION
     stopped the run it had just rolled back (and `harness run` exited 0)."""
-    config = example_config(
-        "pretrain", tmp_path, training={"max_steps": 8, "save_steps": 2, "per_device_train_batch_size": 4},
-        harness={"plugins": ["defaults", "rollback_plugin:BadBatchOnce"]},
-    )
-    assert run_stage("pretrain", config) == 0
-    out = tmp_path / "pretrain"
+    out = _rolled_back(tmp_path, ["defaults"])
     (performed,) = findings_of(out, "ROLLBACK_PERFORMED")
     assert performed["evidence"]["skipped_rows"] == [16, 20]
     codes = {f["code"] for f in findings_of(out)}
