@@ -57,35 +57,23 @@ PACKED_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 Columns = dict[str, list[list[int]]]
 
 
-MIN_PIECE = 16  # tokens: a document that does not fit starts in the row's free space when at least this much is free
+def _chunks(tokens: list[int], seq_len: int) -> Iterator[list[int]]:
+    """A document longer than a row becomes several row-sized documents."""
+    for start in range(0, len(tokens), seq_len):
+        yield tokens[start : start + seq_len]
 
 
 def _rows(token_lists: Iterable[list[int]], seq_len: int) -> Iterator[list[list[int]]]:
-    """Greedy, order-preserving: documents go into the current row while they fit.
-
-    A document that does not fit starts in the current row anyway when at
-    least ``MIN_PIECE`` tokens (and a quarter of the row) are free, and goes
-    on in the next row: each piece is a document of its own, as the pieces of
-    a document longer than a row are. Without that, a long document's short
-    tail sat alone in a row of padding (a row of ".</s>" and 60 pad tokens
-    that trains nothing, and that repeats wherever such tails are alike).
-    """
+    """Greedy, order-preserving: documents go into the current row until the next one does not fit."""
     row: list[list[int]] = []
     used = 0
-    min_piece = max(MIN_PIECE, seq_len // 4)
     for tokens in token_lists:
-        rest = list(tokens)
-        while rest:
-            free = seq_len - used
-            if len(rest) <= free:
-                row.append(rest)
-                used += len(rest)
-                break
-            if free >= min_piece or not row:
-                row.append(rest[:free])
-                rest = rest[free:]
-            yield row
-            row, used = [], 0
+        for chunk in _chunks(list(tokens), seq_len):
+            if used + len(chunk) > seq_len:
+                yield row
+                row, used = [], 0
+            row.append(chunk)
+            used += len(chunk)
     if row:
         yield row
 

@@ -110,7 +110,8 @@ def test_blame_leaves_training_as_it_was_and_replay_prints_the_grad_norms(
     assert "grad norm" in result.stdout and "per-sample gradient norms: vmap" in result.stdout
     table = [[c.strip() for c in line.split("│")[1:-1]] for line in result.stdout.splitlines() if line.startswith("│")]
     header = next(line for line in result.stdout.splitlines() if line.startswith("┃"))
-    assert [c.strip() for c in header.split("┃")[1:-1]][7] == "grad norm"
+    assert [c.strip() for c in header.split("┃")[1:-1]][7:9] == ["captured grad norm", "replayed grad norm"]
     ranked = [cells for cells in table if cells[0]]  # a long text wraps onto lines with an empty suspect cell
     assert [c[2] for c in ranked][0] == "2" and len(ranked) == 4  # the poisoned row first
-    assert [c[7] for c in ranked] == [f"{captured[(0, int(c[2]))]:.4g}" for c in ranked]  # recomputed on the checkpoint: as captured
+    assert [c[7] for c in ranked] == [f"{captured[(0, int(c[2]))]:.4g}" for c in ranked]  # the captured column
+    assert [c[8] for c in ranked] == [f"{captured[(0, int(c[2]))]:.4g}" for c in ranked]  # recomputed on the checkpoint: as captured

@@ -187,15 +187,3 @@ def test_negative_control_attention_mask_disables_packed_mask(tokenizer: Any) ->
         after = model(input_ids=perturb_a(ids, doc[None]), position_ids=pos, attention_mask=ones).logits[0]
     assert not torch.allclose(before[doc == 1], after[doc == 1], atol=1e-3)
 
-
-def test_a_long_documents_tail_shares_its_row_with_the_next_document() -> None:
-    """A tail alone in a row of padding trained nothing and repeated across the data (DUPLICATE_SAMPLES on a clean
-    corpus): the next document starts in the free space and goes on in the next row, each piece its own document."""
-    long_a, long_b = list(range(1, 71)), list(range(101, 171))  # 70 tokens each, rows of 64
-    packed = pack_token_lists([long_a, long_b, [201, 202]], seq_len=64, pad_id=0)
-    rows = packed["input_ids"]
-    assert rows[0] == long_a[:64]
-    assert rows[1] == long_a[64:] + long_b[:58]  # the 6-token tail and the start of the next document
-    assert rows[2][:14] == long_b[58:] + [201, 202] and rows[2][14:] == [0] * 50
-    assert packed["position_ids"][1][:8] == [0, 1, 2, 3, 4, 5, 0, 1] and packed["labels"][1][6] == IGNORE_INDEX
-    assert all(row.count(0) < 60 for row in rows[:-1])  # no row of padding before the last
