@@ -12,6 +12,7 @@ rotation what it must keep; both change under one lock.
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import threading
 import time
@@ -22,7 +23,7 @@ from typing import Any
 from harness.lib.checkpoint_loss import Reference, matches, rebuilt_loss, tolerance
 from harness.lib.checkpoint_verify import Layout, Problem, check_complete, read_weights, shape_problems
 from harness.lib.checkpoints import STATE_DIR, marker_name
-from harness.lib.proven import file_manifest, write_proven
+from harness.lib.proven import file_manifest, forget_proof, write_proven
 
 
 @dataclass
@@ -85,8 +86,23 @@ def prove(job: Job) -> Outcome:
         record = {"step": job.step, "checks": out.checks, "loss_at_save": job.reference.loss if job.reference else None,
                   "loss_from_disk": out.loss_from_disk, "verify_seconds": round(out.seconds, 4),
                   "save_cost_seconds": round(job.save_cost_s, 4), "files": file_manifest(job.checkpoint)}
+        if _rotated_away(job.checkpoint):  # the Trainer's own rotation deleted it while it was checked: nothing to mark
+            out.proven = False
+            return out
         write_proven(job.output_dir, job.checkpoint, record)
+        if _rotated_away(job.checkpoint):  # deleted as the marker went in: take it out, so the folder's deletion completes
+            forget_proof(job.output_dir, job.checkpoint)
+            try:
+                os.rmdir(job.checkpoint)  # only if empty: what the rotation's rmtree could not remove for the marker
+            except OSError:
+                pass
+            out.proven = False
     return out
+
+
+def _rotated_away(checkpoint: Path) -> bool:
+    """The Trainer's rotation (``save_total_limit`` without ``keep_proven``) deletes a checkpoint while it may be checked."""
+    return not (checkpoint / "trainer_state.json").is_file()
 
 
 def _check_weights(job: Job, out: Outcome) -> None:

@@ -186,4 +186,3 @@ def test_negative_control_attention_mask_disables_packed_mask(tokenizer: Any) ->
         before = model(input_ids=ids, position_ids=pos, attention_mask=ones).logits[0]
         after = model(input_ids=perturb_a(ids, doc[None]), position_ids=pos, attention_mask=ones).logits[0]
     assert not torch.allclose(before[doc == 1], after[doc == 1], atol=1e-3)
-
