@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 __all__ = ["Action", "Finding", "FindingCode", "HarnessStop", "HarnessStopped", "Plugin", "Severity", "attach", "hookimpl", "__version__"]
 
 
-def attach(trainer, config=None, plugins=None, rollback=None, only=None):  # type: ignore[no-untyped-def]
+def attach(trainer, config=None, plugins=None, rollback=None, only=None, show_notes=True):  # type: ignore[no-untyped-def]
     """Attach the harness to a Trainer; see :func:`harness.hf.attach.attach`."""
     from harness.hf.attach import attach as _attach
 
-    return _attach(trainer, config=config, plugins=plugins, rollback=rollback, only=only)
+    return _attach(trainer, config=config, plugins=plugins, rollback=rollback, only=only, show_notes=show_notes)

@@ -122,8 +122,9 @@ def arguments_class(stage: str) -> type:
     return TrainingArguments
 
 
-def check_training_keys(training: dict[str, Any], stage: str, source: str) -> None:
-    """Unknown ``training`` keys are errors that name the key, the class and a did-you-mean."""
+def check_and_coerce_training(training: dict[str, Any], stage: str, source: str) -> None:
+    """Unknown ``training`` keys are errors that name the key, the class and a did-you-mean; a value of a numeric or
+    boolean argument that plainly is one ('1e-3', '3', 'true') becomes it in place, any other value is an error."""
     cls = arguments_class(stage)
     known = {f.name for f in dataclasses.fields(cls) if f.init}
     problems = [
@@ -262,7 +263,7 @@ def load_run_config(path: str | Path, stage: str) -> LoadedRunConfig:
         raise ConfigError([_explain(e, str(path)) for e in exc.errors()]) from None
     if config.stage is not None and config.stage != stage:
         raise ConfigError([f"run config error in {path}, key 'stage': the file is for '{config.stage}' but the command runs '{stage}'. Fix: run `harness run {config.stage}` or change 'stage'."])
-    check_training_keys(config.training, stage, str(path))
+    check_and_coerce_training(config.training, stage, str(path))
     check_model_overrides(config.model, str(path))
     if stage == "continue" and config.model.path is None:
         raise ConfigError([f"run config error in {path}, key 'model.path': continued pretraining starts from an existing model directory. Fix: set model.path."])

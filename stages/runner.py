@@ -279,6 +279,9 @@ def run_stage(stage: str, config_path: str | Path, resume: str | bool | None = N
     if isinstance(resume, str) and not Path(resume).is_dir():  # before anything is built: not a traceback from train()
         raise HarnessError(f"harness run --resume {resume}: no such checkpoint folder. Fix: name an existing "
                            "checkpoint-<N> folder of the run, or pass --resume alone to resume from its last complete one.")
+    for key, directory in (("model.path", loaded.config.model.path), ("tokenizer.path", loaded.config.tokenizer.path)):
+        if directory:
+            _local_dir(loaded, directory, key)  # a wrong folder said now, not after the data is read and tokenised
     harness_config = dict(loaded.config.harness)
     data = loaded.config.data
     if any(s.max_repeats > 1 for s in [*data.sources, *(data.old_sources or [])]):

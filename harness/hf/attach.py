@@ -10,7 +10,7 @@ from harness.hf.bridge import Bridge
 
 
 def attach(trainer: Any, config: Any = None, plugins: list[Any] | None = None, rollback: RollbackHandler | None = None,
-           only: list[Any] | None = None) -> RunContext:
+           only: list[Any] | None = None, show_notes: bool = True) -> RunContext:
     """Attach the harness to ``trainer`` (a ``transformers.Trainer`` or TRL subclass); call before ``train()``.
 
     ``config`` is a YAML path, a dict, or None (then ``HARNESS_CONFIG`` /
@@ -20,6 +20,8 @@ def attach(trainer: Any, config: Any = None, plugins: list[Any] | None = None, r
     ``only`` runs exactly the plugins it lists instead. ``rollback`` is
     the handler that can restart training from the last good checkpoint (a
     stage runner's); without one a ``rollback`` action saves and stops.
+    ``show_notes``: log the config's notes (a disabled plugin's section ...)
+    on rank 0; False where the caller said them already (``harness wrap``).
     Attaching twice returns the first context.
     """
     existing: Bridge | None = getattr(trainer, "_harness_bridge", None)
@@ -33,6 +35,6 @@ def attach(trainer: Any, config: Any = None, plugins: list[Any] | None = None, r
 
     resolved = load_config(config, catalog, extra_plugins=names(plugins or []),
                            only=names(only) if only is not None else None)
-    bridge = Bridge(trainer, resolved, catalog, rollback=rollback)
+    bridge = Bridge(trainer, resolved, catalog, rollback=rollback, show_notes=show_notes)
     trainer._harness_bridge = bridge
     return bridge.ctx

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -51,7 +50,8 @@ log = logging.getLogger("harness.bridge")
 class Bridge:
     """Owns the run context of one trainer and wires the parts that feed it."""
 
-    def __init__(self, trainer: Any, resolved: ResolvedConfig, catalog: Catalog, rollback: RollbackHandler | None = None) -> None:
+    def __init__(self, trainer: Any, resolved: ResolvedConfig, catalog: Catalog, rollback: RollbackHandler | None = None,
+                 show_notes: bool = True) -> None:
         self.trainer = trainer
         args = trainer.args
         dist = DistInfo(rank=args.process_index, world_size=args.world_size, local_rank=args.local_process_index)
@@ -59,7 +59,7 @@ class Bridge:
         rundir.check_writable(run_dir)  # a clear error now, not a PermissionError from inside train()
         if dist.is_main:
             refuse_if_locked(run_dir)  # before config.yaml (or anything else) is written
-        if dist.is_main and not os.environ.get("HARNESS_WRAP"):  # under `harness wrap` its own check said them already
+        if dist.is_main and show_notes:
             for note in resolved.notes:
                 log.warning("harness: note: %s.", note)
         manager = HarnessPluginManager(resolved.model.max_plugin_errors)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.lib.checkpoints import INCOMPLETE_MARKER
+from harness.lib.checkpoints import INCOMPLETE_MARKER, TRAINER_STATE
 
 SAFE_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
 _ZERO_RANK = re.compile(r"zero_pp_rank_(\d+)_")
@@ -140,16 +140,16 @@ def _deepspeed_problems(folder: Path, step: int | None, ds_dirs: list[str], worl
 
 
 def _trainer_state_problems(folder: Path, step: int | None) -> list[Problem]:
-    path = folder / "trainer_state.json"
+    path = folder / TRAINER_STATE
     if not path.is_file():
-        return [Problem("trainer_state.json", "missing (the Trainer writes it last: its save did not end)")]
+        return [Problem(TRAINER_STATE, "missing (the Trainer writes it last: its save did not end)")]
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        return [Problem("trainer_state.json", f"unreadable ({type(exc).__name__})")]
+        return [Problem(TRAINER_STATE, f"unreadable ({type(exc).__name__})")]
     saved = state.get("global_step") if isinstance(state, dict) else None
     if step is not None and saved != step:
-        return [Problem("trainer_state.json", f"says global_step {saved}, the folder is step {step}")]
+        return [Problem(TRAINER_STATE, f"says global_step {saved}, the folder is step {step}")]
     return []
 
 

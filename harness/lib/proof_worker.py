@@ -22,7 +22,7 @@ from typing import Any
 
 from harness.lib.checkpoint_loss import Reference, matches, rebuilt_loss, tolerance
 from harness.lib.checkpoint_verify import Layout, Problem, check_complete, read_weights, shape_problems
-from harness.lib.checkpoints import STATE_DIR, marker_name
+from harness.lib.checkpoints import STATE_DIR, TRAINER_STATE, marker_name
 from harness.lib.proven import file_manifest, forget_proof, write_proven
 
 
@@ -102,7 +102,7 @@ def prove(job: Job) -> Outcome:
 
 def _rotated_away(checkpoint: Path) -> bool:
     """The Trainer's rotation (``save_total_limit`` without ``keep_proven``) deletes a checkpoint while it may be checked."""
-    return not (checkpoint / "trainer_state.json").is_file()
+    return not (checkpoint / TRAINER_STATE).is_file()
 
 
 def _check_weights(job: Job, out: Outcome) -> None:

@@ -1,6 +1,7 @@
 """The Trainer bridge on a real tiny Llama and a real HF Trainer: hooks, isolation, actions, checkpoints."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -402,3 +403,16 @@ def test_the_top_level_attach_takes_only_as_the_readme_shows(make_trainer: Any) 
     trainer = make_trainer(max_steps=1)
     ctx = harness.attach(trainer, only=["nan_guard", "metrics_log"])
     assert ctx.manager.names == ["nan_guard", "metrics_log"]
+
+
+@pytest.mark.parametrize("show_notes", [True, False])
+def test_attach_says_the_config_notes_unless_its_caller_did(make_trainer: Any, caplog: Any, show_notes: bool) -> None:
+    """A section of a plugin that is not enabled takes no effect: attach says so on rank 0; under ``harness wrap``
+    (``show_notes=False``, which wrap's auto-attach passes) wrap's own check said it already, so it is not said twice."""
+    caplog.set_level(logging.WARNING, logger="harness.bridge")
+    harness.attach(make_trainer(max_steps=1), config={"layer_stats": {"interval": 5}}, show_notes=show_notes)
+    noted = [r.getMessage() for r in caplog.records if "note:" in r.getMessage()]
+    if show_notes:
+        assert len(noted) == 1 and "'layer_stats' section is set but the plugin 'layer_stats' is not enabled" in noted[0], noted
+    else:
+        assert noted == []

@@ -101,6 +101,17 @@ def test_wrap_only_runs_exactly_the_plugins_named(tmp_path: Path) -> None:
     assert not (out / "harness" / "metrics.jsonl").exists()  # metrics_log, on by default, did not run
 
 
+@pytest.mark.slow  # a subprocess run (`harness wrap`): CI runs it, the quick tier does not
+def test_wrap_says_a_config_note_once(tmp_path: Path) -> None:
+    """A disabled plugin's section is noted by wrap's own check before the job; the attach inside the job does not
+    say it again (it did, through a second reading of the config in the wrapped process)."""
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {"layer_stats": {"interval": 5}})
+    result = harness_cli("wrap", "--config", str(config), "--", PY, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("the plugin 'layer_stats' is not enabled") == 1, result.stderr[-3000:]
+
+
 def test_wrap_rejects_a_bad_config_before_starting_the_job(tmp_path: Path) -> None:
     config = write_yaml(tmp_path / "bad.yaml", {"plugins": ["metrics_lgo"]})
     marker = tmp_path / "started"

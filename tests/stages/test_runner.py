@@ -223,6 +223,21 @@ def test_a_resume_path_that_does_not_exist_and_no_sources_fail_before_anything_i
         run_stage("pretrain", empty)
 
 
+@pytest.mark.parametrize(("stage", "key"), [("continue", "model"), ("pretrain", "tokenizer")])
+def test_a_model_or_tokenizer_folder_that_is_not_there_fails_before_the_data_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str, key: str
+) -> None:
+    import harness.stages.runner as runner
+
+    def read_data(*args: Any) -> Any:
+        raise AssertionError("the data was read before the model and tokenizer folders were checked")
+
+    monkeypatch.setattr(runner, "load_training_data", read_data)
+    config = example_config(stage, tmp_path, **{key: {"path": str(tmp_path / "no-such-model")}})
+    with pytest.raises(HarnessError, match=rf"{key}\.path '.*no-such-model' in .*: .* is not a directory\. Fix:"):
+        run_stage(stage, config)
+
+
 def test_a_harness_stop_under_harness_run_exits_75_and_the_outcome_is_the_last_word(tmp_path: Path, capsys: Any) -> None:
     from harness.lib.tiny import save_tiny_model_dir
 

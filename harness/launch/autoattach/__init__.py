@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ def patch_trainer_class(trainer_cls: Any) -> None:
             from harness.core.errors import HarnessError, NoCompleteCheckpointError, RunDirError
 
             try:
-                attach(self)
+                attach(self, show_notes=os.environ.get(WRAP_ENV) != "1")  # `harness wrap` said the config's notes already
             except HarnessError as exc:  # as the harness CLI does: one paragraph, no traceback, exit status 2
                 sys.stderr.write(f"harness: {exc}\n")
                 raise SystemExit(2) from None
