@@ -103,3 +103,29 @@ def test_demo_names_each_injected_fault(tmp_path: Path, capsys: Any, monkeypatch
         for code in {f["code"] for f in findings_of(run)}:
             next_step = " ".join(find_section(code).next_step.replace("<output_dir>", str(run)).split()).split("<")[0][:60]
             assert f"] {code} x" in block and "next: " + next_step in " ".join(block.split()), (run, code)
+
+
+def test_every_demo_fault_is_documented_at_its_step() -> None:
+    """The demo's faults as it injects them (``DEMO_FAULTS``, and the ``evidence.fault`` values of its plugin) against
+    playbooks/demo.md (the list of values, a table row per step) and the README's paragraph (each step named). The
+    NaN sample of step 14 was once injected and tested but named in neither."""
+    import re
+
+    from conftest import REPO
+    from harness.stages.demo.run import DEMO_FAULTS
+
+    source = (REPO / "stages" / "demo" / "faults.py").read_text(encoding="utf-8")
+    values = set(re.findall(r'evidence=\{"fault": "(\w+)"\}', source))
+    assert len(values) >= 9, values  # the pattern still reads the plugin
+    playbook = (REPO / "playbooks" / "demo.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^- `(\w+)`: ", playbook, flags=re.MULTILINE)
+    assert sorted(listed) == sorted(values), f"playbooks/demo.md lists {listed}, the plugin injects {sorted(values)}"
+    rows = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\| (\d+) \| ([^|]+)\|", playbook, flags=re.MULTILINE)}
+    steps = {key: step for key, step in DEMO_FAULTS.items() if key.endswith("_step")}
+    for key, step in steps.items():
+        assert step in rows, f"playbooks/demo.md has no table row for step {step} ({key})"
+    assert sorted(rows) == sorted(set(steps.values())), f"the table's steps {sorted(rows)}, the demo's {sorted(set(steps.values()))}"
+    readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    paragraph = readme[readme.index("`harness demo [--out DIR]` pretrains"):readme.index("## Three ways in")]
+    for step in set(steps.values()):
+        assert re.search(rf"\bstep {step}\b", paragraph), f"the README's demo paragraph does not name step {step}"
