@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 
@@ -53,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow_data_rank", type=int, default=-1, help="this rank's dataset sleeps in every __getitem__ (a straggler)")
     p.add_argument("--slow_data_seconds", type=float, default=0.0, help="seconds each __getitem__ of --slow_data_rank sleeps")
     # torchrun passes --local-rank only with --use-env off; accept it anyway.
+    p.add_argument("--prompt_masking", action="store_true",
+                   help="mask the labels of a prefix of random length in every row, as SFT masks its prompts (uneven label counts)")
     p.add_argument("--report_to", default="none", help="the Trainer's report_to: none, or a comma-separated list (tensorboard,wandb)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     return p.parse_args(argv)
@@ -67,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.packing != "none":
         train_dataset = packed_lm_dataset(Dataset.from_dict({"text": corpus_lines()}), tokenizer, seq_len=128, keep_doc_ids=True)
         collator = PackedCollator(args.packing)
+    if args.prompt_masking:
+        train_dataset = train_dataset.map(mask_prompt, with_indices=True)
     if args.slow_data_seconds > 0 and int(os.environ.get("RANK", 0)) == args.slow_data_rank:
         train_dataset = SlowRows(train_dataset, args.slow_data_seconds)
 
@@ -99,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # as PyTorch asks of every script that initialised one
     return args.exit_code
+
+
+def mask_prompt(row: dict[str, Any], index: int) -> dict[str, Any]:
+    """An SFT-like row: a 'prompt' of random length (the same for a row on every run) whose labels are masked."""
+    labels = row["labels"]
+    cut = random.Random(index).randrange(1, len(labels) - 1)
+    return {"labels": [-100] * cut + list(labels[cut:])}
 
 
 class RowStream(IterableDataset):

@@ -86,6 +86,11 @@ class StepGuard:
         same = len(micro) == 1 and micro[0] is step_loss and hasattr(step_loss, "detach")
         if micro and not same and all(_is_tensor(m) for m in micro):
             reads.defer(HARNESS, "micro_losses", _stack(micro))
+        local_items = record.local_items
+        if hasattr(local_items, "detach"):  # several ranks averaging tokens (see MicroBatchTap._items_scale)
+            reads.defer(HARNESS, "local_items", local_items)
+            if hasattr(record.global_items, "detach"):
+                reads.defer(HARNESS, "global_items", record.global_items)
         ctx.read_deferred()
         values = reads.values
         step_loss_read = values(HARNESS, "step_loss")
@@ -102,6 +107,30 @@ class StepGuard:
                 record.step_loss = record.logged_loss  # a training_step that never called compute_loss
         elif record.step_loss is not None:
             record.logged_loss = record.step_loss  # the Trainer's own rule makes them equal (see harness.hf.tap)
+        if local_items is not None:
+            self._to_rank_mean(record, values(HARNESS, "local_items"), values(HARNESS, "global_items"))
+
+    @staticmethod
+    def _to_rank_mean(record: StepRecord, local_read: list[Any], global_read: list[Any]) -> None:
+        """This rank's mean loss from the Trainer's scaled share: ``value * global_items / (scale * local_items)``.
+
+        The Trainer's logged loss (the mean over ranks) is the true loss; one
+        rank's own value is its label sum over every rank's label count times
+        the world size, so a rank with fewer labels than the others shows a
+        lower loss and one with more a higher one (a clean run with uneven
+        label masks then looks spiky). A rank without a label keeps its value.
+        """
+        local = _host(local_read, record.local_items)
+        total = _host(global_read, record.global_items)
+        if not local or not total or local <= 0:
+            return
+        factor = total / (record.items_scale * local)
+        # each micro-batch's loss becomes its share of this rank's step mean, as in one process under accumulation
+        record.micro_losses = [m * factor if isinstance(m, float) else m for m in record.micro_losses]
+        if record.step_loss is not None:
+            record.step_loss *= factor
+        if record.logged_loss is not None:
+            record.logged_loss *= factor
 
     # -- what the optimizer adapters tell the guard ----------------------------------------------------
 

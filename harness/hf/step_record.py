@@ -32,6 +32,11 @@ class StepRecord:
     values_read: bool = False  # the step's one device-to-host transfer happened
     optimizer_skipped: bool = False  # the optimizer itself skipped an update the harness let through (fp16 overflow)
     model_time: float = 0.0  # seconds in training_step (forward, backward, and under DeepSpeed the update)
+    # several ranks with average_tokens_across_devices: each rank's loss is its label sum over EVERY rank's label count,
+    # times the world size (the Trainer's rule); this rank's label count (device) turns it back into this rank's mean
+    local_items: Any = None
+    global_items: Any = None  # the Trainer's num_items_in_batch: every rank's label count of the step
+    items_scale: int = 1  # what the Trainer multiplied the loss by
     guard_time: float = 0.0  # seconds in the step guard outside training_step
 
     def add_micro_batch_loss(self, loss: Any) -> None:
@@ -43,6 +48,11 @@ class StepRecord:
         """compute_loss's share of the step loss (already divided as the Trainer divides it), and its own ``loss``."""
         self.step_loss = part if self.step_loss is None else self.step_loss + part
         self.micro_losses.append(loss)
+
+    def add_local_items(self, count: Any, global_items: Any, scale: int) -> None:
+        """A micro-batch's label count on this rank (device tensor, summed, not read), with the Trainer's step count and scale."""
+        self.local_items = count if self.local_items is None else self.local_items + count
+        self.global_items, self.items_scale = global_items, scale
 
     def metrics(self, step_time: float | None) -> dict[str, Any]:
         """The ``on_step_end`` metrics; loss and grad norm are host floats once ``values_read``."""

@@ -107,6 +107,13 @@ class MicroBatchTap:
                     seen[DATASET_INDEX_NOTE_KEY] = self.indices.note
                 if kwargs.get("num_items_in_batch") is not None:  # a reference, not read: the rerun plugin normalises alike
                     seen[NUM_ITEMS_KEY] = kwargs["num_items_in_batch"]
+            num_items = kwargs.get("num_items_in_batch")
+            if num_items is not None and self.in_training_step and isinstance(seen, dict):
+                scale = self._items_scale()
+                if scale > 1:
+                    count = local_label_count(seen, bool(getattr(self.trainer, "_loss_shifts_labels", False)))
+                    if count is not None:
+                        self._record().add_local_items(count, num_items, scale)
             result = compute_loss(model, inputs, *args, **kwargs)
             if self.in_training_step:
                 loss = (result[0] if isinstance(result, tuple) else result).detach()
@@ -129,6 +136,28 @@ class MicroBatchTap:
             return bool(fixed)
         accepts = bool(getattr(trainer, "model_accepts_loss_kwargs", False))
         return (accepts and num_items_in_batch is not None) or getattr(trainer, "compute_loss_func", None) is not None
+
+    def _items_scale(self) -> int:
+        """What the Trainer multiplies each rank's loss by when it averages tokens across devices (1: it does not).
+
+        With ``average_tokens_across_devices`` and a loss normalised by
+        ``num_items_in_batch`` (every rank's label count), transformers
+        multiplies the loss by the number of processes (over the tensor-
+        parallel size), so that the mean over ranks is the true loss; one
+        rank's value alone is then its label sum over the global count times
+        that factor, which swings with the ranks' share of labels.
+        """
+        trainer = self.trainer
+        args = trainer.args
+        if not getattr(args, "average_tokens_across_devices", False) or int(getattr(args, "world_size", 1) or 1) <= 1:
+            return 1
+        if not (getattr(trainer, "model_accepts_loss_kwargs", False) or getattr(trainer, "compute_loss_func", None) is not None):
+            return 1
+        if int(getattr(args, "n_gpu", 1) or 1) > 1:
+            return int(args.n_gpu)
+        processes = int(getattr(getattr(trainer, "accelerator", None), "num_processes", args.world_size) or 1)
+        tp_size = getattr(trainer, "get_tp_size", None)
+        return max(1, processes // max(1, int(tp_size() if callable(tp_size) else 1)))
 
     def _ga_steps(self) -> int:
         trainer = self.trainer
@@ -160,6 +189,19 @@ class MicroBatchTap:
             return norm
 
         return harness_get_grad_norm
+
+
+def local_label_count(batch: dict[str, Any], shifts_labels: bool) -> Any:
+    """This rank's label tokens in one micro-batch, counted as the Trainer counts ``num_items_in_batch`` (a device
+    tensor, not read); None without labels."""
+    labels = batch.get("shift_labels")
+    if labels is None:
+        labels = batch.get("labels")
+        if labels is not None and shifts_labels and hasattr(labels, "dim") and labels.dim() > 0:
+            labels = labels[..., 1:]
+    if labels is None or not hasattr(labels, "ne"):
+        return None
+    return labels.ne(-100).sum()
 
 
 class _TimedIterator:

@@ -21,6 +21,7 @@ def _used(record: StepRecord) -> StepRecord:
     record.tokens, record.grad_norm, record.lr, record.logged_loss = 64, 2.0, 0.1, 1.0
     record.agreed, record.values_read, record.optimizer_skipped = Action.SKIP_STEP, True, True
     record.model_time, record.guard_time = 0.3, 0.01
+    record.add_local_items(torch.tensor(3), torch.tensor(8.0), 2)
     return record
 
 
@@ -81,3 +82,18 @@ def test_metrics_say_what_the_step_did() -> None:
     record.agreed = Action.SKIP_STEP  # the harness skipped: the optimizer's own skip is not counted on top
     skipped = record.metrics(step_time=None)
     assert skipped["skipped"] and not skipped["optimizer_skipped"] and skipped["action"] == "skip_step"
+
+
+def test_a_rank_s_scaled_share_of_the_loss_becomes_its_own_mean() -> None:
+    """Two ranks averaging tokens: this rank has 3 of the step's 8 labels, their loss sum 6.0. The Trainer hands it
+    6.0 / 8 * 2 = 1.5 (over two micro-batches, 1.0 + 0.5); its own mean loss is 6.0 / 3 = 2.0."""
+    from harness.hf.guard import StepGuard
+
+    record = StepRecord(step_loss=1.5, logged_loss=1.5, micro_losses=[1.0, 0.5], items_scale=2)
+    record.local_items, record.global_items = torch.tensor(3), torch.tensor(8.0)
+    StepGuard._to_rank_mean(record, [3], [8.0])
+    assert record.step_loss == 2.0 and record.logged_loss == 2.0
+    assert record.micro_losses == [1.0 * 8 / 6, 0.5 * 8 / 6]  # each micro-batch's share of the rank's mean
+    untouched = StepRecord(step_loss=0.0, items_scale=2)
+    StepGuard._to_rank_mean(untouched, [0], [8.0])  # no label on this rank: nothing to divide by
+    assert untouched.step_loss == 0.0
