@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow_data_rank", type=int, default=-1, help="this rank's dataset sleeps in every __getitem__ (a straggler)")
     p.add_argument("--slow_data_seconds", type=float, default=0.0, help="seconds each __getitem__ of --slow_data_rank sleeps")
     # torchrun passes --local-rank only with --use-env off; accept it anyway.
+    p.add_argument("--num_train_epochs", type=float, default=3.0, help="epochs when --max_steps is -1")
+    p.add_argument("--short_data_rank", type=int, default=-1,
+                   help="this rank loads a shorter training set (uneven shards: it runs out of steps before the others)")
     p.add_argument("--prompt_masking", action="store_true",
                    help="mask the labels of a prefix of random length in every row, as SFT masks its prompts (uneven label counts)")
     p.add_argument("--report_to", default="none", help="the Trainer's report_to: none, or a comma-separated list (tensorboard,wandb)")
@@ -70,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.packing != "none":
         train_dataset = packed_lm_dataset(Dataset.from_dict({"text": corpus_lines()}), tokenizer, seq_len=128, keep_doc_ids=True)
         collator = PackedCollator(args.packing)
+    if args.short_data_rank >= 0 and int(os.environ.get("RANK", 0)) == args.short_data_rank:
+        train_dataset = train_dataset.select(range(len(train_dataset) * 4 // 5))
     if args.prompt_masking:
         train_dataset = train_dataset.map(mask_prompt, with_indices=True)
     if args.slow_data_seconds > 0 and int(os.environ.get("RANK", 0)) == args.slow_data_rank:
@@ -78,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
+        num_train_epochs=args.num_train_epochs,
         per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate,

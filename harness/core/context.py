@@ -348,11 +348,17 @@ class RunContext:
         self._take_in(self._hub.exchange())
 
     def flush_findings(self) -> None:
-        """Collective at a point every rank reaches: deliver whatever is still queued."""
-        (_, outgoing, *votes) = all_reduce_max([0, len(self._hub.outbox), *self.manager.disabling_votes()])
-        if outgoing:
-            self.collect_findings()
-        self._switch_off(votes, "end of training")
+        """At the end of the training loop: drop the queue of findings no step exchange carried. No collective.
+
+        Every finding of another rank is in its spill file already, and rank 0
+        copies those files in at the run end (:meth:`merge_rank_findings`),
+        with a bounded wait for the other ranks. A collective here assumed
+        that every rank ends its loop together; a rank whose data ran out a
+        step early (uneven shards) then waited in it while the others were in
+        the next step's gradient all-reduce, and a job that fails in seconds
+        without the harness hung until the process group's timeout.
+        """
+        self._hub.outbox.clear()
 
     def note_rank_findings(self) -> None:
         """Rank 0, as a train() call begins: what other ranks' spill files already hold is not this call's news."""

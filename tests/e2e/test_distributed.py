@@ -6,6 +6,7 @@ DeepSpeed ZeRO-2 (``DS_ACCELERATOR=cpu``).
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -93,3 +94,23 @@ def test_uneven_label_counts_across_ranks_are_a_clean_run(tmp_path: Path) -> Non
     logged = {r["step"]: r["loss"] for r in read_jsonl(out / "harness" / "metrics.jsonl") if "loss" in r}
     ratios = sorted(recorded[s] / logged[s] for s in logged)
     assert len(ratios) == 40 and 0.9 < ratios[0] and ratios[-1] < 1.1, ratios  # before: 0.48 to 1.42
+
+
+def test_a_rank_that_runs_out_of_data_first_ends_the_job_as_fast_as_without_the_harness(tmp_path: Path) -> None:
+    """Rank 1 loads a shorter training set (uneven shards): it ends its epoch 15 steps before rank 0. Without the
+    harness rank 1 exits and rank 0's next gradient all-reduce fails within seconds; the harness's train-end collective
+    held rank 1 back while rank 0 waited in that all-reduce, and the job hung until the process group's 30-minute
+    timeout. The train end has no collective now: the job ends quickly, the weights of the ranks drifted apart (their
+    LR schedules differ) and their shards overlapped, and each is found."""
+    import time
+
+    out = tmp_path / "run"
+    script = [str(EXAMPLE), "--output_dir", str(out), "--max_steps", "-1", "--num_train_epochs", "1", "--short_data_rank", "1"]
+    began = time.monotonic()
+    result = harness_cli("wrap", "--", *torchrun(), *script, timeout=240)
+    assert result.returncode != 0, "rank 0 trains on alone: its next collective fails"
+    assert time.monotonic() - began < 200, "the job waited for a timeout instead of ending when rank 1 left"
+    codes = {f["code"] for f in findings_of(out)}
+    assert "RANK_DATA_OVERLAP" in codes, codes
+    run = json.loads((out / "harness" / "run.json").read_text(encoding="utf-8"))
+    assert run["attempts"][-1]["status"] == "crashed", run["attempts"]
