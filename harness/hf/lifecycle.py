@@ -1,7 +1,7 @@
 """One ``train()`` call from the harness's side: the run lock, run.json, rank markers, run end, the report.
 
 ``on_run_end`` fires however the call ends (completed, stopped by an action,
-crashed), and then rank 0 writes the report and hands it to ``on_report``
+crashed; run.json records a Ctrl-C as ``interrupted``), and then rank 0 writes the report and hands it to ``on_report``
 (where trackers close). After a harness stop the call returns, or raises
 ``HarnessStopped`` under the core option ``on_stop: raise``. Rank 0 holds the run directory's lock while a
 ``train()`` call runs; a second process on the same directory is refused
@@ -24,7 +24,7 @@ from harness.hf.actions import ActionExecutor
 from harness.hf.checkpoint_state import CheckpointState
 from harness.lib import rundir
 from harness.lib.stops import StopNotice
-from harness.lib.runinfo import end_attempt, run_facts, start_attempt
+from harness.lib.runinfo import INTERRUPTED, end_attempt, run_facts, start_attempt
 from harness.lib.wrapped_runs import write_run_marker
 
 RANK_END_WAIT_S = 90.0  # rank 0 waits this long at most for the other ranks' run-end files
@@ -92,7 +92,8 @@ class RunLifecycle:
             finally:  # also after a KeyboardInterrupt while the report is written
                 self._release_lock()
             if status == "crashed":
-                log.error("harness: training crashed; findings are in %s", self.ctx.run_dir / "findings.jsonl")
+                how = "was interrupted (Ctrl-C / SIGINT)" if recorded_status(status, error) == INTERRUPTED else "crashed"
+                log.error("harness: training %s; findings are in %s", how, self.ctx.run_dir / "findings.jsonl")
         notice = self._actions.notice
         if status == "stopped" and notice is not None and notice.ends_training:
             self._after_stop(notice)
@@ -187,7 +188,7 @@ class RunLifecycle:
             self._collect_rank_ends(status)
             self._after_run_end()
             known = len(ctx.findings)  # what comes after this came while the trackers closed
-            end_attempt(ctx.run_dir, status, int(self.trainer.state.global_step), error, self._attempt)
+            end_attempt(ctx.run_dir, recorded_status(status, error), int(self.trainer.state.global_step), error, self._attempt)
             if ctx.options.report:
                 files = self._write_report()
         except Exception:  # noqa: BLE001 - the report must never turn a finished run into a crash
@@ -230,6 +231,15 @@ class RunLifecycle:
                 return
             time.sleep(0.1)
         log.warning("harness: ranks %s did not finish within %.0f s; the report may miss their last files", [m.name for m in pending], timeout)
+
+
+def recorded_status(status: str, error: BaseException | None) -> str:
+    """How run.json records a train() call that ended with ``status``: a KeyboardInterrupt (Ctrl-C, SIGINT) is
+    ``interrupted``, not a crash of training. The plugins' ``on_run_end`` still gets ``crashed`` for it (the hook's
+    documented statuses: a plugin's crash handling, a short wait or a FAILED tracker run, fits an interrupt too)."""
+    if status == "crashed" and isinstance(error, KeyboardInterrupt):
+        return INTERRUPTED
+    return status
 
 
 def refuse_if_locked(run_dir: Path) -> None:

@@ -60,7 +60,7 @@ def code_counts(run: RunRecord) -> str:
     """``NONFINITE_LOSS x2 (warning), ACTION_TAKEN x1 (info)``: every code once, worst severity first, then most frequent."""
     counts = Counter(f.code for f in run.findings)
     if not counts:
-        return "none"
+        return "none" if run.findings_known else f"not known ({run.findings_unknown})"
     severity: dict[str, Severity] = {}
     for finding in run.findings:
         if finding.code not in severity or finding.severity > severity[finding.code]:

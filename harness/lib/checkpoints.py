@@ -84,14 +84,29 @@ def checkpoint_step(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def list_checkpoints(output_dir: Path) -> list[Path]:
-    """``checkpoint-<N>`` folders of ``output_dir``, newest step first."""
+def _named_checkpoints(output_dir: Path) -> list[Path]:
+    """Every entry of ``output_dir`` named ``checkpoint-<N>`` (whatever it is), newest step first."""
     try:
         entries = list(Path(output_dir).iterdir())
     except OSError:
         return []
-    found = [(checkpoint_step(p), p) for p in entries if checkpoint_step(p) is not None and p.is_dir()]
+    found = [(checkpoint_step(p), p) for p in entries if checkpoint_step(p) is not None]
     return [p for _, p in sorted(found, key=lambda x: x[0], reverse=True)]  # type: ignore[arg-type, return-value]
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    """``checkpoint-<N>`` folders of ``output_dir``, newest step first; a symlink is never one.
+
+    A run directory may be received from someone else (data, see the README): a
+    ``checkpoint-<N>`` link may point anywhere, so nothing is read, resumed from
+    or rotated through it. :func:`linked_checkpoints` lists those, for notes.
+    """
+    return [p for p in _named_checkpoints(output_dir) if not p.is_symlink() and p.is_dir()]
+
+
+def linked_checkpoints(output_dir: Path) -> list[Path]:
+    """The ``checkpoint-<N>`` entries of ``output_dir`` that are symlinks (to a folder or not), newest step first."""
+    return [p for p in _named_checkpoints(output_dir) if p.is_symlink()]
 
 
 def has_weights(checkpoint: Path) -> bool:

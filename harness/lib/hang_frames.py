@@ -54,9 +54,16 @@ def _norm(path: str) -> str:
     return path.replace("\\", "/")
 
 
+SHORT_PARTS = 3  # a frame's path is shown by its last parts: enough to tell torch/distributed/x.py from a user's x.py
+
+
 def short(row: FrameRow) -> str:
+    """``function (path:line)``: a path of more than ``SHORT_PARTS`` parts as ``.../`` and its last parts (the mark says
+    it was cut: ``tmp/trial/train.py`` would read as a relative path), a shorter one whole, as the frame has it."""
     path, line, function = row
-    tail = "/".join([part for part in _norm(path).split("/") if part][-3:])
+    normed = _norm(path)
+    parts = [part for part in normed.split("/") if part]
+    tail = ".../" + "/".join(parts[-SHORT_PARTS:]) if len(parts) > SHORT_PARTS else normed
     return f"{function} ({tail}:{line})"
 
 

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from harness.lib.checkpoints import checkpoint_step, list_checkpoints, trainer_missing
+from harness.lib.checkpoints import checkpoint_step, linked_checkpoints, list_checkpoints, trainer_missing
 from harness.lib.safe_paths import safe_rmtree, safe_target, safe_write_text
 
 MARKER = "harness_proven"
@@ -42,18 +42,46 @@ def forget_proof(output_dir: Path, checkpoint: Path) -> None:
         pass
 
 
-def read_proven(checkpoint: Path) -> dict[str, Any] | None:
-    """The marker of ``checkpoint`` when it is a regular file of this format naming the folder's step; else None."""
+def _short(value: Any, limit: int = 80, quoted: bool = True) -> str:
+    """``value`` from a received file, for a message: its repr (control characters escaped; a string without its quotes
+    when not ``quoted``), cut at ``limit`` characters."""
+    text = repr(value)
+    if not quoted and isinstance(value, str):
+        text = text[1:-1]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def read_marker(checkpoint: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(record, None)`` for a valid marker of ``checkpoint``; ``(None, None)`` when it has none; ``(None, why)`` for a
+    marker that is there but is not proof (a link, a folder, not JSON, another format, another step)."""
     path = Path(checkpoint) / MARKER
-    if path.is_symlink() or not path.is_file():
-        return None
+    if path.is_symlink():
+        return None, "it is a symbolic link; nothing is read through a link"
+    if not path.exists():
+        return None, None
+    if path.is_dir():
+        return None, "it is a folder, not a file"
+    if not path.is_file():
+        return None, "it is not a regular file"
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict) or record.get("format") != FORMAT or record.get("step") != checkpoint_step(Path(checkpoint)):
-        return None
-    return record
+    except OSError as e:
+        return None, f"{e.strerror or type(e).__name__}"
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        return None, f"not JSON: {_short(str(e), quoted=False)}"
+    if not isinstance(record, dict):
+        return None, f"not a JSON object but {type(record).__name__}"
+    if record.get("format") != FORMAT:
+        return None, f"its format is {_short(record.get('format'))}, not {FORMAT!r}"
+    step = checkpoint_step(Path(checkpoint))
+    if record.get("step") != step:
+        return None, f"it names step {_short(record.get('step'))}, the folder is step {step}"
+    return record, None
+
+
+def read_proven(checkpoint: Path) -> dict[str, Any] | None:
+    """The marker of ``checkpoint`` when it is a regular file of this format naming the folder's step; else None."""
+    return read_marker(checkpoint)[0]
 
 
 def file_manifest(checkpoint: Path) -> dict[str, int]:
@@ -94,17 +122,38 @@ def changed_since_proof(checkpoint: Path, record: dict[str, Any]) -> list[str]:
 
 
 def newest_proven_noting(output_dir: Path) -> tuple[Path | None, list[str]]:
-    """:func:`newest_proven`, and a line for each newer proven checkpoint passed over because it changed since."""
+    """:func:`newest_proven`, and a line for each newer checkpoint passed over for a reason a user would not guess: a
+    ``checkpoint-<N>`` that is a symlink (never read or used: a received run directory is data), a proof marker that is
+    there but broken, a proven checkpoint that changed or lost Trainer files since. One without a marker is not noted."""
+    output_dir = Path(output_dir)
+    links = linked_checkpoints(output_dir)
+    candidates = sorted([*list_checkpoints(output_dir), *links], key=lambda p: checkpoint_step(p) or 0, reverse=True)
     notes = []
-    for checkpoint in list_checkpoints(Path(output_dir)):
-        record = read_proven(checkpoint)
-        if record is None or trainer_missing(checkpoint):
+    for checkpoint in candidates:
+        if checkpoint in links:
+            try:
+                target = f" (-> {_short(os.readlink(checkpoint), quoted=False)})"
+            except OSError:
+                target = ""
+            notes.append(f"passed over {checkpoint.name}: it is a symbolic link{target}; a checkpoint is never read or "
+                         "used through a link (replace it with a real folder to resume from it)")
             continue
+        record, problem = read_marker(checkpoint)
+        if problem is not None:
+            notes.append(f"passed over {checkpoint.name}: its proof marker {MARKER} could not be read ({problem})")
+            continue
+        if record is None:
+            continue  # never proven (or not yet): nothing to say
         changed = changed_since_proof(checkpoint, record)
-        if not changed:
-            return checkpoint, notes
-        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
-        notes.append(f"passed over {checkpoint.name}: it changed since it was proven: {'; '.join(changed[:3])}{more}")
+        if changed:
+            more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+            notes.append(f"passed over {checkpoint.name}: it changed since it was proven: {'; '.join(changed[:3])}{more}")
+            continue
+        missing = trainer_missing(checkpoint)
+        if missing:
+            notes.append(f"passed over {checkpoint.name}: it was proven but lacks {', '.join(missing)} now")
+            continue
+        return checkpoint, notes
     return None, notes
 
 

@@ -20,6 +20,7 @@ from harness.lib.tokens import count_parameters
 from harness.lib.trainer_kind import NOT_TOKEN_LOSS
 
 RUN_FILE = "run.json"
+INTERRUPTED = "interrupted"  # the status of a train() call ended by Ctrl-C / SIGINT (KeyboardInterrupt): no crash of training
 RUN_FORMAT = "train-harness-run/1"  # run.json's "format": marks a run directory written by this harness
 
 
@@ -64,7 +65,7 @@ def start_attempt(run_dir: Path, facts: dict[str, Any], resumed_from: str | None
 
 
 def end_attempt(run_dir: Path, status: str, end_step: int, error: BaseException | None, attempt_index: int | None) -> None:
-    """Close attempt ``attempt_index`` with how it ended (``completed``, ``stopped`` or ``crashed``).
+    """Close attempt ``attempt_index`` with how it ended (``completed``, ``stopped``, ``crashed`` or ``interrupted``).
 
     None: this train() call failed before it could open one (a bad checkpoint
     path, say); a closed entry is added, so an earlier attempt that was killed
@@ -78,7 +79,7 @@ def end_attempt(run_dir: Path, status: str, end_step: int, error: BaseException 
     attempt = attempts[attempt_index]
     attempt.update({"status": status, "ended": time.time(), "end_step": end_step})
     if error is not None:
-        attempt["error"] = f"{type(error).__name__}: {error}"[:2000]
+        attempt["error"] = (f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)[:2000]
     write_run_info(run_dir, data)
 
 

@@ -15,7 +15,7 @@ from harness.report.model import FindingGroup, Raw, Report, ReportSection, md_ta
 from harness.report.plots import make_plots
 from harness.report.provider import SectionsProvider
 from harness.report.section_plots import name_section_plots
-from harness.report.record import RunRecord, as_float
+from harness.report.record import INTERRUPTED, RunRecord, as_float, attempt_status, error_text
 from harness.report.verdict import symptoms_of, verdict_of
 from harness.lib.textsafe import counted, md_escape
 
@@ -53,6 +53,7 @@ def build_report(run: RunRecord, plugin_sections: SectionsProvider | None = None
         attempts=attempts_with_outcome(run),
         sections=sections,
         notes=notes,
+        findings_unknown=run.findings_unknown,
     )
 
 
@@ -60,12 +61,15 @@ def attempts_with_outcome(run: RunRecord) -> list[dict[str, Any]]:
     """run.json's attempts, each with ``outcome``: how it ended, in words (a stop names its step and cause)."""
     rows = []
     for index, attempt in enumerate(run.attempts):
-        status = attempt.get("status", "?")
+        status = attempt_status(attempt) if "status" in attempt else "?"
         outcome = "never recorded its end (killed?)" if status == "running" else str(status)
+        if status == INTERRUPTED:
+            outcome += " (Ctrl-C / SIGINT)"
         if status == "stopped":
             step, causes = run.attempt_stop(index)
             outcome += (f" by the harness at step {step}" if step is not None else " by the harness") + (f" after {causes[-1]}" if causes else "")
-        rows.append({**attempt, "outcome": outcome})
+        shown = {"error": error_text(attempt["error"])} if error_text(attempt.get("error")) else {}  # no dangling "Type: "
+        rows.append({**attempt, **shown, "outcome": outcome})
     return rows
 
 

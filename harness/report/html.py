@@ -49,7 +49,7 @@ img.plot{max-width:100%;border:1px solid #eee;margin:.4em 0}.playbook{border-lef
 <h1>{{ report.title }}</h1>
 <div id="verdict" class="verdict {{ verdict_class }}"><strong>Verdict: {{ report.verdict.label }}.</strong> {{ report.verdict.reason }}</div>
 <h2 id="findings">Findings</h2>
-{% if not report.groups %}<p>No findings.</p>{% endif %}
+{% if not report.groups %}<p>{{ report.no_findings_text }}</p>{% endif %}
 {% for severity, groups in by_severity %}
 <h3><span class="sev sev-{{ severity.value }}">{{ severity.value }}</span> ({{ groups | sum(attribute='count') }})</h3>
 <table class="findings"><thead><tr><th>code</th><th>count</th><th>steps</th><th>ranks</th><th>what happened</th><th>action</th><th>evidence</th></tr></thead><tbody>

@@ -60,7 +60,7 @@ def render_markdown(report: Report) -> str:
 def _findings(report: Report) -> list[str]:
     out = ["## Findings", ""]
     if not report.groups:
-        return out + ["No findings.", ""]
+        return out + [cell(report.no_findings_text, 1000), ""]
     for severity in SEVERITY_ORDER:
         groups = [g for g in report.groups if g.severity is severity]
         if not groups:

@@ -102,6 +102,14 @@ class Report:
     attempts: list[dict[str, Any]]
     sections: list[ReportSection]
     notes: list[str] = field(default_factory=list)
+    findings_unknown: str | None = None  # why findings.jsonl was not read: then "No findings." would be untrue
+
+    @property
+    def no_findings_text(self) -> str:
+        """What the Findings section says when it lists none: none were made, or none could be read."""
+        if self.findings_unknown is None:
+            return "No findings."
+        return f"No findings could be read: {self.findings_unknown} (see the notes)."
 
     @property
     def all_plots(self) -> list[Plot]:

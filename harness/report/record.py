@@ -6,16 +6,18 @@ file that was never written, an attempt still marked ``running``.
 from __future__ import annotations
 
 import math
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import yaml
 
-from harness.core.findings import Finding, read_run_findings
+from harness.core.findings import Finding, findings_path, iter_findings, read_findings
 from harness.core.jsonl import read_jsonl  # noqa: F401 - re-exported: plugins read their own JSONL files with it
 from harness.core.strictjson import as_float  # re-exported: a number from a record field ("nan"/"inf" strings included)
-from harness.lib.runinfo import read_run_info
+from harness.lib.runinfo import INTERRUPTED, read_run_info
 
 
 @dataclass
@@ -30,13 +32,19 @@ class RunRecord:
     config: dict[str, Any] = field(default_factory=dict)
     unreadable: dict[str, int] = field(default_factory=dict)  # file name -> lines (or 1: the whole file) skipped
     problems: list[str] = field(default_factory=list)  # what else could not be read, one sentence each
+    findings_unknown: str | None = None  # why findings.jsonl was not read (missing, not a file, a link, unreadable); None: read
+
+    @property
+    def findings_known(self) -> bool:
+        """Whether ``findings.jsonl`` was read: when not, "no finding" means nothing (they may all be lost)."""
+        return self.findings_unknown is None
 
     @classmethod
     def load(cls, run_dir: Path) -> "RunRecord":
         run_dir = Path(run_dir)
         unreadable: dict[str, int] = {}
         config, problems = read_run_config(run_dir)
-        findings = read_run_findings(run_dir, unreadable)
+        findings, findings_unknown = read_findings_of(run_dir, unreadable, problems)
         return cls(
             run_dir=run_dir,
             info=read_run_info(run_dir, problems),
@@ -46,6 +54,7 @@ class RunRecord:
             config=config,
             unreadable=unreadable,
             problems=problems,
+            findings_unknown=findings_unknown,
         )
 
     def damage_notes(self) -> list[str]:
@@ -71,7 +80,7 @@ class RunRecord:
         """How the last ``train()`` call ended; ``killed`` when it never recorded its end."""
         if not self.attempts:
             return "unknown"
-        status = str(self.attempts[-1].get("status", "unknown"))
+        status = attempt_status(self.attempts[-1])
         return "killed" if status == "running" else status
 
     def attempt_findings(self, index: int) -> list[Finding]:
@@ -177,6 +186,82 @@ class RunRecord:
             except OSError:
                 continue
         return None
+
+
+FINDINGS_FILE = "findings.jsonl"
+
+
+def attempt_status(attempt: dict[str, Any]) -> str:
+    """How an attempt ended, from its run.json entry: ``interrupted`` also for a Ctrl-C that older versions recorded as
+    ``crashed`` with a ``KeyboardInterrupt`` error."""
+    status = str(attempt.get("status", "unknown"))
+    if status == "crashed" and error_text(attempt.get("error")) == "KeyboardInterrupt":
+        return INTERRUPTED
+    return status
+
+
+def error_text(error: Any) -> str | None:
+    """An attempt's recorded error (``Type: message``) as shown: an exception with an empty message is its type alone
+    (``RuntimeError``, not ``RuntimeError: ``); None when there is none."""
+    if not isinstance(error, str) or not error.strip():
+        return None
+    text = error.strip()
+    return text[:-1].rstrip() if text.endswith(":") else text
+
+
+def read_findings_of(run_dir: Path, skipped: dict[str, int], problems: list[str]) -> tuple[list[Finding], str | None]:
+    """All findings of a run (``findings.jsonl`` plus what only the ranks' spill files hold); (findings, why
+    ``findings.jsonl`` was not read, or None).
+
+    Unlike :func:`harness.core.findings.read_run_findings`, a file that is
+    missing, not a regular file, a symbolic link (never read through: a
+    received run directory is data) or that cannot be opened is said in
+    ``problems``, so that a report does not read "no finding" for findings it
+    never saw.
+    """
+    run_dir = Path(run_dir)
+    main_path = findings_path(run_dir, 0)
+    unknown = _unreadable_file(main_path, FINDINGS_FILE)
+    if unknown is not None:
+        problems.append(f"{unknown}: the run's findings are not known (any finding it made may be missing from this report).")
+    main = read_findings(main_path, skipped) if unknown is None else []
+    seen = {f.id for f in main}
+    extra: list[Finding] = []
+    ranks = run_dir / "ranks"
+    if ranks.is_symlink():
+        problems.append("ranks/ is a symbolic link: not followed (a received run directory is data); the other ranks' "
+                        "unmerged findings are left out.")
+        return main, unknown
+    for spill in sorted(ranks.glob("findings.rank-*.jsonl")):
+        name = f"ranks/{spill.name}"
+        why = _unreadable_file(spill, name)
+        if why is not None:
+            problems.append(f"{why}: its rank's unmerged findings are left out.")
+            continue
+        extra += [f for f in iter_findings(spill, skipped) if f.id not in seen]
+    return main + extra, unknown
+
+
+def _unreadable_file(path: Path, name: str) -> str | None:
+    """Why the run directory's file ``path`` (called ``name``) is not read, or None when it can be: missing, a symbolic
+    link (not followed), not a regular file, or not readable (permissions, I/O)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as exc:
+        return f"{name} could not be read ({type(exc).__name__})"
+    if stat.S_ISLNK(info.st_mode):
+        return f"{name} is a symbolic link: not followed (a received run directory is data)"
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        return f"{name} could not be read (it is {kind})"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        return f"{name} could not be read ({type(exc).__name__})"
+    os.close(fd)
+    return None
 
 
 def read_run_config(run_dir: Path) -> tuple[dict[str, Any], list[str]]:

@@ -1,6 +1,6 @@
 """The one-line verdict, and the general symptoms the numbers point at.
 
-Verdict: ``failed`` when the last ``train()`` call did not complete (crashed,
+Verdict: ``failed`` when the last ``train()`` call did not complete (crashed, interrupted,
 stopped by a plugin, killed) or a finding is critical; ``needs attention``
 when a finding is at warning or above; ``healthy`` otherwise.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from harness.core.findings import Severity, worst
 from harness.lib.runinfo import RUN_FILE, UNREADABLE
 from harness.lib.trainer_kind import token_loss_named, token_loss_stage
-from harness.report.record import RunRecord, as_float
+from harness.report.record import INTERRUPTED, RunRecord, as_float, error_text
 
 HEALTHY, ATTENTION, FAILED = "healthy", "needs attention", "failed"
 
@@ -46,11 +46,16 @@ def verdict_of(run: RunRecord) -> Verdict:
     codes = ", ".join(f"{code} x{n}" if n > 1 else code for code, n in counts.most_common(4))
     codes += ", ..." if len(counts) > 4 else ""
     summary = f"{len(severe)} finding(s) at warning or above ({codes})" if severe else "no finding at warning or above"
+    if not run.findings_known:  # "no finding" would be a claim about findings nobody read
+        summary = (f"{summary} in the files that could be read, but {run.findings_unknown}, so there may be more" if severe
+                   else f"findings not known: {run.findings_unknown}")
     if status == "killed":
         return Verdict(FAILED, f"the last train() call never reached its end{at} (killed, or still running{'; ' + which if which else ''}); {summary}.")
+    after = f" after step {step}" if step is not None else ""  # global_step: the last step that completed, not the one in flight
+    if status == INTERRUPTED:  # Ctrl-C: the person at the terminal ended it, training did not crash
+        return Verdict(FAILED, f"training was interrupted (Ctrl-C / SIGINT){after}{attempt}; {summary}.")
     if status == "crashed":
-        error = run.attempts[-1].get("error") or "an exception"
-        after = f" after step {step}" if step is not None else ""  # global_step: the last step that completed, not the one in flight
+        error = error_text(run.attempts[-1].get("error")) or "an exception"
         return Verdict(FAILED, f"training crashed{after} with {error}{attempt}; {summary}.")
     if status == "stopped":
         stop_step, causes = run.attempt_stop(-1)
@@ -62,8 +67,8 @@ def verdict_of(run: RunRecord) -> Verdict:
         return Verdict(FAILED, f"critical finding(s) {', '.join(critical)}; {summary}.")
     if status == "unknown":
         why = _run_json_state(run)
-        return Verdict(ATTENTION if severe else HEALTHY, f"no record of how training ended ({why}); {summary}.")
-    if severe:
+        return Verdict(ATTENTION if severe or not run.findings_known else HEALTHY, f"no record of how training ended ({why}); {summary}.")
+    if severe or not run.findings_known:  # completed, but what the harness found cannot be told: not "healthy"
         return Verdict(ATTENTION, f"training completed{at}; {summary}.")
     return Verdict(HEALTHY, f"training completed{at}; {summary}.")
 

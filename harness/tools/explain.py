@@ -82,7 +82,7 @@ def print_explain(path: Path, width: int = 100) -> int:
                 print(_fill(f"next: {section.next_step.replace('<output_dir>', str(run.output_dir))}", width))
                 print(f"  more: harness playbook {symptom.topic}")
         if not groups:
-            print("No findings.")
+            print("No findings." if run.findings_known else f"No findings could be read: {run.findings_unknown} (see the note above).")
     return 0
 
 

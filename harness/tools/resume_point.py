@@ -6,6 +6,12 @@ A checkpoint is proven when ``checkpoint_proof`` read it back after its save
 still there and unchanged since the proof (every file it held, by size), is printed alone on stdout (exit 0), so that a launcher can do
 ``--resume_from_checkpoint "$(harness resume-point out)"``; with none, one line
 on stderr says so and what the newer folders are (exit 1).
+
+A newer folder passed over for a reason a user would not guess gets a line on
+stderr: a ``checkpoint-<N>`` that is a symlink (never named: a run directory
+may be received from someone else, and nothing is read or used through a
+link), a ``harness_proven`` marker that cannot be read, a proven checkpoint
+that changed or lost files since.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ def print_resume_point(output_dir: Path) -> int:
         sys.stderr.write(f"harness resume-point: {output_dir} is not a folder (give the training run's output_dir).\n")
         return 2
     chosen, notes = newest_proven_noting(output_dir)
-    for note in notes:  # a newer proven checkpoint that lost or changed a file since: a resume from it would fail
+    for note in notes:  # a newer folder passed over: a link, a broken marker, or proven but changed since
         sys.stderr.write(f"harness resume-point: {note}.\n")
     if chosen is not None:
         print(chosen)

@@ -35,3 +35,12 @@ def test_the_marker_keeps_the_time_of_the_jobs_first_train(tmp_path: Path) -> No
     assert read_run_markers_since(stop_dir) == {run_dir.resolve(): 100.0}
     assert read_run_markers(stop_dir) == [run_dir.resolve()]
     assert write_run_marker(run_dir, env={}) is None  # not under wrap: nothing written
+
+
+def test_a_run_without_its_findings_file_is_not_summarised_as_without_findings(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "out", run_json={"attempts": [{"started": 1.0, "resumed_from": None, "start_step": 0,
+                                                                 "status": "stopped", "end_step": 4}]})
+    (run_dir / "findings.jsonl").unlink()
+    summary = closing_summary([run_dir])
+    assert "findings: not known (findings.jsonl is missing)" in summary, summary
+    assert "no finding at warning or above" not in summary and "findings not known: findings.jsonl is missing" in summary

@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from harness.lib.hang_frames import format_stacks, name_frames, thread_frames, write_stacks
+from harness.lib.hang_frames import format_stacks, name_frames, short, thread_frames, write_stacks
 from harness.lib.hang_summary import hang_summary, stall_order
 from harness.core.findings import Finding, Severity
 
@@ -28,13 +28,13 @@ BACKWARD = [(f"{SITE}/transformers/trainer.py", 2000, "training_step"), (f"{SITE
 def test_a_collective_is_named_by_its_public_function_and_where_it_was_called() -> None:
     where = name_frames(TRAINER + GUARD, world_size=2)
     assert where.words == "in all_gather at the step guard" and where.kind == "collective"
-    assert where.innermost[0] == "all_gather (torch/distributed/distributed_c10d.py:3900)" and len(where.innermost) == 6
+    assert where.innermost[0] == "all_gather (.../torch/distributed/distributed_c10d.py:3900)" and len(where.innermost) == 6
 
 
 def test_a_blocked_data_loader_names_the_dataset_frame() -> None:
     where = name_frames(TRAINER + DATA)
     assert where.kind == "data"
-    assert where.words == "in the data loader's __next__ (in the dataset's __getitem__, work/tests/my_data.py:40) fetching the step's batches"
+    assert where.words == "in the data loader's __next__ (in the dataset's __getitem__, /work/tests/my_data.py:40) fetching the step's batches"
     worker = name_frames(TRAINER + DATA[:3] + [(f"{SITE}/torch/utils/data/dataloader.py", 1300, "_get_data")])
     assert worker.words.startswith("in the data loader's __next__ (waiting for a worker process's batch)")
 
@@ -62,10 +62,21 @@ def test_the_step_read_waits_for_the_other_ranks_only_with_several() -> None:
 
 def test_a_plain_wait_and_an_unknown_frame_are_named_by_the_innermost_frames() -> None:
     lock = name_frames(TRAINER + [("/work/app.py", 12, "worker_loop"), ("/usr/lib/python3.11/threading.py", 320, "wait")])
-    assert lock.kind == "wait" and lock.words == "in threading's Event/Condition wait, called from worker_loop (work/app.py:12)"
+    assert lock.kind == "wait" and lock.words == "in threading's Event/Condition wait, called from worker_loop (/work/app.py:12)"
     other = name_frames([("/work/app.py", 7, "spin")])
-    assert other.kind == "other" and other.words == "in spin (work/app.py:7)"
+    assert other.kind == "other" and other.words == "in spin (/work/app.py:7)"
     assert name_frames([]).kind == "other"
+
+
+def test_a_shortened_path_is_marked_and_a_short_one_stays_whole() -> None:
+    """The last three parts of an absolute path once read as a relative path (``tmp/trial_ranks/train2.py``)."""
+    assert short(("/home/me/trial_ranks/train2.py", 73, "pre_hook")) == "pre_hook (.../me/trial_ranks/train2.py:73)"
+    assert short(("/tmp/trial_ranks/train2.py", 73, "pre_hook")) == "pre_hook (/tmp/trial_ranks/train2.py:73)"
+    assert short(("/train.py", 1, "main")) == "main (/train.py:1)"
+    assert short(("pkg/sub/deep/mod.py", 5, "f")) == "f (.../sub/deep/mod.py:5)"
+    assert short(("sub/mod.py", 5, "f")) == "f (sub/mod.py:5)"
+    assert short(("C:\\work\\proj\\src\\train.py", 9, "g")) == "g (.../proj/src/train.py:9)"
+    assert short(("<frozen runpy>", 88, "_run_code")) == "_run_code (<frozen runpy>:88)"
 
 
 def test_a_live_thread_is_found_and_every_stack_is_dumped(tmp_path: Path) -> None:

@@ -101,3 +101,22 @@ def test_a_policy_loss_that_does_not_fall_is_no_symptom(tmp_path: Path) -> None:
     policy.info.update({"trainer": "GRPOTrainer", "stage": "grpo"})
     assert [s.topic for s in symptoms_of(token)] == ["loss-not-decreasing"]
     assert [s.topic for s in symptoms_of(policy)] == []
+
+
+def test_an_interrupt_is_no_crash_also_in_an_older_run_json(tmp_path: Path) -> None:
+    for status, error in (("interrupted", "KeyboardInterrupt: "), ("crashed", "KeyboardInterrupt: ")):  # new, and as older runs wrote it
+        attempts = [{"started": T0, "resumed_from": None, "start_step": 0, "status": status, "end_step": 56, "error": error}]
+        run = _run(tmp_path, attempts, [], [{"step": 56, "time": T0 + 56}])
+        verdict = verdict_of(run)
+        assert verdict.label == "failed"
+        assert verdict.reason.startswith("training was interrupted (Ctrl-C / SIGINT) after step 56 (attempt 1);"), verdict.reason
+        assert "crashed" not in verdict.reason and "KeyboardInterrupt" not in verdict.reason
+        (row,) = attempts_with_outcome(run)
+        assert row["outcome"] == "interrupted (Ctrl-C / SIGINT)" and row["error"] == "KeyboardInterrupt"
+        assert row["status"] == status  # run.json's own field is left as it was
+
+
+def test_an_exception_without_a_message_shows_its_type_alone(tmp_path: Path) -> None:
+    attempts = [{"started": T0, "resumed_from": None, "start_step": 0, "status": "crashed", "end_step": 6, "error": "RuntimeError: "}]
+    reason = verdict_of(_run(tmp_path, attempts, [], [{"step": 6, "time": T0 + 6}])).reason
+    assert reason.startswith("training crashed after step 6 with RuntimeError (attempt 1);"), reason
