@@ -30,7 +30,7 @@ from harness.core.jsonl import read_jsonl
 from harness.core.strictjson import as_float
 from harness.core.plugin import Plugin
 from harness.lib.fingerprints import differing, optimizer_tensors, param_tensors, rng_fingerprints, scheduler_state, tensor_sums
-from harness.lib.hashing import combine_row_hashes, device_row_hashes, hex64
+from harness.lib.hashing import device_row_hashes, hex64_all
 from harness.core.hookspecs import hookimpl
 from harness.lib.robust import judge
 from harness.lib.sharding import model_is_sharded, optimizer_is_sharded
@@ -114,7 +114,9 @@ class ResumeCheck(Plugin):
         self._saved: dict[str, Any] | None = None
         self._resume_step: int | None = None
         self._pending_rng = False
-        self._expected: dict[tuple[int, int], str] | None = None
+        self._expected: dict[int, list[str]] | None = None  # step -> the interrupted run's sample hashes, micro-batches in order
+        self._trained_at: dict[str, int] = {}  # sample hash -> the step after the checkpoint the interrupted run trained it at
+        self._seen_in_step: dict[int, int] = {}  # step -> samples of it this run has compared so far
         self._position_reported = False
         self._band_checked = 0
         self._earlier_losses: dict[int, float] | None = None
@@ -128,6 +130,7 @@ class ResumeCheck(Plugin):
     def on_run_start(self, ctx: Any) -> None:
         self._losses.clear()
         self._resume_step, self._saved, self._expected = None, None, None
+        self._trained_at, self._seen_in_step = {}, {}
         self._earlier_losses: dict[int, float] | None = None
         self._pending_rng, self._position_reported, self._band_checked = False, False, 0
         self._config_changed = None
@@ -233,7 +236,7 @@ class ResumeCheck(Plugin):
         self._resume_step = ctx.step
         self.idle_hooks("inspect_batch", "on_before_optimizer_step", idle=False)  # the first batches after it are checked
         self._saved = state
-        if "data_hash" in self.missing and ctx.is_main and not self._expected_batches(ctx):
+        if "data_hash" in self.missing and ctx.is_main and not self._expected_samples(ctx):
             # no ledger of what the interrupted run trained next (an earlier attempt with data_hash on would have one)
             self.unchecked(
                 RESUME_UNCHECKED.code,
@@ -395,20 +398,34 @@ class ResumeCheck(Plugin):
         if getattr(ctx, "data_edit", None):  # a rollback left rows out: the batches after the resume differ on purpose
             self._position_reported = True
             return
-        expected = self._expected_batches(ctx)
-        want = expected.get((step, micro))
+        want = self._expected_samples(ctx).get(step)
         if want is None:
             return  # the interrupted run did not get this far: nothing to compare with
         mask = batch.get("attention_mask")
-        got = hex64(combine_row_hashes(device_row_hashes(batch["input_ids"], mask if torch.is_tensor(mask) else None).tolist()))
-        if got != want:
+        got = hex64_all(device_row_hashes(batch["input_ids"], mask if torch.is_tensor(mask) else None).tolist())
+        # the step's samples in order, whatever its micro-batches: a resume that splits the same step into more, smaller
+        # micro-batches (per-device batch halved, accumulation doubled) trains the same data at the same position
+        offset = self._seen_in_step.get(step, 0)
+        self._seen_in_step[step] = offset + len(got)
+        expected = want[offset : offset + len(got)]
+        if got != expected:
             self._position_reported = True
+            first = next((i for i, (g, e) in enumerate(zip(got, expected)) if g != e), min(len(got), len(expected)))
+            where = self._trained_at.get(got[first]) if first < len(got) else None
+            if where is not None:
+                seen = f" its sample {first} is one the interrupted run trained at step {where}"
+            elif first < len(got):
+                seen = f" its sample {first} is none the interrupted run trained after the checkpoint"
+            else:
+                seen = " the interrupted run trained more samples at that position"
             self.report(
                 RESUME_DATA_POSITION.code,
-                f"micro-batch {micro} of step {step}, the first after resuming from step {self._resume_step}, is not the batch the "
-                "interrupted run trained at that step: the data loader did not resume at the saved position.",
+                f"micro-batch {micro} of step {step}, the first after resuming from step {self._resume_step}, does not hold the samples "
+                f"the interrupted run trained at that position of the step (samples {offset}-{offset + len(got) - 1}):{seen}. "
+                "The data loader did not resume at the saved position.",
                 step=step,
-                evidence={"batch_hash": got, "interrupted_run_batch_hash": want, "resume_step": self._resume_step},
+                evidence={"sample_hashes": got[:16], "interrupted_run_sample_hashes": expected[:16], "first_different": first,
+                          "interrupted_run_step_of_first_different": where, "resume_step": self._resume_step},
             )
 
     def _interrupted_losses(self, ctx: Any) -> dict[int, float]:
@@ -419,12 +436,20 @@ class ResumeCheck(Plugin):
             self._earlier_losses = {s: v for s, v in logged.items() if s > resume}
         return self._earlier_losses
 
-    def _expected_batches(self, ctx: Any) -> dict[tuple[int, int], str]:
-        """(step, micro-batch) -> batch hash the interrupted attempt trained after the checkpoint (from data_hash's ledger)."""
+    def _expected_samples(self, ctx: Any) -> dict[int, list[str]]:
+        """step -> the sample hashes the interrupted attempt trained at that step after the checkpoint, micro-batches in
+        order (from data_hash's ledger); also fills ``_trained_at`` for the evidence."""
         if self._expected is None:
             last = (self._resume_step or 0) + self.options.first_steps
             _, after = around_resume(ctx.run_dir, ctx.rank, self._resume_step or 0)
-            self._expected = {(r["step"], r["micro_batch"]): r["batch_hash"] for r in after if r["step"] <= last}
+            expected: dict[int, list[str]] = {}
+            for record in sorted(after, key=lambda r: (r["step"], r["micro_batch"])):
+                samples = [str(h) for h in record.get("sample_hashes") or []]
+                if record["step"] <= last:
+                    expected.setdefault(record["step"], []).extend(samples)
+                for sample in samples:
+                    self._trained_at.setdefault(sample, record["step"])
+            self._expected = expected
         return self._expected
 
     def _check_loss_band(self, ctx: Any, step: int, loss: float) -> None:

@@ -77,7 +77,9 @@ class _Scan:
         self.resume_step = resume_step
         self.highest = 0  # the highest attempt number in the file
         self._best: dict[tuple[int, int], dict[str, Any]] = {}
-        self.after: list[dict[str, Any]] = []
+        self._after_any: list[dict[str, Any]] = []  # after the resume step: the newest attempt's records
+        self._after_writer: list[dict[str, Any]] = []  # ... the newest attempt's that trained the resume step itself
+        self._writers: set[int] = set()  # attempts with a record at the resume step (they saved, or could save, its checkpoint)
         tail: list[dict[str, Any]] = []  # records of the newest started attempt (left out when it is the running one)
         newest_start, self.boundary = 0, 0
         stat = os.stat(path) if path.exists() else None
@@ -107,6 +109,10 @@ class _Scan:
             self.current, self.boundary = self.highest + 1, end  # the running attempt's start line goes at ``end``
         else:
             self.current = newest_start
+        # what the interrupted run trained next: the continuation of the attempt that trained the resume step (the one that
+        # saved its checkpoint), not of a later attempt that resumed from that checkpoint too and may have been wrong (one the
+        # harness stopped at its first step for a bad data position); without such an attempt, the newest one's
+        self.after = self._after_writer if self._writers else self._after_any
         # the file's (size, mtime) when last known to hold nothing newer than the running attempt
         self.known: tuple[int, int] | None = (stat.st_size, stat.st_mtime_ns) if stat is not None and end == stat.st_size else None
 
@@ -118,10 +124,12 @@ class _Scan:
             key = (record["step"], record["micro_batch"])
             if key not in self._best or _attempt_of(self._best[key]) < attempt:
                 self._best[key] = record
-        elif not self.after or attempt > _attempt_of(self.after[0]):
-            self.after = [record]
-        elif attempt == _attempt_of(self.after[0]):
-            self.after.append(record)
+            if record["step"] == self.resume_step:
+                self._writers.add(attempt)
+            return
+        _keep_newest(self._after_any, record, attempt)
+        if attempt in self._writers:
+            _keep_newest(self._after_writer, record, attempt)
 
     @property
     def before(self) -> list[dict[str, Any]]:
@@ -141,6 +149,14 @@ class _Scan:
             return False
         self.known = (stat.st_size, stat.st_mtime_ns)
         return True
+
+
+def _keep_newest(records: list[dict[str, Any]], record: dict[str, Any], attempt: int) -> None:
+    """``records`` holds one attempt's records, the newest attempt's seen: a newer one replaces them, the same one adds."""
+    if not records or attempt > _attempt_of(records[0]):
+        records[:] = [record]
+    elif attempt == _attempt_of(records[0]):
+        records.append(record)
 
 
 _SCANS: dict[str, _Scan] = {}  # ledger path -> the scan around this process's latest resume (dropped when its writer closes)

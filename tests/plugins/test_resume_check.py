@@ -183,6 +183,37 @@ def test_ignore_data_skip_is_a_wrong_data_position(make_trainer: Any, tmp_path: 
     assert findings_of(out, "DATA_REPEATED")[0]["step"] == 11
 
 
+def test_the_same_samples_in_smaller_micro_batches_are_the_same_data_position(make_trainer: Any, tmp_path: Path) -> None:
+    """Resumed with the per-device batch halved and accumulation doubled (a common way to save memory): every step
+    trains the same samples in the same order, in two micro-batches. The check compared one hash per (step,
+    micro-batch) and stopped the run with RESUME_DATA_POSITION; it compares each step's samples in order now."""
+    out = tmp_path / "run"
+    _interrupted(make_trainer, out)
+    _resume(make_trainer, out, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    codes = _resume_codes(out)
+    assert [c for c in codes if c[0] != "RESUME_CONFIG_CHANGED"] == [], codes
+    assert ("RESUME_CONFIG_CHANGED", 11) in codes or ("RESUME_CONFIG_CHANGED", 10) in codes, codes  # the change itself is said
+
+
+def test_a_correct_resume_after_a_wrong_one_the_harness_stopped_is_silent(make_trainer: Any, tmp_path: Path) -> None:
+    """The wrong resume (ignore_data_skip) is stopped at its first step; its ledger holds that step's wrong batch. The
+    next, correct resume from the same checkpoint was compared with that batch (the newest attempt's) and stopped as
+    well; it is compared with the continuation of the attempt that saved the checkpoint now."""
+    out = tmp_path / "run"
+    _interrupted(make_trainer, out)
+    _resume(make_trainer, out, ignore_data_skip=True)
+    (stopped,) = findings_of(out, "RESUME_DATA_POSITION")
+    assert stopped["step"] == 11 and stopped["action"] == "stop"
+    before = len(findings_of(out))
+    _resume(make_trainer, out)
+    added = [(f["code"], f["step"]) for f in findings_of(out)[before:] if f["severity"] in ("warning", "error", "critical")]
+    assert added == [], added
+    # the stopped one's evidence: its first sample (the epoch's first, as ignore_data_skip starts over) is none the
+    # interrupted run trained after the checkpoint
+    assert stopped["evidence"]["first_different"] == 0 and stopped["evidence"]["interrupted_run_step_of_first_different"] is None
+    assert "its sample 0 is none the interrupted run trained after the checkpoint" in stopped["message"], stopped["message"]
+
+
 @pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
 def test_a_long_ledger_over_five_epochs_reads_back_into_one_dataframe(make_trainer: Any, lm_rows: Any) -> None:
     """Five epochs of a 24-row set (the ledger's epochs and steps, not the step count, are what is checked)."""
