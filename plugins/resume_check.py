@@ -117,6 +117,7 @@ class ResumeCheck(Plugin):
         self._expected: dict[int, list[str]] | None = None  # step -> the interrupted run's sample hashes, micro-batches in order
         self._trained_at: dict[str, int] = {}  # sample hash -> the step after the checkpoint the interrupted run trained it at
         self._seen_in_step: dict[int, int] = {}  # step -> samples of it this run has compared so far
+        self._source_run_dir: Path | None = None  # the harness folder of the run that saved the checkpoint resumed from
         self._position_reported = False
         self._band_checked = 0
         self._earlier_losses: dict[int, float] | None = None
@@ -130,7 +131,7 @@ class ResumeCheck(Plugin):
     def on_run_start(self, ctx: Any) -> None:
         self._losses.clear()
         self._resume_step, self._saved, self._expected = None, None, None
-        self._trained_at, self._seen_in_step = {}, {}
+        self._trained_at, self._seen_in_step, self._source_run_dir = {}, {}, None
         self._earlier_losses: dict[int, float] | None = None
         self._pending_rng, self._position_reported, self._band_checked = False, False, 0
         self._config_changed = None
@@ -236,6 +237,9 @@ class ResumeCheck(Plugin):
         self._resume_step = ctx.step
         self.idle_hooks("inspect_batch", "on_before_optimizer_step", idle=False)  # the first batches after it are checked
         self._saved = state
+        # the run that saved the checkpoint: another output_dir's when the resume starts a new one from it (its ledger then
+        # says what that run trained next; read only)
+        self._source_run_dir = Path(str(checkpoint_dir)).parent / ctx.run_dir.name if checkpoint_dir is not None else None
         if "data_hash" in self.missing and ctx.is_main and not self._expected_samples(ctx):
             # no ledger of what the interrupted run trained next (an earlier attempt with data_hash on would have one)
             self.unchecked(
@@ -442,6 +446,9 @@ class ResumeCheck(Plugin):
         if self._expected is None:
             last = (self._resume_step or 0) + self.options.first_steps
             _, after = around_resume(ctx.run_dir, ctx.rank, self._resume_step or 0)
+            source = self._source_run_dir
+            if not after and source is not None and source.resolve() != ctx.run_dir.resolve() and not source.is_symlink():
+                _, after = around_resume(source, ctx.rank, self._resume_step or 0, running_here=False)
             expected: dict[int, list[str]] = {}
             for record in sorted(after, key=lambda r: (r["step"], r["micro_batch"])):
                 samples = [str(h) for h in record.get("sample_hashes") or []]

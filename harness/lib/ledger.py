@@ -174,13 +174,14 @@ def _remember(path: Path, scan: _Scan) -> None:
         _SCANS.pop(next(iter(_SCANS)))
 
 
-def around_resume(run_dir: Path, rank: int, resume_step: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def around_resume(run_dir: Path, rank: int, resume_step: int, running_here: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Earlier attempts' records of one rank around a resume from ``resume_step``.
 
     Returns (for every step up to the resume, the record of the attempt that
     trained it last; the records the newest earlier attempt trained after
     the resume step, i.e. what the interrupted run did next). The attempt now
-    running (the newest start line) is left out.
+    running (the newest start line) is left out; with ``running_here`` False
+    (the ledger of another run directory) none is.
 
     The ledger is read once per resume: the pass the ``LedgerWriter`` made to
     number its attempt (or the first call here) is kept and shared by every
@@ -188,6 +189,9 @@ def around_resume(run_dir: Path, rank: int, resume_step: int) -> tuple[list[dict
     attempt has appended to the file since.
     """
     path = ledger_path(run_dir, rank)
+    if not running_here:  # another run directory's ledger (a checkpoint resumed into a new one): every attempt is earlier
+        scan = _Scan(path, resume_step, before_running=True)
+        return scan.before, list(scan.after)
     scan = _SCANS.get(_key(path))
     if scan is None or scan.resume_step != resume_step or not scan.still_valid(path):
         scan = _Scan(path, resume_step, before_running=False)

@@ -214,6 +214,23 @@ def test_a_correct_resume_after_a_wrong_one_the_harness_stopped_is_silent(make_t
     assert "its sample 0 is none the interrupted run trained after the checkpoint" in stopped["message"], stopped["message"]
 
 
+def test_a_resume_into_a_new_output_dir_is_checked_against_the_saving_run(make_trainer: Any, tmp_path: Path) -> None:
+    """Resuming another output_dir's checkpoint starts a run directory without a ledger: the data position went
+    unchecked and a wrong one (the loader started the epoch over) passed as healthy. The saving run's ledger, beside
+    the checkpoint, says what it trained next."""
+    source, new = tmp_path / "first", tmp_path / "second"
+    _interrupted(make_trainer, source)
+    trainer = make_trainer(output_dir=new, max_steps=14, save_strategy="steps", save_steps=5, ignore_data_skip=True)
+    harness.attach(trainer)
+    trainer.train(resume_from_checkpoint=str(source / "checkpoint-10"))
+    (position,) = findings_of(new, "RESUME_DATA_POSITION")
+    assert position["step"] == 11 and position["action"] == "stop"
+    correct = make_trainer(output_dir=tmp_path / "third", max_steps=14, save_strategy="steps", save_steps=5)
+    harness.attach(correct)
+    correct.train(resume_from_checkpoint=str(source / "checkpoint-10"))
+    assert _resume_codes(tmp_path / "third") == [] and correct.state.global_step == 14
+
+
 @pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
 def test_a_long_ledger_over_five_epochs_reads_back_into_one_dataframe(make_trainer: Any, lm_rows: Any) -> None:
     """Five epochs of a 24-row set (the ledger's epochs and steps, not the step count, are what is checked)."""
