@@ -20,7 +20,7 @@ import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data import Dataset as TorchDataset
-from transformers import Trainer, TrainingArguments, default_data_collator
+from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
 from harness.stages.packing import packed_data_collator, packed_lm_dataset
 from harness.lib.tiny import build_tiny_llama, corpus_lines, lm_dataset, train_tokenizer
@@ -57,9 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_train_epochs", type=float, default=3.0, help="epochs when --max_steps is -1")
     p.add_argument("--short_data_rank", type=int, default=-1,
                    help="this rank loads a shorter training set (uneven shards: it runs out of steps before the others)")
+    p.add_argument("--shuffle_rank", type=int, default=-1,
+                   help="this rank shuffles its training rows without a seed before the Trainer gets them (another order than the other ranks)")
     p.add_argument("--prompt_masking", action="store_true",
                    help="mask the labels of a prefix of random length in every row, as SFT masks its prompts (uneven label counts)")
     p.add_argument("--report_to", default="none", help="the Trainer's report_to: none, or a comma-separated list (tensorboard,wandb)")
+    p.add_argument("--crash_rank", type=int, default=-1, help="this rank raises ValueError at the start of --crash_step")
+    p.add_argument("--crash_step", type=int, default=-1, help="the step (1-based) at whose start --crash_rank raises")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     return p.parse_args(argv)
 
@@ -75,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         collator = PackedCollator(args.packing)
     if args.short_data_rank >= 0 and int(os.environ.get("RANK", 0)) == args.short_data_rank:
         train_dataset = train_dataset.select(range(len(train_dataset) * 4 // 5))
+    if args.shuffle_rank >= 0 and int(os.environ.get("RANK", 0)) == args.shuffle_rank:
+        train_dataset = train_dataset.shuffle()  # no seed: an order of this rank's own
     if args.prompt_masking:
         train_dataset = train_dataset.map(mask_prompt, with_indices=True)
     if args.slow_data_seconds > 0 and int(os.environ.get("RANK", 0)) == args.slow_data_rank:
@@ -106,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         processing_class=tokenizer,
         data_collator=collator,
     )
+    if args.crash_rank >= 0 and int(os.environ.get("RANK", 0)) == args.crash_rank:
+        trainer.add_callback(CrashAt(args.crash_rank, args.crash_step))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # as PyTorch asks of every script that initialised one
@@ -164,6 +172,17 @@ class SlowRows(TorchDataset):
         """What the DataLoader calls per batch: the slow path (a one-off scan through ``__getitem__`` stays fast)."""
         time.sleep(self.seconds * len(indices))
         return [self.rows[i] for i in indices]
+
+
+class CrashAt(TrainerCallback):
+    """Raise ValueError at the start of step ``step`` (a bug in a training script that hits one rank only)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step + 1 == self.step:
+            raise ValueError(f"injected crash on rank {self.rank} at step {self.step}")
 
 
 class OwnLoaderTrainer(Trainer):

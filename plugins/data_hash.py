@@ -11,7 +11,10 @@ within an epoch (the classic broken resume: the loader restarted at the
 epoch's beginning), samples the interrupted run would have trained next but
 the resumed one never did, duplicate content, and data-parallel ranks that
 train on the same samples. The training dataset gets a content fingerprint,
-stored with each checkpoint and compared on resume.
+stored with each checkpoint and compared on resume, and, with several ranks,
+compared across the ranks at the first step (its digest rides that step's
+exchange): the sampler shards one dataset by index, so every rank must hold
+the same rows in the same order.
 """
 from __future__ import annotations
 
@@ -59,9 +62,17 @@ RESUME_DATA_CHANGED = FindingCode(
     "The training data's content fingerprint differs from the one stored with the checkpoint.",
     "data#resume_data_changed",
 )
+RANK_DATASETS_DIFFER = FindingCode(
+    "RANK_DATASETS_DIFFER",
+    Severity.ERROR,
+    "Data-parallel ranks hold different training datasets (other rows, or the same rows in another order): the sampler's "
+    "shards of them overlap and leave samples out.",
+    "data#rank_datasets_differ",
+)
 HASH_KEYS = ("input_ids", "chosen_input_ids")  # what a batch's samples are made of (LM / SFT, then DPO pairs)
 MASK_KEYS = {"input_ids": "attention_mask", "chosen_input_ids": "chosen_attention_mask"}
 CHECK_EVERY = 16  # micro-batches checked for repeats and duplicates at once (a finding comes at most this many later)
+DATASET_SLOT, DATASET_WIDTH = "dataset", 3  # the exchange's slot of the first step: rows, digest, order-free content sum
 CHECKED_CODES = ("DATA_REPEATED", "DUPLICATE_SAMPLES")  # the findings of those checks: with a policy action, checked every step
 log = logging.getLogger(__name__)
 
@@ -78,6 +89,10 @@ class DataHashOptions(BaseModel):
     fingerprint_rows: int = Field(1000, ge=1, description="Rows (evenly spaced) that make the fingerprint of a dataset too big to index.")
     max_duplicates: int = Field(0, ge=0, description="DUPLICATE_SAMPLES once more than this many samples have a content twin.")
     check_rank_overlap: bool = Field(True, description="Compare the ranks' samples every step (they ride the step's one exchange).")
+    check_rank_datasets: bool = Field(
+        True, description="Compare the ranks' training dataset fingerprints (row count, digest) at the first step (they ride "
+        "that step's exchange): RANK_DATASETS_DIFFER when the ranks hold other rows or the same rows in another order.",
+    )
     fsync_every: int = Field(
         1000, ge=1, description="fsync the ledger every this many steps; it is flushed every step (a killed process loses "
         "nothing) and fsynced at every checkpoint (a machine crash loses nothing a resume needs).",
@@ -92,6 +107,71 @@ class DataHashOptions(BaseModel):
     )
 
 
+def _wrap64(value: int) -> int:
+    """``value`` as a signed int64 (two's complement), as the exchange carries it."""
+    value &= 0xFFFF_FFFF_FFFF_FFFF
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def rank_datasets_finding(
+    step: int, gathered: list[list[int] | None], fingerprint: Mapping[str, Any] | None = None
+) -> tuple[str, dict[str, Any]] | None:
+    """The message and evidence of RANK_DATASETS_DIFFER from every rank's ``[rows, digest, content sum]``, or None.
+
+    ``gathered`` is the exchange's slot per rank: None or ``[]`` for a rank
+    without a fingerprint (a dataset that cannot be hashed), left out of the
+    comparison. The content sum (0: not indexed) is order-free: two ranks with
+    the same rows, sum and another digest hold the same rows in another order.
+    """
+    groups: dict[tuple[int, int], list[int]] = {}
+    sums: dict[tuple[int, int], int] = {}
+    missing = []
+    for rank, values in enumerate(gathered):
+        if not values or len(values) < 2:
+            missing.append(rank)
+            continue
+        key = (int(values[0]), int(values[1]))
+        groups.setdefault(key, []).append(rank)
+        sums[key] = int(values[2]) if len(values) > 2 else 0
+    if len(groups) < 2:
+        return None
+    ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[1][0]))  # the largest group first, then rank 0's
+    reference_key, reference_ranks = ordered[0]
+
+    def ranks_text(ranks: list[int]) -> str:
+        return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+    def holds(ranks: list[int]) -> str:
+        return "holds" if len(ranks) == 1 else "hold"
+
+    parts = [f"{ranks_text(ranks)} {holds(ranks)} {rows} rows (digest {hex64(digest)})" for (rows, digest), ranks in ordered]
+    reordered = [ranks for key, ranks in ordered[1:]
+                 if key[0] == reference_key[0] and sums[key] != 0 and sums[key] == sums[reference_key]]
+    differing = sorted(r for _, ranks in ordered[1:] for r in ranks)
+    how = ""
+    if reordered:
+        same = sorted(r for ranks in reordered for r in ranks)
+        how = (f": {ranks_text(same)} {holds(same)} the same rows as {ranks_text(reference_ranks)} in another order "
+               "(an unseeded or per-rank shuffle)")
+    message = (
+        f"the data-parallel ranks train different datasets at step {step}: " + "; ".join(parts) + how + "."
+        + " The Trainer's sampler shards one dataset by index, so with other rows or another order on some ranks, samples "
+        "are trained on several ranks and others on none every epoch. Fix: every rank must load the same dataset in the "
+        "same order (the Trainer's sampler shards it); shuffle with a seed (dataset.shuffle(seed=...)), the same on every rank."
+    )
+    evidence: dict[str, Any] = {
+        "groups": [{"ranks": ranks, "rows": rows, "digest": hex64(digest)} for (rows, digest), ranks in ordered],
+        "differing_ranks": differing,
+        "reference_ranks": reference_ranks,
+        "same_rows_other_order": sorted(r for ranks in reordered for r in ranks),
+    }
+    if missing:
+        evidence["ranks_not_compared"] = missing
+    if fingerprint is not None:
+        evidence["column"], evidence["indexed"] = fingerprint.get("column"), fingerprint.get("indexed")
+    return message, evidence
+
+
 def _hash_key(batch: Mapping[str, Any]) -> str | None:
     for key in HASH_KEYS:
         if torch.is_tensor(batch.get(key)) and batch[key].dim() == 2:
@@ -104,7 +184,7 @@ class DataHash(Plugin):
 
     name = "data_hash"
     Options = DataHashOptions
-    CODES = (DATA_REPEATED, DATA_SKIPPED, DUPLICATE_SAMPLES, RANK_DATA_OVERLAP, RESUME_DATA_CHANGED)
+    CODES = (DATA_REPEATED, DATA_SKIPPED, DUPLICATE_SAMPLES, RANK_DATA_OVERLAP, RESUME_DATA_CHANGED, RANK_DATASETS_DIFFER)
 
     def __init__(self) -> None:
         self.options = DataHashOptions()
@@ -119,6 +199,9 @@ class DataHash(Plugin):
         self._cut = False  # this rank had more hashes than the slot holds at the last share
         self._multiplicity: Counter[int] | None = None
         self.fingerprint: dict[str, Any] | None = None
+        self._content_sum: int | None = None  # order-free sum of the indexed dataset's row hashes (int64, wrapped)
+        self._datasets_due = False  # the ranks' dataset fingerprints are still to be compared (at the first step)
+        self._datasets_step: int | None = None  # the step whose exchange carries this rank's fingerprint
         self._epoch = 0
         self._step_epoch = 0
         self._seen = SeenTable(self.options.seen_capacity)  # key64(sample id, else content hash) -> times trained this epoch
@@ -150,6 +233,9 @@ class DataHash(Plugin):
             self._capacity = max(1, int(getattr(args, "per_device_train_batch_size", 1) or 1)) * max(
                 1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
             ctx.reserve("hashes", self._capacity, owner=self.name)
+        self._datasets_due, self._datasets_step = ctx.world_size > 1 and self.options.check_rank_datasets, None
+        if self._datasets_due:  # the same on every rank too: the dataset's fingerprint, at the first step only
+            ctx.reserve(DATASET_SLOT, DATASET_WIDTH, owner=self.name)
         resumed = str(ctx.resumed_from) if ctx.resumed_from is not None else None
         resume_step = trainer.state.global_step if resumed is not None else None  # one ledger pass serves the whole resume
         if self._writer is not None:  # a writer an earlier call left open would hold the ledger's lock
@@ -161,7 +247,8 @@ class DataHash(Plugin):
         policy = getattr(getattr(ctx, "options", None), "policy", None) or {}
         acted = any(Action(policy.get(code, Action.CONTINUE)) is not Action.CONTINUE for code in CHECKED_CODES)
         self._check_every = 1 if acted else CHECK_EVERY  # an action the user tied to these findings comes at their step
-        self.idle_hooks("on_before_optimizer_step", idle=not self._capacity)  # one process: the step end reads the hashes
+        # one process: the step end reads the hashes; several without the overlap check: the first step's fingerprint only
+        self.idle_hooks("on_before_optimizer_step", idle=not (self._capacity or self._datasets_due))
         self._position, self._padding = 0, self._epoch_padding(ctx, trainer)
 
     @hookimpl
@@ -171,6 +258,7 @@ class DataHash(Plugin):
         size = len(dataset)
         key = next((k for k in HASH_KEYS if dataset_rows(dataset, k, range(min(1, size))) is not None), None)
         if key is None or size == 0:
+            self.fingerprint = self._content_sum = None
             return
         indexed = size <= self.options.index_max_rows
         if indexed:
@@ -184,6 +272,7 @@ class DataHash(Plugin):
         for value in hashes:
             digest.update(value.to_bytes(8, "little", signed=True))
         self.fingerprint = {"rows": size, "column": key, "indexed": indexed, "digest": digest.hexdigest()}
+        self._content_sum = _wrap64(sum(hashes)) if indexed else None
         if self._multiplicity is not None and ctx.is_main:
             twins = {h: n for h, n in self._multiplicity.items() if n > 1}
             extra = sum(n - 1 for n in twins.values())
@@ -238,6 +327,9 @@ class DataHash(Plugin):
 
     @hookimpl
     def on_before_optimizer_step(self, ctx: Any, step: int) -> None:
+        if self._datasets_due:  # first: a failing hash read below must not keep the fingerprint from the exchange
+            self._datasets_step = step
+            ctx.share(DATASET_SLOT, self._dataset_values(), owner=self.name)
         self._shared_step = step if self._capacity else None
         self._read = self._read_hashes(len(self._pending))
         if self._capacity:
@@ -250,6 +342,8 @@ class DataHash(Plugin):
         pending, self._pending, read, self._read = self._pending, [], self._read, None
         if read is None:
             read = self._read_hashes(len(pending))  # no guard ran this step: the values of the step end's read
+        if self._datasets_step is not None:
+            self._compare_datasets(ctx, step, self._datasets_step == step)
         shared_step, self._shared_step = self._shared_step, None
         if shared_step == step and ctx.is_main:
             gathered = ctx.shared("hashes", owner=self.name)
@@ -392,6 +486,32 @@ class DataHash(Plugin):
                 "the ranks are not reading disjoint shards, so the effective batch is smaller than configured.",
                 step=step, evidence=evidence, limit=self.options.max_reports,
             )
+
+    def _dataset_values(self) -> list[int]:
+        """This rank's share of the fingerprint comparison: [rows, digest, order-free sum or 0], or [] without one."""
+        fp = self.fingerprint
+        if fp is None:
+            return []  # an empty share, not none: the exchange still says that this rank took part
+        return [int(fp["rows"]), from_hex64(fp["digest"]), self._content_sum if self._content_sum is not None else 0]
+
+    def _compare_datasets(self, ctx: Any, step: int, carried: bool) -> None:
+        """After the exchange that carried the fingerprints (every rank alike): rank 0 compares them, once per run."""
+        self._datasets_step = None
+        gathered = ctx.shared(DATASET_SLOT, owner=self.name) if carried else None
+        if gathered is None:  # the step never reached its exchange: share again at the next step
+            return
+        self._datasets_due = False
+        if not self._capacity:
+            self.idle_hooks("on_before_optimizer_step")  # back to no call per step
+        if ctx.is_main:
+            self._check_datasets(ctx, step, gathered)
+
+    def _check_datasets(self, ctx: Any, step: int, gathered: list[list[int] | None]) -> None:
+        """Rank 0: one RANK_DATASETS_DIFFER when the ranks' training datasets (row count, digest) are not all the same."""
+        finding = rank_datasets_finding(step, gathered, self.fingerprint)
+        if finding is not None:
+            message, evidence = finding
+            self.report(RANK_DATASETS_DIFFER.code, message, step=step, evidence=evidence)
 
     # -- checkpoints and resume --------------------------------------------------------------------------
 

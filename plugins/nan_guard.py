@@ -285,7 +285,8 @@ class NanGuard(Plugin):
 
     @hookimpl
     def on_run_end(self, ctx: Any) -> None:
-        if not self.skipped_steps:
+        # a skip is agreed on every rank (each rank holds the same list): the run's summary is made once, by rank 0
+        if not self.skipped_steps or not ctx.is_main:
             return
         moved = self.scheduler_moved
         held = "the LR scheduler held still during every one" if not moved else f"the LR scheduler kept advancing during {len(moved)} of them (steps {moved[:10]})"

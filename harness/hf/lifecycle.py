@@ -23,11 +23,13 @@ from harness.core.errors import HarnessStopped
 from harness.hf.actions import ActionExecutor
 from harness.hf.checkpoint_state import CheckpointState
 from harness.lib import rundir
+from harness.lib.rank_markers import ENDED, RUNNING, is_communication_error, read_marker, short_error, write_marker
 from harness.lib.stops import StopNotice
 from harness.lib.runinfo import INTERRUPTED, end_attempt, run_facts, start_attempt
 from harness.lib.wrapped_runs import write_run_marker
 
 RANK_END_WAIT_S = 90.0  # rank 0 waits this long at most for the other ranks' run-end files
+RANK_CRASH_WAIT_S = 3.0  # after a failed collective, rank 0 waits this long at most for the rank that failed first to say why
 
 log = logging.getLogger("harness")
 
@@ -44,6 +46,7 @@ class RunLifecycle:
         self._in_train = False
         self._attempt: int | None = None  # this train() call's index in run.json's attempts
         self._report_time = 0.0
+        self._failed_at: float | None = None  # when this call's exception reached the harness (the rank markers' end time)
         self.after_run_end: Callable[[], None] | None = None  # after the plugins' on_run_end: the trackers get the last findings
         self.attached_at = time.time()  # findings from here on are this job's (wrap's summary); set-up ones included
 
@@ -73,13 +76,15 @@ class RunLifecycle:
         if self.ctx.is_main:  # before the Trainer's own set-up, which may fail (a checkpoint it cannot load): wrap's summary
             write_run_marker(self.ctx.run_dir, since=self.attached_at)  # then still names this run directory; ``begin`` writes it again (idempotent)
         self._attempt = None
-        self._mark_attempt("running")
+        self._failed_at = None
+        self._mark_attempt(RUNNING)
         self._note_rank_findings()
         status, error = "completed", None
         try:
             result = train(*args, **kwargs)
         except BaseException as exc:
             status, error = "crashed", exc
+            self._failed_at = time.time()
             raise
         finally:
             self._in_train = False
@@ -106,7 +111,7 @@ class RunLifecycle:
             except Exception:  # noqa: BLE001 - at worst an earlier call's leftovers are announced at this call's end
                 log.warning("harness: could not read the other ranks' findings files", exc_info=True)
 
-    def _collect_rank_ends(self, status: str) -> None:
+    def _collect_rank_ends(self, status: str, error: BaseException | None = None) -> None:
         """Rank 0, after its ``on_run_end``: wait (bounded) for the other ranks' run ends, then merge their findings.
 
         Other ranks write their run-end files (contamination summaries, spilled
@@ -123,6 +128,8 @@ class RunLifecycle:
         try:
             if status != "crashed":
                 self._wait_for_ranks(RANK_END_WAIT_S)
+            elif is_communication_error(short_error(error)):  # another rank is gone: give it a moment to say why it failed
+                self._wait_for_ranks(RANK_CRASH_WAIT_S, quiet=True)
             ctx.merge_rank_findings()
         except Exception:  # noqa: BLE001 - the spill files stay, and every report reads them
             log.warning("harness: could not merge the other ranks' findings into %s", ctx.run_dir / "findings.jsonl", exc_info=True)
@@ -179,16 +186,17 @@ class RunLifecycle:
         then hands the trackers the last findings (``after_run_end``).
         """
         ctx = self.ctx
+        self._mark_attempt(ENDED, recorded_status(status, error), error)
         if not ctx.is_main:
-            self._mark_attempt("ended")
             return
         files = None
         known = len(ctx.findings)
         try:
-            self._collect_rank_ends(status)
+            self._collect_rank_ends(status, error)
             self._after_run_end()
             known = len(ctx.findings)  # what comes after this came while the trackers closed
-            end_attempt(ctx.run_dir, recorded_status(status, error), int(self.trainer.state.global_step), error, self._attempt)
+            end_attempt(ctx.run_dir, recorded_status(status, error), int(self.trainer.state.global_step), error, self._attempt,
+                        ranks=self._rank_ends())
             if ctx.options.report:
                 files = self._write_report()
         except Exception:  # noqa: BLE001 - the report must never turn a finished run into a crash
@@ -210,27 +218,50 @@ class RunLifecycle:
         log.info("harness: report written to %s (%s)", files.html, files.report.verdict.line())
         return files
 
-    def _mark_attempt(self, state: str) -> None:
-        """This rank's attempt marker (``ranks/attempt.rank-<r>``): ``running`` at start, ``ended`` after on_run_end."""
+    def _mark_attempt(self, state: str, status: str | None = None, error: BaseException | None = None) -> None:
+        """This rank's attempt marker (``ranks/attempt.rank-<r>``, :mod:`harness.lib.rank_markers`): ``running`` at
+        start, ``ended`` after on_run_end, with this rank's status, exception and failure time when it did not complete."""
         if self.ctx.world_size <= 1:
             return
         try:
-            marker = self.ctx.path("ranks", f"attempt.rank-{self.ctx.rank}")
-            marker.write_text(state, encoding="utf-8")
+            step = int(self.trainer.state.global_step) if state == ENDED and self.trainer is not None else None
+        except Exception:  # noqa: BLE001 - the step is nice to have
+            step = None
+        try:
+            write_marker(self.ctx.run_dir, self.ctx.rank, state, status=status, error=error,
+                         ended=self._failed_at or time.time(), step=step)
         except OSError:
             pass
 
-    def _wait_for_ranks(self, timeout: float) -> None:
+    def _rank_ends(self) -> list[dict[str, Any]] | None:
+        """Rank 0, at the end of a call: how every rank ended, from the markers (for run.json); None with one process."""
+        if self.ctx.world_size <= 1:
+            return None
+        ends = []
+        for rank in range(self.ctx.world_size):
+            end = read_marker(self.ctx.run_dir / "ranks" / f"attempt.rank-{rank}", rank)
+            if end is not None and end.state == ENDED and end.status is not None:
+                ends.append(end.as_dict())
+        return ends
+
+    def _wait_for_ranks(self, timeout: float, quiet: bool = False) -> None:
         """Until every rank whose marker rank 0 can see (a shared run directory) has ended, at most ``timeout`` s."""
         markers = [self.ctx.run_dir / "ranks" / f"attempt.rank-{r}" for r in range(1, self.ctx.world_size)]
         deadline = time.monotonic() + timeout
         pending: list[Path] = []
         while time.monotonic() < deadline:
-            pending = [m for m in markers if m.exists() and m.read_text(encoding="utf-8").strip() != "ended"]
+            pending = [m for m in markers if m.exists() and _marker_state(m) != ENDED]
             if not pending:
                 return
             time.sleep(0.1)
+        if quiet:
+            return
         log.warning("harness: ranks %s did not finish within %.0f s; the report may miss their last files", [m.name for m in pending], timeout)
+
+
+def _marker_state(path: Path) -> str | None:
+    end = read_marker(path, 0)
+    return end.state if end is not None else None
 
 
 def recorded_status(status: str, error: BaseException | None) -> str:

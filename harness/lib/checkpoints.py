@@ -22,10 +22,26 @@ Trainer's part; their resume is ``RESUME_UNCHECKED``.
 for the harness but one is for the Trainer, it picks the newest of those
 (better than refusing: the Trainer can restore it, the harness says what it
 cannot check).
+
+History lines. A resume from an older checkpoint (a rollback, a user's
+``--resume_from_checkpoint checkpoint-30``) leaves the newer folders of the
+history it went back from (``checkpoint-50``) beside those the resumed
+attempt writes; the newest folder by name is then of the abandoned line, and
+resuming from it silently discards what the resumed attempt trained. The run's
+``run.json`` (``<output_dir>/harness/run.json``) records each ``train()``
+call's start step and start time: a checkpoint with a step above the last
+call's start step whose ``trainer_state.json`` was written before that call
+started belongs to the abandoned line (:func:`abandoned_checkpoints`), and
+``resolve_last`` (and ``harness resume-point``) pass it over. "Before" is
+``CLOCK_SLACK_S`` before: file times of a coarse file system or a skewed file
+server must not make the resumed call's own first save look older (an
+abandoned save precedes a relaunch by far more). Without a readable
+``run.json`` nothing is passed over for this.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -37,6 +53,8 @@ INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoi
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 WEIGHT_FILE_RE = re.compile(r"^(model|pytorch_model|adapter_model|consolidated)([-._].*)?\.(safetensors|bin|pt)$|^.*\.safetensors(\.index\.json)?$|^pytorch_model\.bin\.index\.json$")
 WEIGHT_DIR_RE = re.compile(r"^(global_step\d+|pytorch_model_fsdp_\d+|model_\d+)$")  # DeepSpeed, FSDP sharded
+RUN_SUBDIR = "harness"  # <output_dir>/harness/run.json: each train() call's start step and start time
+CLOCK_SLACK_S = 1.0  # a folder counts as written before a train() call only this much before its recorded start (clocks, NFS)
 
 
 def marker_name(rank: int) -> str:
@@ -155,6 +173,66 @@ def harness_missing(checkpoint: Path, world_size: int) -> list[str]:
     return missing
 
 
+@dataclass(frozen=True)
+class HistoryLine:
+    """The history the run's last ``train()`` call continues, from ``run.json``: attempt ``attempt`` (numbered from 1, as in
+    the report) started at ``start_step`` at ``started`` (``time.time()``), resumed from ``resumed_from`` (None: a fresh start)."""
+
+    attempt: int
+    start_step: int
+    started: float
+    resumed_from: str | None
+
+    def describe(self) -> str:
+        """``the resume from checkpoint-30 (attempt 2)``, for a note."""
+        if self.resumed_from:
+            return f"the resume from {Path(self.resumed_from).name} (attempt {self.attempt})"
+        return f"the fresh start of attempt {self.attempt} (from step {self.start_step})"
+
+
+def current_line(output_dir: Path) -> HistoryLine | None:
+    """The last ``train()`` call that ``<output_dir>/harness/run.json`` records with a start step and a start time; None
+    when the file is missing or unreadable or records none (a call that failed before training began records neither)."""
+    from harness.lib.runinfo import read_run_info  # imported here, by the one function that reads run.json
+
+    attempts = read_run_info(Path(output_dir) / RUN_SUBDIR)["attempts"]
+    for index in range(len(attempts) - 1, -1, -1):
+        attempt = attempts[index]
+        start, started, resumed = attempt.get("start_step"), attempt.get("started"), attempt.get("resumed_from")
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            continue
+        if not isinstance(started, (int, float)) or isinstance(started, bool) or not math.isfinite(started):
+            continue
+        return HistoryLine(index + 1, start, float(started), resumed if isinstance(resumed, str) and resumed else None)
+    return None
+
+
+def written_at(checkpoint: Path) -> float | None:
+    """When the Trainer's save of ``checkpoint`` ended: the mtime of its ``trainer_state.json`` (written last by the
+    Trainer, again by a later save into the same folder); None without one (an incomplete folder, judged as such)."""
+    path = Path(checkpoint) / TRAINER_STATE
+    try:
+        return path.stat().st_mtime if path.is_file() and not path.is_symlink() else None
+    except OSError:
+        return None
+
+
+def abandoned_checkpoints(output_dir: Path, line: HistoryLine | None = None) -> dict[Path, str]:
+    """The ``checkpoint-<N>`` folders of a history the run went back from, each with why, newest step first: a step above
+    the start step of the run's last ``train()`` call (``line``; read from ``run.json`` when not given) and written before
+    that call started. {} when ``run.json`` is missing or unreadable (nothing can be told: today's choice stands)."""
+    line = line if line is not None else current_line(output_dir)
+    if line is None:
+        return {}
+    found: dict[Path, str] = {}
+    for checkpoint in list_checkpoints(output_dir):
+        step, written = checkpoint_step(checkpoint), written_at(checkpoint)
+        if step is None or step <= line.start_step or written is None or written >= line.started - CLOCK_SLACK_S:
+            continue
+        found[checkpoint] = f"written before {line.describe()}: a history the run went back from"
+    return found
+
+
 @dataclass
 class Resolution:
     """The checkpoint ``resume_from_checkpoint=True`` resumes from, and the newer ones it passed over."""
@@ -163,11 +241,23 @@ class Resolution:
     skipped: list[tuple[Path, list[str]]] = field(default_factory=list)  # (folder, what it lacks), newest first
     chosen_missing: list[str] = field(default_factory=list)  # harness files the chosen one lacks (a fallback)
     tracked: bool = False  # whether the output dir's checkpoints carry harness completion markers
+    # (folder, why) of the newer folders of an abandoned history line (see the module doc), newest first: passed over, never
+    # incomplete for that (nothing to rename or report as broken)
+    abandoned: list[tuple[Path, str]] = field(default_factory=list)
 
 
 def resolve_last(output_dir: Path, world_size: int = 1) -> Resolution:
-    """The newest complete checkpoint of ``output_dir`` (see the module doc for "complete")."""
-    checkpoints = list_checkpoints(output_dir)
+    """The newest complete checkpoint of ``output_dir`` (see the module doc for "complete") of the history line the run's
+    last ``train()`` call continues (see the module doc for "history lines")."""
+    gone_back = abandoned_checkpoints(output_dir)
+    found = _resolve_complete([c for c in list_checkpoints(output_dir) if c not in gone_back], output_dir, world_size)
+    newest = checkpoint_step(found.chosen) if found.chosen is not None else None
+    found.abandoned = [(c, why) for c, why in gone_back.items() if newest is None or (checkpoint_step(c) or 0) > newest]
+    return found
+
+
+def _resolve_complete(checkpoints: list[Path], output_dir: Path, world_size: int) -> Resolution:
+    """The newest complete one of ``checkpoints`` (newest step first)."""
     tracked = harness_tracked(output_dir)
     skipped: list[tuple[Path, list[str]]] = []
     fallback: tuple[Path, list[str]] | None = None

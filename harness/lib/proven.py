@@ -5,8 +5,11 @@ reference loss at save and from disk, the checks passed, seconds, and the
 size of every file it held) once a checkpoint passed every check that could
 run. A checkpoint that lost or changed a file since is no longer taken as
 proven. ``newest_proven`` is what
-``harness resume-point`` prints. ``rotate`` is transformers' ``save_total_limit``
-rotation (oldest step first, the newest always kept) with more folders kept
+``harness resume-point`` prints: the newest proven checkpoint of the history
+line the run's last ``train()`` call continues (a newer folder left by a
+history the run went back from, by a rollback or a resume from an older
+checkpoint, is passed over: ``checkpoints.abandoned_checkpoints``).
+``rotate`` is transformers' ``save_total_limit`` rotation (oldest step first, the newest always kept) with more folders kept
 (the last proven one, those still being checked), so that the only
 checkpoint known to be good is never the one deleted.
 """
@@ -17,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from harness.lib.checkpoints import checkpoint_step, linked_checkpoints, list_checkpoints, trainer_missing
+from harness.lib.checkpoints import abandoned_checkpoints, checkpoint_step, linked_checkpoints, list_checkpoints, trainer_missing
 from harness.lib.safe_paths import safe_rmtree, safe_target, safe_write_text
 
 MARKER = "harness_proven"
@@ -124,9 +127,12 @@ def changed_since_proof(checkpoint: Path, record: dict[str, Any]) -> list[str]:
 def newest_proven_noting(output_dir: Path) -> tuple[Path | None, list[str]]:
     """:func:`newest_proven`, and a line for each newer checkpoint passed over for a reason a user would not guess: a
     ``checkpoint-<N>`` that is a symlink (never read or used: a received run directory is data), a proof marker that is
-    there but broken, a proven checkpoint that changed or lost Trainer files since. One without a marker is not noted."""
+    there but broken, a proven checkpoint that changed or lost Trainer files since, one of a history the run went back
+    from (written before the run's last ``train()`` call resumed from an older step; see ``run.json``). One without a marker
+    is not noted."""
     output_dir = Path(output_dir)
     links = linked_checkpoints(output_dir)
+    gone_back = abandoned_checkpoints(output_dir)  # {} without a readable run.json
     candidates = sorted([*list_checkpoints(output_dir), *links], key=lambda p: checkpoint_step(p) or 0, reverse=True)
     notes = []
     for checkpoint in candidates:
@@ -137,6 +143,9 @@ def newest_proven_noting(output_dir: Path) -> tuple[Path | None, list[str]]:
                 target = ""
             notes.append(f"passed over {checkpoint.name}: it is a symbolic link{target}; a checkpoint is never read or "
                          "used through a link (replace it with a real folder to resume from it)")
+            continue
+        if checkpoint in gone_back:  # proven or not: resuming from it would discard what the run trained since
+            notes.append(f"passed over {checkpoint.name}: {gone_back[checkpoint]}")
             continue
         record, problem = read_marker(checkpoint)
         if problem is not None:
@@ -158,7 +167,8 @@ def newest_proven_noting(output_dir: Path) -> tuple[Path | None, list[str]]:
 
 
 def newest_proven(output_dir: Path) -> Path | None:
-    """The highest-step ``checkpoint-<N>`` of ``output_dir`` with a valid marker whose files are still those proven."""
+    """The highest-step ``checkpoint-<N>`` of ``output_dir`` with a valid marker whose files are still those proven, of the
+    run's current history line."""
     return newest_proven_noting(output_dir)[0]
 
 

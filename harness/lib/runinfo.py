@@ -64,8 +64,13 @@ def start_attempt(run_dir: Path, facts: dict[str, Any], resumed_from: str | None
     return len(data["attempts"]) - 1
 
 
-def end_attempt(run_dir: Path, status: str, end_step: int, error: BaseException | None, attempt_index: int | None) -> None:
+def end_attempt(run_dir: Path, status: str, end_step: int, error: BaseException | None, attempt_index: int | None,
+                ranks: list[dict[str, Any]] | None = None) -> None:
     """Close attempt ``attempt_index`` with how it ended (``completed``, ``stopped``, ``crashed`` or ``interrupted``).
+
+    ``ranks``: with several processes, how each rank that did not complete
+    ended (``harness.lib.rank_markers.RankEnd.as_dict``: rank, status, short
+    error, end time, step), rank 0 included; ``error`` stays rank 0's own.
 
     None: this train() call failed before it could open one (a bad checkpoint
     path, say); a closed entry is added, so an earlier attempt that was killed
@@ -80,6 +85,8 @@ def end_attempt(run_dir: Path, status: str, end_step: int, error: BaseException 
     attempt.update({"status": status, "ended": time.time(), "end_step": end_step})
     if error is not None:
         attempt["error"] = (f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)[:2000]
+    if ranks:
+        attempt["ranks"] = ranks
     write_run_info(run_dir, data)
 
 

@@ -16,7 +16,7 @@ from harness.report.plots import make_plots
 from harness.report.provider import SectionsProvider
 from harness.report.section_plots import name_section_plots
 from harness.report.record import INTERRUPTED, RunRecord, as_float, attempt_status, error_text
-from harness.report.verdict import symptoms_of, verdict_of
+from harness.report.verdict import rank_failure, symptoms_of, verdict_of
 from harness.lib.textsafe import counted, md_escape
 
 MAX_EVIDENCE_LINKS = 6
@@ -69,6 +69,11 @@ def attempts_with_outcome(run: RunRecord) -> list[dict[str, Any]]:
             step, causes = run.attempt_stop(index)
             outcome += (f" by the harness at step {step}" if step is not None else " by the harness") + (f" after {causes[-1]}" if causes else "")
         shown = {"error": error_text(attempt["error"])} if error_text(attempt.get("error")) else {}  # no dangling "Type: "
+        ranks = rank_failure(run, index)  # several processes: the rank that failed first, not rank 0's secondary error
+        if ranks:
+            shown = {"error": ranks}
+            if status == "completed":
+                outcome = "crashed on another rank (rank 0 completed)"
         rows.append({**attempt, **shown, "outcome": outcome})
     return rows
 

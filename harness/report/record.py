@@ -17,6 +17,7 @@ import yaml
 from harness.core.findings import Finding, findings_path, iter_findings, read_findings
 from harness.core.jsonl import read_jsonl  # noqa: F401 - re-exported: plugins read their own JSONL files with it
 from harness.core.strictjson import as_float  # re-exported: a number from a record field ("nan"/"inf" strings included)
+from harness.lib.rank_markers import ENDED, RankEnd, read_markers, short_error
 from harness.lib.runinfo import INTERRUPTED, read_run_info
 
 
@@ -82,6 +83,36 @@ class RunRecord:
             return "unknown"
         status = attempt_status(self.attempts[-1])
         return "killed" if status == "running" else status
+
+    def rank_ends(self, index: int) -> list[RankEnd]:
+        """How the ranks of attempt ``index`` that did not complete ended, by rank (several processes only).
+
+        From run.json's copy (``attempts[i].ranks``, written by rank 0 at the
+        end of the call) and, for the last attempt, from the ranks' markers
+        (``ranks/attempt.rank-<r>``), which a rank that ended after rank 0
+        wrote run.json still updated; a marker older than the attempt's start,
+        or one without an end status (an older version's), is left out.
+        """
+        attempts = self.attempts
+        if not -len(attempts) <= index < len(attempts):
+            return []
+        attempt = attempts[index]
+        recorded = attempt.get("ranks")
+        ends = {e.rank: e for e in map(RankEnd.from_dict, recorded if isinstance(recorded, list) else []) if e is not None}
+        if index % len(attempts) == len(attempts) - 1:
+            started = as_float(attempt.get("started"))
+            for marker in read_markers(self.run_dir):
+                if marker.state != ENDED or marker.status is None:
+                    continue
+                if started is not None and (marker.ended is None or marker.ended < started):
+                    continue  # an earlier call's marker
+                ends[marker.rank] = marker
+        error = error_text(attempt.get("error"))
+        if ends and 0 not in ends and attempt.get("status") == "crashed" and error:  # rank 0's own, from run.json
+            ended = as_float(attempt.get("ended"))
+            ends[0] = RankEnd(rank=0, state=ENDED, status="crashed", error=short_error(error), ended=ended,
+                              step=attempt.get("end_step") if _is_int(attempt.get("end_step")) else None)
+        return [ends[rank] for rank in sorted(ends)]
 
     def attempt_findings(self, index: int) -> list[Finding]:
         """The findings made during attempt ``index`` (by time: from its start to the next attempt's start)."""

@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from harness.core.findings import Severity, worst
+from harness.lib.rank_markers import first_failure
 from harness.lib.runinfo import RUN_FILE, UNREADABLE
 from harness.lib.trainer_kind import token_loss_named, token_loss_stage
 from harness.report.record import INTERRUPTED, RunRecord, as_float, error_text
@@ -49,14 +50,20 @@ def verdict_of(run: RunRecord) -> Verdict:
     if not run.findings_known:  # "no finding" would be a claim about findings nobody read
         summary = (f"{summary} in the files that could be read, but {run.findings_unknown}, so there may be more" if severe
                    else f"findings not known: {run.findings_unknown}")
+    ranks = rank_failure(run, -1)  # with several processes: the rank that failed first, and why
     if status == "killed":
-        return Verdict(FAILED, f"the last train() call never reached its end{at} (killed, or still running{'; ' + which if which else ''}); {summary}.")
+        crashed = f"; {ranks}" if ranks else ""
+        return Verdict(FAILED, f"the last train() call never reached its end{at} (killed, or still running{'; ' + which if which else ''}){crashed}; {summary}.")
     after = f" after step {step}" if step is not None else ""  # global_step: the last step that completed, not the one in flight
     if status == INTERRUPTED:  # Ctrl-C: the person at the terminal ended it, training did not crash
         return Verdict(FAILED, f"training was interrupted (Ctrl-C / SIGINT){after}{attempt}; {summary}.")
+    if status == "crashed" and ranks:
+        return Verdict(FAILED, f"training crashed{after}: {ranks}{'; ' + which if which else ''}; {summary}.")
     if status == "crashed":
         error = error_text(run.attempts[-1].get("error")) or "an exception"
         return Verdict(FAILED, f"training crashed{after} with {error}{attempt}; {summary}.")
+    if status == "completed" and ranks:  # rank 0 completed, another rank did not
+        return Verdict(FAILED, f"training crashed{after}: {ranks}{'; ' + which if which else ''}; {summary}.")
     if status == "stopped":
         stop_step, causes = run.attempt_stop(-1)
         at = f" at step {stop_step}" if stop_step is not None else at
@@ -71,6 +78,20 @@ def verdict_of(run: RunRecord) -> Verdict:
     if severe or not run.findings_known:  # completed, but what the harness found cannot be told: not "healthy"
         return Verdict(ATTENTION, f"training completed{at}; {summary}.")
     return Verdict(HEALTHY, f"training completed{at}; {summary}.")
+
+
+def rank_failure(run: RunRecord, index: int) -> str | None:
+    """``rank 1 raised ValueError: ... (rank 0 then failed with RuntimeError: Connection closed by peer ...)`` for attempt
+    ``index`` of a run with several processes, from how each rank ended (its marker, run.json's copy): the rank that
+    failed first (a failed collective is secondary to another rank's own error; then the earliest end), and the ranks
+    that failed after it. None when no rank but rank 0 is known to have failed (run.json's error says it all)."""
+    first, rest = first_failure(run.rank_ends(index))
+    if first is None or (first.rank == 0 and not rest):
+        return None
+    text = f"rank {first.rank} raised {first.error}"
+    then = [f"rank {end.rank} then failed with {end.error}" for end in rest[:3]]
+    then += [f"{len(rest) - 3} more rank(s) then failed"] if len(rest) > 3 else []
+    return text + (f" ({'; '.join(then)})" if then else "")
 
 
 def _run_json_state(run: RunRecord) -> str:

@@ -39,7 +39,8 @@ class FaultOptions(BaseModel):
 
     report_at_step: int | None = Field(None, description="Report a TEST_FAULT finding at this step, from the hook report_in names.")
     report_on_rank: int | None = Field(None, description="Only on this rank (default: every rank).")
-    report_in: str = Field("inspect_batch", description="Hook that reports: inspect_batch (first micro-batch), on_step_end or on_log.")
+    report_in: str = Field("inspect_batch", description="Hook that reports: inspect_batch (first micro-batch), on_step_end, on_log or "
+                           "on_run_end (after the last step exchange: report_at_step is then the step the run ended at).")
     stop_at_step: int | None = Field(None, description="Raise harness.HarnessStop in on_loss of this step.")
     action: str = Field(
         "continue", description="Action the plugin decides for TEST_FAULT (continue, skip_step, rollback, save_and_stop, "
@@ -415,6 +416,10 @@ class FaultInjector(Plugin):
             scale_lr(optimizer, o.lr_scale)
         if step in self.options.snapshot_steps:
             self._before = {"params": param_tensors(model), "optimizer": optimizer_tensors(optimizer)}
+
+    @hookimpl
+    def on_run_end(self, ctx: Any) -> None:
+        self._maybe_report(ctx, "on_run_end", ctx.step)
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:

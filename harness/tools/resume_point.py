@@ -11,14 +11,19 @@ A newer folder passed over for a reason a user would not guess gets a line on
 stderr: a ``checkpoint-<N>`` that is a symlink (never named: a run directory
 may be received from someone else, and nothing is read or used through a
 link), a ``harness_proven`` marker that cannot be read, a proven checkpoint
-that changed or lost files since.
+that changed or lost files since, a checkpoint of a history the run went back
+from: a step above the one the run's last ``train()`` call started from
+(``run.json``), written before that call started (a rollback, or a resume from
+an older checkpoint, left it; resuming from it would discard what the run
+trained since). Without a readable ``run.json`` no folder is passed over for
+that.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from harness.lib.checkpoints import list_checkpoints
+from harness.lib.checkpoints import abandoned_checkpoints, list_checkpoints
 from harness.lib.proven import MARKER, newest_proven_noting
 
 EXIT_NONE = 1
@@ -30,15 +35,17 @@ def print_resume_point(output_dir: Path) -> int:
         sys.stderr.write(f"harness resume-point: {output_dir} is not a folder (give the training run's output_dir).\n")
         return 2
     chosen, notes = newest_proven_noting(output_dir)
-    for note in notes:  # a newer folder passed over: a link, a broken marker, or proven but changed since
+    for note in notes:  # a newer folder passed over: a link, a broken marker, proven but changed since, an abandoned history
         sys.stderr.write(f"harness resume-point: {note}.\n")
     if chosen is not None:
         print(chosen)
         return 0
-    found = [p.name for p in list_checkpoints(output_dir)]
+    gone_back = abandoned_checkpoints(output_dir)
+    found = [p.name for p in list_checkpoints(output_dir) if p not in gone_back]
+    line = " of the history the run's last train() call continues" if gone_back else ""
     sys.stderr.write(
-        f"harness resume-point: no proven checkpoint in {output_dir} (none holds a valid {MARKER} marker; checkpoint folders: "
-        f"{', '.join(found[:10]) or 'none'}). A checkpoint is proven by the checkpoint_proof plugin after its save; see "
+        f"harness resume-point: no proven checkpoint in {output_dir}{line} (none holds a valid {MARKER} marker; checkpoint "
+        f"folders: {', '.join(found[:10]) or 'none'}). A checkpoint is proven by the checkpoint_proof plugin after its save; see "
         "`harness explain` for CHECKPOINT_CORRUPT / CHECKPOINT_UNVERIFIED findings.\n"
     )
     return EXIT_NONE

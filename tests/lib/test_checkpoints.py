@@ -294,3 +294,33 @@ def test_a_checkpoint_still_marked_incomplete_by_hf_is_passed_over(tmp_path: Pat
     resolution = resolve_last(tmp_path)
     assert resolution.chosen == tmp_path / "checkpoint-5"
     assert [(p.name, INCOMPLETE_MARKER in " ".join(why)) for p, why in resolution.skipped] == [("checkpoint-10", True)]
+
+
+def test_resume_true_after_going_back_takes_the_newest_checkpoint_of_the_current_history(make_trainer: Any, tmp_path: Path,
+                                                                                        capsys: Any, monkeypatch: Any) -> None:
+    """Attempt 1 saved 5, 10 and 14; attempt 2 resumed from checkpoint-5 (a rollback by hand) and saved checkpoint-7. The
+    newest folder by name, checkpoint-14, is of the history attempt 2 went back from: resume_from_checkpoint=True (what the
+    stage runner's --resume passes) and `harness resume-point` take checkpoint-7, and leave the older line's folders be."""
+    import os
+
+    out = tmp_path / "run"
+    _run(make_trainer, out)
+    for step in (5, 10, 14):  # attempt 1 was killed and relaunched a minute later (in this process it is milliseconds)
+        state = out / f"checkpoint-{step}" / "trainer_state.json"
+        os.utime(state, (state.stat().st_atime - 60, state.stat().st_mtime - 60))
+    _run(make_trainer, out, resume=str(out / "checkpoint-5"), max_steps=7)  # ends at 7 with its last save
+    assert (out / "checkpoint-7").is_dir() and _attempts(out)[-1]["start_step"] == 5
+
+    found = resolve_last(out)
+    assert found.chosen == out / "checkpoint-7" and found.skipped == []
+    assert [p.name for p, _ in found.abandoned] == ["checkpoint-14", "checkpoint-10"]
+    point = harness_in_process(capsys, monkeypatch, "resume-point", str(out))
+    assert (point.returncode, point.stdout.strip()) == (0, str(out / "checkpoint-7")), point
+    assert "passed over checkpoint-14: written before the resume from checkpoint-5 (attempt 2): a history the run went back " \
+           "from" in point.stderr, point.stderr
+
+    trainer, ctx = _run(make_trainer, out, resume=True, max_steps=9)
+    assert ctx.resumed_from == out / "checkpoint-7" and _attempts(out)[-1]["resumed_from"] == str(out / "checkpoint-7")
+    assert trainer.state.global_step == 9 and ctx.status == "completed"
+    assert findings_of(out, "CHECKPOINT_INCOMPLETE") == []  # passed over, not taken for a broken save
+    assert (out / "checkpoint-10").is_dir() and (out / "checkpoint-14").is_dir()  # nothing renamed or deleted

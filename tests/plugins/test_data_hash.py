@@ -199,3 +199,99 @@ def test_a_step_whose_hashes_are_lost_on_one_rank_leaves_the_epochs_padded_end_k
     for rank in (0, 1):
         assert f"of the last batch of epoch 0 on rank {rank} were trained earlier in the epoch" in result.stdout + result.stderr, rank
     assert _data_findings(out) == []
+
+
+class _RankCtx:
+    """The part of a rank's run context data_hash uses, with a real StepExchange (``_meet`` plays the all-gather)."""
+
+    def __init__(self, rank: int, world_size: int, run_dir: Path) -> None:
+        from harness.core.exchange import StepExchange
+
+        self.rank, self.world_size, self.is_main, self.run_dir = rank, world_size, rank == 0, run_dir
+        self.resumed_from, self.options, self.manager = None, None, None
+        self.exchange = StepExchange()
+        self.reports: list[dict[str, Any]] = []
+
+    def reserve(self, key: str, capacity: int, *, owner: str) -> None:
+        self.exchange.reserve(owner, key, capacity)
+
+    def share(self, key: str, values: Any, *, owner: str) -> None:
+        self.exchange.share(owner, key, values)
+
+    def shared(self, key: str, *, owner: str) -> Any:
+        return self.exchange.received(owner, key)
+
+    def shared_cut(self, key: str, *, owner: str) -> list[int]:
+        return self.exchange.cut_ranks(owner, key)
+
+    def deferred(self, key: str, *, owner: str) -> list[Any]:
+        return []  # no micro-batch was hashed in these steps
+
+    def report(self, code: str, message: str, **kwargs: Any) -> None:
+        self.reports.append({"code": code, "message": message, **kwargs})
+
+
+def _ranks_compare_datasets(datasets: list[Any], tmp_path: Path, steps: int = 2) -> list[_RankCtx]:
+    """data_hash on ``len(datasets)`` ranks, each inspecting its own training dataset, through ``steps`` optimizer steps."""
+    from types import SimpleNamespace
+
+    from harness.plugins.data_hash import DataHash
+
+    contexts, plugins = [], []
+    for rank, dataset in enumerate(datasets):
+        ctx, plugin = _RankCtx(rank, len(datasets), tmp_path / "harness"), DataHash()
+        plugin.__dict__["ctx"] = ctx
+        plugin.setup(ctx)
+        trainer = SimpleNamespace(args=SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=1),
+                                  state=SimpleNamespace(global_step=0, epoch=0.0), train_dataset=dataset)
+        plugin.on_run_start(ctx=ctx, trainer=trainer)
+        plugin.inspect_dataset(ctx=ctx, dataset=dataset, split="train")
+        contexts.append(ctx)
+        plugins.append(plugin)
+    for step in range(1, steps + 1):
+        for ctx, plugin in zip(contexts, plugins):
+            plugin.on_before_optimizer_step(ctx=ctx, step=step)
+        rows = [ctx.exchange.pack([0]) for ctx in contexts]  # the step guard's one all-gather
+        for ctx in contexts:
+            ctx.exchange.unpack(rows, 1)
+        for ctx, plugin in zip(contexts, plugins):
+            plugin.on_step_end(ctx=ctx, step=step)
+    for ctx, plugin in zip(contexts, plugins):
+        plugin.on_run_end(ctx=ctx)
+    return contexts
+
+
+def _differ(contexts: list[_RankCtx]) -> list[dict[str, Any]]:
+    assert all(r["code"] != "RANK_DATASETS_DIFFER" for ctx in contexts[1:] for r in ctx.reports)  # rank 0 reports
+    return [r for r in contexts[0].reports if r["code"] == "RANK_DATASETS_DIFFER"]
+
+
+def test_ranks_holding_the_same_rows_in_another_order_are_named_at_the_first_step(lm_rows: Any, tmp_path: Path) -> None:
+    contexts = _ranks_compare_datasets([lm_rows, lm_rows.shuffle(seed=1)], tmp_path, steps=3)
+    (finding,) = _differ(contexts)  # once: the fingerprints ride the first step's exchange only
+    assert finding["step"] == 1 and finding["evidence"]["differing_ranks"] == [1]
+    assert finding["evidence"]["same_rows_other_order"] == [1]
+    assert [g["ranks"] for g in finding["evidence"]["groups"]] == [[0], [1]] and {g["rows"] for g in finding["evidence"]["groups"]} == {96}
+    assert "rank 1 holds 96 rows" in finding["message"] and "in another order" in finding["message"]
+    assert "same dataset in the same order" in finding["message"] and "seed" in finding["message"]
+    # later steps carry nothing in the dataset slot (the per-step cost stays that of the overlap check)
+    assert contexts[0].exchange.received("data_hash", "dataset") is None
+
+
+def test_ranks_holding_other_data_are_named_and_identical_ranks_are_silent(lm_rows: Any, tmp_path: Path) -> None:
+    (finding,) = _differ(_ranks_compare_datasets([lm_rows, lm_rows, lm_rows.select(range(80))], tmp_path / "other"))
+    assert finding["evidence"]["differing_ranks"] == [2] and finding["evidence"]["reference_ranks"] == [0, 1]
+    assert finding["evidence"]["same_rows_other_order"] == []
+    assert "ranks 0, 1 hold 96 rows" in finding["message"] and "rank 2 holds 80 rows" in finding["message"]
+    assert _differ(_ranks_compare_datasets([lm_rows, lm_rows], tmp_path / "same")) == []
+
+
+def test_the_dataset_comparison_leaves_out_ranks_without_a_fingerprint() -> None:
+    from harness.plugins.data_hash import rank_datasets_finding
+
+    assert rank_datasets_finding(1, [[96, 5, 7], [], None]) is None  # nothing to compare rank 0's with
+    assert rank_datasets_finding(1, [[96, 5, 7], [96, 5, 7]]) is None
+    message, evidence = rank_datasets_finding(4, [[96, 5, 7], None, [96, -3, 8]]) or ("", {})
+    assert evidence["differing_ranks"] == [2] and evidence["ranks_not_compared"] == [1]
+    assert evidence["same_rows_other_order"] == []  # another order-free sum: other rows, not another order
+    assert "at step 4" in message and "rank 2 holds 96 rows (digest fffffffffffffffd)" in message

@@ -135,6 +135,10 @@ def test_the_first_bad_tensor_under_ddp(tmp_path: Path) -> None:
     assert {f["evidence"]["first_nonfinite_module"] for f in losses} == {"model.layers.1.mlp"}
     assert sorted((f["rank"], f["step"]) for f in grads) == [(0, 3), (1, 3)]
     assert {f["evidence"]["first_nonfinite_param"] for f in grads} == {"model.layers.1.mlp.down_proj.weight"}
+    # both ranks skipped steps 2 and 3 (a skip is agreed): the run-end summary is made once, by rank 0, not once per rank
+    (summary,) = findings_of(out, "SKIPPED_STEPS")
+    assert summary["rank"] == 0 and summary["evidence"]["skipped_steps"] == [2, 3], summary
+    assert "SKIPPED_STEPS x2" not in result.stdout + result.stderr
 
 
 @pytest.mark.slow  # a subprocess through `harness wrap` (tests/launch/test_wrap.py keeps the wrap path in the quick tier)
@@ -221,3 +225,29 @@ def test_nonfinite_parameters_stop_the_run_and_name_the_tensor(make_trainer: Any
     assert finding["step"] == 3 and finding["severity"] == "critical" and finding["action"] == "stop"
     assert finding["evidence"]["parameters"] == [poisoned] and poisoned in finding["message"]
     assert trainer.state.global_step == 3
+
+
+class _RankCtx:
+    """Just enough of a run context for ``on_run_end``: its rank, and the findings it was handed."""
+
+    def __init__(self, rank: int, world_size: int = 2) -> None:
+        self.rank, self.world_size, self.is_main, self.step = rank, world_size, rank == 0, 6
+        self.reported: list[tuple[str, str, dict[str, Any]]] = []
+
+    def report(self, code: str, message: str, **kwargs: Any) -> None:
+        self.reported.append((code, message, kwargs))
+
+
+def test_skipped_steps_is_summed_up_once_by_rank_0_not_once_per_rank() -> None:
+    """A skip is agreed on every rank, so every rank holds the same skipped steps: only rank 0 makes the run's summary
+    (else a 2-rank run with one skipped step shows SKIPPED_STEPS x2)."""
+    from plugins.nan_guard import NanGuard
+
+    summaries = {}
+    for rank in (0, 1):
+        guard, ctx = NanGuard(), _RankCtx(rank)
+        guard.ctx = ctx
+        guard.skipped_steps = [3]
+        guard.on_run_end(ctx)
+        summaries[rank] = [code for code, _, _ in ctx.reported]
+    assert summaries == {0: ["SKIPPED_STEPS"], 1: []}, summaries

@@ -1,8 +1,11 @@
 """``harness resume-point`` on handmade run directories (no training): which checkpoint it names, and the notes on stderr
-for the newer folders it passes over (a symlinked checkpoint folder, a broken ``harness_proven`` marker)."""
+for the newer folders it passes over (a symlinked checkpoint folder, a broken ``harness_proven`` marker, a checkpoint of a
+history the run went back from)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +122,99 @@ def test_a_proven_checkpoint_that_lost_trainer_state_is_noted(tmp_path: Path) ->
     chosen, notes = newest_proven_noting(run)
     assert chosen == run / "checkpoint-90"
     assert notes == ["passed over checkpoint-100: it was proven but lacks trainer_state.json now"]
+
+
+# -- a history the run went back from ---------------------------------------------------------------------------------
+# A run saved checkpoint-30, -40 and -50 and was killed at step 57; the user resumed from checkpoint-30 (attempt 2), which
+# wrote a new checkpoint-40 and was killed at step 45. Attempt 1's checkpoint-50 is still there, the newest by name:
+# resuming from it would silently discard attempt 2's steps 31-45. run.json records when and from which step attempt 2
+# started; checkpoint-50 was written before that.
+
+T1, T2 = 1_700_000_000.0, 1_700_003_600.0  # attempt 1 started, attempt 2 started an hour later
+
+
+def _saved_at(checkpoint: Path, when: float) -> Path:
+    """The Trainer's save of ``checkpoint`` ended at ``when`` (``trainer_state.json`` is the last file it writes)."""
+    os.utime(checkpoint / "trainer_state.json", (when, when))
+    return checkpoint
+
+
+def _run_json(run: Path, attempts: list[dict[str, Any]]) -> Path:
+    (run / "harness").mkdir(parents=True, exist_ok=True)
+    path = run / "harness" / "run.json"
+    path.write_text(json.dumps({"format": "train-harness-run/1", "attempts": attempts}), encoding="utf-8")
+    return path
+
+
+def _rolled_back_run(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    for step in (30, 40, 50):  # attempt 1
+        _saved_at(_proven_checkpoint(run / f"checkpoint-{step}", step), T1 + step * 10)
+    _saved_at(run / "checkpoint-40", T2 + 100)  # saved again by attempt 2 (same folder name, new trainer_state.json)
+    _run_json(run, [
+        {"started": T1, "resumed_from": None, "start_step": 0, "status": "running"},  # killed at 57
+        {"started": T2, "resumed_from": str(run / "checkpoint-30"), "start_step": 30, "status": "running"},  # killed at 45
+    ])
+    return run
+
+
+def test_a_newer_checkpoint_of_a_history_the_run_went_back_from_is_passed_over(tmp_path: Path, capsys: Any,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    run = _rolled_back_run(tmp_path)
+    result = _resume_point(capsys, monkeypatch, run)
+    assert result.returncode == 0, result
+    assert result.stdout.strip() == str(run / "checkpoint-40")
+    assert result.stderr == ("harness resume-point: passed over checkpoint-50: written before the resume from checkpoint-30 "
+                             "(attempt 2): a history the run went back from.\n"), result.stderr
+
+    # the Trainer's resume_from_checkpoint=True (the stage runner's --resume) makes the same choice, and does not take the
+    # abandoned folder for an incomplete one (nothing to rename, nothing to report as broken)
+    found = resolve_last(run)
+    assert found.chosen == run / "checkpoint-40" and found.skipped == []
+    assert found.abandoned == [(run / "checkpoint-50", "written before the resume from checkpoint-30 (attempt 2): a history "
+                                                      "the run went back from")]
+    assert newest_proven(run) == run / "checkpoint-40"
+
+
+def test_the_last_attempt_that_trained_sets_the_line_and_a_continued_line_passes_nothing_over(tmp_path: Path) -> None:
+    run = _rolled_back_run(tmp_path)
+    attempts = json.loads((run / "harness" / "run.json").read_text(encoding="utf-8"))["attempts"]
+    # a train() call that failed before training began (a bad checkpoint path) records no start: attempt 2 still counts
+    _run_json(run, [*attempts, {"started": None, "resumed_from": None, "start_step": None, "status": "crashed"}])
+    assert newest_proven_noting(run)[0] == run / "checkpoint-40" and resolve_last(run).chosen == run / "checkpoint-40"
+
+    # attempt 3 continues attempt 2's line from checkpoint-40 and saves checkpoint-50 again: nothing is abandoned any more
+    t3 = T2 + 1000
+    _run_json(run, [*attempts, {"started": t3, "resumed_from": str(run / "checkpoint-40"), "start_step": 40, "status": "running"}])
+    assert newest_proven_noting(run) == (run / "checkpoint-40", ["passed over checkpoint-50: written before the resume from "
+                                                                 "checkpoint-40 (attempt 3): a history the run went back from"])
+    _saved_at(run / "checkpoint-50", t3 + 100)
+    assert newest_proven_noting(run) == (run / "checkpoint-50", [])
+    found = resolve_last(run)
+    assert (found.chosen, found.abandoned) == (run / "checkpoint-50", [])
+
+
+@pytest.mark.parametrize("damage", [
+    lambda path: path.unlink(),
+    lambda path: path.write_text("{not json", encoding="utf-8"),
+    lambda path: path.write_text(json.dumps({"attempts": "none"}), encoding="utf-8"),
+], ids=["missing", "garbage", "no-attempts"])
+def test_without_a_readable_run_json_the_newest_proven_checkpoint_is_named_as_before(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, damage: Any) -> None:
+    run = _rolled_back_run(tmp_path)
+    damage(run / "harness" / "run.json")
+    result = _resume_point(capsys, monkeypatch, run)
+    assert (result.returncode, result.stdout.strip(), result.stderr) == (0, str(run / "checkpoint-50"), "")
+    assert resolve_last(run).chosen == run / "checkpoint-50"
+
+
+def test_only_abandoned_checkpoints_name_none_and_say_why(tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = _rolled_back_run(tmp_path)
+    for step in (30, 40):  # rotated away: attempt 2 has no checkpoint left, attempt 1's newer one is of another history
+        shutil.rmtree(run / f"checkpoint-{step}")
+    result = _resume_point(capsys, monkeypatch, run)
+    assert result.returncode == 1 and result.stdout == ""
+    assert "passed over checkpoint-50: written before the resume from checkpoint-30 (attempt 2)" in result.stderr
+    assert "no proven checkpoint in" in result.stderr and "of the history the run's last train() call continues" in result.stderr
+    found = resolve_last(run)
+    assert found.chosen is None and found.skipped == [] and [p.name for p, _ in found.abandoned] == ["checkpoint-50"]
