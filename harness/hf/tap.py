@@ -44,6 +44,7 @@ class MicroBatchTap:
         self._next_data_time = 0.0  # fetched before step_begin, so it belongs to the step about to begin
         self.indices = DatasetIndexFeed(trainer)
         self._batch_indices: list[int] | None = None  # of the micro-batch in training_step now
+        self._scale: int | None = None  # what the Trainer multiplies each rank's loss by (``_items_scale``), once known
 
     def install(self, trainer: Any) -> None:
         trainer.training_step = self._wrap_training_step(trainer.training_step)
@@ -109,7 +110,7 @@ class MicroBatchTap:
                     seen[NUM_ITEMS_KEY] = kwargs["num_items_in_batch"]
             num_items = kwargs.get("num_items_in_batch")
             if num_items is not None and self.in_training_step and isinstance(seen, dict):
-                scale = self._items_scale()
+                scale = self._scale if self._scale is not None else self._items_scale()
                 if scale > 1:
                     count = local_label_count(seen, bool(getattr(self.trainer, "_loss_shifts_labels", False)))
                     if count is not None:
@@ -147,7 +148,11 @@ class MicroBatchTap:
         rank's value alone is then its label sum over the global count times
         that factor, which swings with the ranks' share of labels.
         """
-        trainer = self.trainer
+        self._scale = self._scale_of(self.trainer)  # the arguments and the world do not change within the trainer's life
+        return self._scale
+
+    @staticmethod
+    def _scale_of(trainer: Any) -> int:
         args = trainer.args
         if not getattr(args, "average_tokens_across_devices", False) or int(getattr(args, "world_size", 1) or 1) <= 1:
             return 1
