@@ -214,12 +214,18 @@ class _ScaleLearningRate(TrainerCallback):
 
 
 def _last_checkpoint_before(output_dir: Path, step: int, world_size: int = 1) -> Path | None:
-    """The last complete checkpoint (for the Trainer and, when it saves state, the harness) before ``step``."""
-    from harness.lib.checkpoints import checkpoint_step, harness_missing, harness_tracked, list_checkpoints, trainer_missing
+    """The last complete checkpoint (for the Trainer and, when it saves state, the harness) before ``step``, of the
+    history the failed attempt trained (not a newer one of an earlier attempt that a resume went back from)."""
+    from harness.lib.checkpoints import (
+        abandoned_checkpoints, checkpoint_step, harness_missing, harness_tracked, list_checkpoints, trainer_missing,
+    )
 
     tracked = harness_tracked(output_dir)
+    gone_back = abandoned_checkpoints(output_dir)
     for path in list_checkpoints(output_dir):
-        if (checkpoint_step(path) or 0) < step and not trainer_missing(path) and not (tracked and harness_missing(path, world_size)):
+        if path in gone_back or (checkpoint_step(path) or 0) >= step:
+            continue
+        if not trainer_missing(path) and not (tracked and harness_missing(path, world_size)):
             return path
     return None
 

@@ -154,6 +154,8 @@ class CheckpointState:
         found = checkpoints.resolve_last(output_dir, ctx.world_size)
         chosen = found.chosen
         if ctx.is_main:
+            for folder, why in found.abandoned:  # kept as they are (no finding, no rename): a history gone back from is no damage
+                log.warning("harness: %s passed over %s: %s.", asked, folder.name, why)
             for folder, missing in found.skipped:
                 # set aside only when resuming from an older one: save_total_limit would keep it and rotate the good ones away
                 moved = checkpoints.set_aside(folder) if chosen is not None else None

@@ -297,7 +297,8 @@ def test_a_checkpoint_still_marked_incomplete_by_hf_is_passed_over(tmp_path: Pat
 
 
 def test_resume_true_after_going_back_takes_the_newest_checkpoint_of_the_current_history(make_trainer: Any, tmp_path: Path,
-                                                                                        capsys: Any, monkeypatch: Any) -> None:
+                                                                                        capsys: Any, monkeypatch: Any,
+                                                                                        caplog: Any) -> None:
     """Attempt 1 saved 5, 10 and 14; attempt 2 resumed from checkpoint-5 (a rollback by hand) and saved checkpoint-7. The
     newest folder by name, checkpoint-14, is of the history attempt 2 went back from: resume_from_checkpoint=True (what the
     stage runner's --resume passes) and `harness resume-point` take checkpoint-7, and leave the older line's folders be."""
@@ -319,8 +320,14 @@ def test_resume_true_after_going_back_takes_the_newest_checkpoint_of_the_current
     assert "passed over checkpoint-14: written before the resume from checkpoint-5 (attempt 2): a history the run went back " \
            "from" in point.stderr, point.stderr
 
+    caplog.set_level("WARNING", logger="harness")
     trainer, ctx = _run(make_trainer, out, resume=True, max_steps=9)
     assert ctx.resumed_from == out / "checkpoint-7" and _attempts(out)[-1]["resumed_from"] == str(out / "checkpoint-7")
+    said = [r.getMessage() for r in caplog.records if "passed over checkpoint-" in r.getMessage()]
+    assert said == ["harness: resume_from_checkpoint=True passed over checkpoint-14: written before the resume from checkpoint-5 "
+                    "(attempt 2): a history the run went back from.",
+                    "harness: resume_from_checkpoint=True passed over checkpoint-10: written before the resume from checkpoint-5 "
+                    "(attempt 2): a history the run went back from."], said
     assert trainer.state.global_step == 9 and ctx.status == "completed"
     assert findings_of(out, "CHECKPOINT_INCOMPLETE") == []  # passed over, not taken for a broken save
     assert (out / "checkpoint-10").is_dir() and (out / "checkpoint-14").is_dir()  # nothing renamed or deleted

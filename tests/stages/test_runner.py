@@ -275,3 +275,15 @@ def test_a_rollback_with_the_default_plugins_trains_on(tmp_path: Path) -> None:
     codes = {f["code"] for f in findings_of(out)}
     assert not codes & {"RESUME_DATA_CHANGED", "RESUME_DATA_POSITION", "DATA_SKIPPED", "PLUGIN_STOP"}, codes
     assert json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())["global_step"] == 8
+
+
+def test_a_rollback_after_going_back_takes_a_checkpoint_of_the_history_it_trained(tmp_path: Path) -> None:
+    """Attempt 1 saved 30, 40, 50; attempt 2 resumed from 30, saved 40 again, and asks for a rollback at 55 before its
+    next save. checkpoint-50 is attempt 1's (a history the resume went back from), not one before the fault of attempt
+    2: the rollback takes attempt 2's checkpoint-40."""
+    from handmade_runs import rolled_back_run
+    from harness.stages.runner import _last_checkpoint_before
+
+    run = rolled_back_run(tmp_path)
+    assert _last_checkpoint_before(run, 55) == run / "checkpoint-40"
+    assert _last_checkpoint_before(run, 40) == run / "checkpoint-30"

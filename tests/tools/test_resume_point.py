@@ -4,7 +4,6 @@ history the run went back from)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,19 +11,9 @@ from typing import Any
 import pytest
 
 from cli_in_process import harness_in_process
+from handmade_runs import T2, proven_checkpoint, rolled_back_run, saved_at, write_run_json
 from harness.lib.checkpoints import linked_checkpoints, list_checkpoints, resolve_last
-from harness.lib.proven import FORMAT, MARKER, file_manifest, newest_proven, newest_proven_noting, read_marker, rotate
-
-
-def _proven_checkpoint(folder: Path, step: int) -> Path:
-    """A checkpoint the Trainer can resume from, with a valid proof marker whose manifest matches its files."""
-    folder.mkdir(parents=True)
-    (folder / "model.safetensors").write_bytes(b"w" * 16)
-    (folder / "optimizer.pt").write_bytes(b"o" * 8)
-    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}), encoding="utf-8")
-    record = {"format": FORMAT, "step": step, "checks": ["complete"], "files": file_manifest(folder)}
-    (folder / MARKER).write_text(json.dumps(record), encoding="utf-8")
-    return folder
+from harness.lib.proven import FORMAT, MARKER, newest_proven, newest_proven_noting, read_marker, rotate
 
 
 def _resume_point(capsys: Any, monkeypatch: pytest.MonkeyPatch, run: Path) -> Any:
@@ -34,8 +23,8 @@ def _resume_point(capsys: Any, monkeypatch: pytest.MonkeyPatch, run: Path) -> An
 def test_a_symlinked_checkpoint_folder_is_never_named_and_is_noted(tmp_path: Path, capsys: Any,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     run = tmp_path / "run"
-    _proven_checkpoint(run / "checkpoint-90", 90)
-    outside = _proven_checkpoint(tmp_path / "elsewhere" / "checkpoint-100", 100)  # proven, but not the run's own
+    proven_checkpoint(run / "checkpoint-90", 90)
+    outside = proven_checkpoint(tmp_path / "elsewhere" / "checkpoint-100", 100)  # proven, but not the run's own
     (run / "checkpoint-100").symlink_to(outside, target_is_directory=True)
 
     result = _resume_point(capsys, monkeypatch, run)
@@ -56,7 +45,7 @@ def test_only_a_symlinked_checkpoint_is_none_with_the_note(tmp_path: Path, capsy
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    (run / "checkpoint-100").symlink_to(_proven_checkpoint(tmp_path / "elsewhere" / "checkpoint-100", 100))
+    (run / "checkpoint-100").symlink_to(proven_checkpoint(tmp_path / "elsewhere" / "checkpoint-100", 100))
     (run / "checkpoint-110").symlink_to(tmp_path / "nowhere")  # a dangling link: noted too, never a traceback
     result = _resume_point(capsys, monkeypatch, run)
     assert result.returncode == 1 and result.stdout == ""
@@ -76,8 +65,8 @@ def test_only_a_symlinked_checkpoint_is_none_with_the_note(tmp_path: Path, capsy
 def test_a_broken_proof_marker_on_the_newest_checkpoint_is_noted(tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch,
                                                                   damage: Any, why: str) -> None:
     run = tmp_path / "run"
-    _proven_checkpoint(run / "checkpoint-90", 90)
-    newest = _proven_checkpoint(run / "checkpoint-100", 100)
+    proven_checkpoint(run / "checkpoint-90", 90)
+    newest = proven_checkpoint(run / "checkpoint-100", 100)
     (newest / MARKER).unlink()
     damage(newest / MARKER)
 
@@ -91,8 +80,8 @@ def test_a_broken_proof_marker_on_the_newest_checkpoint_is_noted(tmp_path: Path,
 
 def test_a_linked_proof_marker_is_not_read_and_is_noted(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    _proven_checkpoint(run / "checkpoint-90", 90)
-    newest = _proven_checkpoint(run / "checkpoint-100", 100)
+    proven_checkpoint(run / "checkpoint-90", 90)
+    newest = proven_checkpoint(run / "checkpoint-100", 100)
     real = tmp_path / "real_marker"
     (newest / MARKER).rename(real)
     (newest / MARKER).symlink_to(real)
@@ -104,8 +93,8 @@ def test_a_linked_proof_marker_is_not_read_and_is_noted(tmp_path: Path) -> None:
 
 def test_no_marker_is_not_noted_and_a_valid_one_is_read(tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     run = tmp_path / "run"
-    _proven_checkpoint(run / "checkpoint-90", 90)
-    (_proven_checkpoint(run / "checkpoint-100", 100) / MARKER).unlink()  # saved, not (yet) proven: nothing to say
+    proven_checkpoint(run / "checkpoint-90", 90)
+    (proven_checkpoint(run / "checkpoint-100", 100) / MARKER).unlink()  # saved, not (yet) proven: nothing to say
     result = _resume_point(capsys, monkeypatch, run)
     assert (result.returncode, result.stdout.strip(), result.stderr) == (0, str(run / "checkpoint-90"), "")
     assert read_marker(run / "checkpoint-100") == (None, None)
@@ -115,8 +104,8 @@ def test_no_marker_is_not_noted_and_a_valid_one_is_read(tmp_path: Path, capsys: 
 
 def test_a_proven_checkpoint_that_lost_trainer_state_is_noted(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    _proven_checkpoint(run / "checkpoint-90", 90)
-    newest = _proven_checkpoint(run / "checkpoint-100", 100)
+    proven_checkpoint(run / "checkpoint-90", 90)
+    newest = proven_checkpoint(run / "checkpoint-100", 100)
     (newest / MARKER).write_text(json.dumps({"format": FORMAT, "step": 100}), encoding="utf-8")  # no manifest (older marker)
     (newest / "trainer_state.json").unlink()
     chosen, notes = newest_proven_noting(run)
@@ -130,37 +119,9 @@ def test_a_proven_checkpoint_that_lost_trainer_state_is_noted(tmp_path: Path) ->
 # resuming from it would silently discard attempt 2's steps 31-45. run.json records when and from which step attempt 2
 # started; checkpoint-50 was written before that.
 
-T1, T2 = 1_700_000_000.0, 1_700_003_600.0  # attempt 1 started, attempt 2 started an hour later
-
-
-def _saved_at(checkpoint: Path, when: float) -> Path:
-    """The Trainer's save of ``checkpoint`` ended at ``when`` (``trainer_state.json`` is the last file it writes)."""
-    os.utime(checkpoint / "trainer_state.json", (when, when))
-    return checkpoint
-
-
-def _run_json(run: Path, attempts: list[dict[str, Any]]) -> Path:
-    (run / "harness").mkdir(parents=True, exist_ok=True)
-    path = run / "harness" / "run.json"
-    path.write_text(json.dumps({"format": "train-harness-run/1", "attempts": attempts}), encoding="utf-8")
-    return path
-
-
-def _rolled_back_run(tmp_path: Path) -> Path:
-    run = tmp_path / "run"
-    for step in (30, 40, 50):  # attempt 1
-        _saved_at(_proven_checkpoint(run / f"checkpoint-{step}", step), T1 + step * 10)
-    _saved_at(run / "checkpoint-40", T2 + 100)  # saved again by attempt 2 (same folder name, new trainer_state.json)
-    _run_json(run, [
-        {"started": T1, "resumed_from": None, "start_step": 0, "status": "running"},  # killed at 57
-        {"started": T2, "resumed_from": str(run / "checkpoint-30"), "start_step": 30, "status": "running"},  # killed at 45
-    ])
-    return run
-
-
 def test_a_newer_checkpoint_of_a_history_the_run_went_back_from_is_passed_over(tmp_path: Path, capsys: Any,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    run = _rolled_back_run(tmp_path)
+    run = rolled_back_run(tmp_path)
     result = _resume_point(capsys, monkeypatch, run)
     assert result.returncode == 0, result
     assert result.stdout.strip() == str(run / "checkpoint-40")
@@ -177,18 +138,18 @@ def test_a_newer_checkpoint_of_a_history_the_run_went_back_from_is_passed_over(t
 
 
 def test_the_last_attempt_that_trained_sets_the_line_and_a_continued_line_passes_nothing_over(tmp_path: Path) -> None:
-    run = _rolled_back_run(tmp_path)
+    run = rolled_back_run(tmp_path)
     attempts = json.loads((run / "harness" / "run.json").read_text(encoding="utf-8"))["attempts"]
     # a train() call that failed before training began (a bad checkpoint path) records no start: attempt 2 still counts
-    _run_json(run, [*attempts, {"started": None, "resumed_from": None, "start_step": None, "status": "crashed"}])
+    write_run_json(run, [*attempts, {"started": None, "resumed_from": None, "start_step": None, "status": "crashed"}])
     assert newest_proven_noting(run)[0] == run / "checkpoint-40" and resolve_last(run).chosen == run / "checkpoint-40"
 
     # attempt 3 continues attempt 2's line from checkpoint-40 and saves checkpoint-50 again: nothing is abandoned any more
     t3 = T2 + 1000
-    _run_json(run, [*attempts, {"started": t3, "resumed_from": str(run / "checkpoint-40"), "start_step": 40, "status": "running"}])
+    write_run_json(run, [*attempts, {"started": t3, "resumed_from": str(run / "checkpoint-40"), "start_step": 40, "status": "running"}])
     assert newest_proven_noting(run) == (run / "checkpoint-40", ["passed over checkpoint-50: written before the resume from "
                                                                  "checkpoint-40 (attempt 3): a history the run went back from"])
-    _saved_at(run / "checkpoint-50", t3 + 100)
+    saved_at(run / "checkpoint-50", t3 + 100)
     assert newest_proven_noting(run) == (run / "checkpoint-50", [])
     found = resolve_last(run)
     assert (found.chosen, found.abandoned) == (run / "checkpoint-50", [])
@@ -201,7 +162,7 @@ def test_the_last_attempt_that_trained_sets_the_line_and_a_continued_line_passes
 ], ids=["missing", "garbage", "no-attempts"])
 def test_without_a_readable_run_json_the_newest_proven_checkpoint_is_named_as_before(
         tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, damage: Any) -> None:
-    run = _rolled_back_run(tmp_path)
+    run = rolled_back_run(tmp_path)
     damage(run / "harness" / "run.json")
     result = _resume_point(capsys, monkeypatch, run)
     assert (result.returncode, result.stdout.strip(), result.stderr) == (0, str(run / "checkpoint-50"), "")
@@ -209,7 +170,7 @@ def test_without_a_readable_run_json_the_newest_proven_checkpoint_is_named_as_be
 
 
 def test_only_abandoned_checkpoints_name_none_and_say_why(tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    run = _rolled_back_run(tmp_path)
+    run = rolled_back_run(tmp_path)
     for step in (30, 40):  # rotated away: attempt 2 has no checkpoint left, attempt 1's newer one is of another history
         shutil.rmtree(run / f"checkpoint-{step}")
     result = _resume_point(capsys, monkeypatch, run)
