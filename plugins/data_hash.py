@@ -107,6 +107,13 @@ class DataHashOptions(BaseModel):
     )
 
 
+def _trainer_shards_the_dataset(trainer: Any) -> bool:
+    """Whether the training loader is the Trainer's own (its sampler splits one dataset across the ranks by index), not a
+    subclass's ``get_train_dataloader``; the method is looked up on the class (the harness wraps the instance's)."""
+    method = getattr(type(trainer), "get_train_dataloader", None)
+    return method is not None and getattr(method, "__module__", "").startswith(("transformers.", "trl."))
+
+
 def _wrap64(value: int) -> int:
     """``value`` as a signed int64 (two's complement), as the exchange carries it."""
     value &= 0xFFFF_FFFF_FFFF_FFFF
@@ -233,7 +240,10 @@ class DataHash(Plugin):
             self._capacity = max(1, int(getattr(args, "per_device_train_batch_size", 1) or 1)) * max(
                 1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
             ctx.reserve("hashes", self._capacity, owner=self.name)
-        self._datasets_due, self._datasets_step = ctx.world_size > 1 and self.options.check_rank_datasets, None
+        # only where the Trainer's own loader shards one dataset by index: a subclass that builds its own loader may give
+        # each rank its own shard on purpose (the same class on every rank: the reservation below is alike everywhere)
+        self._datasets_due = ctx.world_size > 1 and self.options.check_rank_datasets and _trainer_shards_the_dataset(trainer)
+        self._datasets_step = None
         if self._datasets_due:  # the same on every rank too: the dataset's fingerprint, at the first step only
             ctx.reserve(DATASET_SLOT, DATASET_WIDTH, owner=self.name)
         resumed = str(ctx.resumed_from) if ctx.resumed_from is not None else None

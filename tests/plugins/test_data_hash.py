@@ -6,10 +6,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from transformers import Trainer
 
 import harness
 from conftest import EXAMPLES, findings_of, harness_cli, read_jsonl, torchrun, wrapped_example, write_yaml
@@ -231,9 +233,14 @@ class _RankCtx:
         self.reports.append({"code": code, "message": message, **kwargs})
 
 
+class _ShardingTrainer(SimpleNamespace):
+    """A stand-in trainer whose loader is the Trainer's own (its sampler shards one dataset across the ranks)."""
+
+    get_train_dataloader = Trainer.get_train_dataloader
+
+
 def _ranks_compare_datasets(datasets: list[Any], tmp_path: Path, steps: int = 2) -> list[_RankCtx]:
     """data_hash on ``len(datasets)`` ranks, each inspecting its own training dataset, through ``steps`` optimizer steps."""
-    from types import SimpleNamespace
 
     from harness.plugins.data_hash import DataHash
 
@@ -242,8 +249,8 @@ def _ranks_compare_datasets(datasets: list[Any], tmp_path: Path, steps: int = 2)
         ctx, plugin = _RankCtx(rank, len(datasets), tmp_path / "harness"), DataHash()
         plugin.__dict__["ctx"] = ctx
         plugin.setup(ctx)
-        trainer = SimpleNamespace(args=SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=1),
-                                  state=SimpleNamespace(global_step=0, epoch=0.0), train_dataset=dataset)
+        trainer = _ShardingTrainer(args=SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=1),
+                                   state=SimpleNamespace(global_step=0, epoch=0.0), train_dataset=dataset)
         plugin.on_run_start(ctx=ctx, trainer=trainer)
         plugin.inspect_dataset(ctx=ctx, dataset=dataset, split="train")
         contexts.append(ctx)
@@ -295,3 +302,22 @@ def test_the_dataset_comparison_leaves_out_ranks_without_a_fingerprint() -> None
     assert evidence["differing_ranks"] == [2] and evidence["ranks_not_compared"] == [1]
     assert evidence["same_rows_other_order"] == []  # another order-free sum: other rows, not another order
     assert "at step 4" in message and "rank 2 holds 96 rows (digest fffffffffffffffd)" in message
+
+
+def test_the_ranks_datasets_are_compared_only_where_the_trainers_own_loader_shards_them() -> None:
+    """A subclass that builds its own loader may hand each rank its own shard on purpose: RANK_DATASETS_DIFFER would be
+    a false error there. The Trainer's own loader (and TRL's, which inherit it) splits one dataset by index."""
+    from torch.utils.data import DataLoader
+    from trl import SFTTrainer
+
+    from harness.plugins.data_hash import _trainer_shards_the_dataset
+
+    class OwnLoader(Trainer):
+        def get_train_dataloader(self) -> DataLoader:  # type: ignore[override]
+            raise NotImplementedError
+
+    class Plain(Trainer):
+        pass
+
+    bare = [cls.__new__(cls) for cls in (Trainer, Plain, SFTTrainer, OwnLoader)]
+    assert [_trainer_shards_the_dataset(t) for t in bare] == [True, True, True, False]
