@@ -138,3 +138,104 @@ def _read_owner(fd: int) -> str:
         return f"pid {data['pid']} on {data.get('host', '?')}"
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that has not written its pid yet"
+
+
+# -- reading the lock (``harness report``, ``explain``, wrap's summary): is the run still training? ----------------------
+
+HOST_CHARS = 64  # of a host name a lock file names, as shown (a received run directory is data)
+
+
+class LockHolder:
+    """Who the lock file of a run directory names, and whether that process holds the lock now on this host."""
+
+    __slots__ = ("pid", "host", "since", "here", "alive")
+
+    def __init__(self, pid: int, host: str | None, since: float | None, here: bool, alive: bool) -> None:
+        self.pid, self.host, self.since, self.here, self.alive = pid, host, since, here, alive
+
+    def __repr__(self) -> str:
+        return f"LockHolder(pid={self.pid}, host={self.host!r}, here={self.here}, alive={self.alive})"
+
+
+def read_holder(run_dir: Path) -> LockHolder | None:
+    """The holder that ``<run_dir>/.lock`` names, with whether it is a live process of this host holding the lock now;
+    None when there is no lock file, it is not a regular file, a symbolic link (never followed: a received run
+    directory is data), unreadable, or names no pid.
+
+    Reading never disturbs a holder: a record lock is dropped when its process closes *any* descriptor of the file, so
+    a lock this process holds is answered from memory, without opening the file. Another process's lock is tested
+    with ``F_GETLK`` on a read-only descriptor (the kernel's word: held or not, whatever pid the file names, so a
+    recycled pid of a killed run does not read as alive); only where that cannot be asked (a file system without
+    record locks, not Linux) does a live pid on this host count.
+    """
+    path = lock_path(run_dir)
+    key = os.path.realpath(path)
+    if key in _HELD and not os.path.islink(path):  # this process trains there now
+        return LockHolder(os.getpid(), socket.gethostname(), None, here=True, alive=True)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:  # missing, a symbolic link (ELOOP), a FIFO without writer, no permission
+        return None
+    try:
+        import stat
+
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = json.loads(os.read(fd, 4096).decode("utf-8") or "{}")
+        if not isinstance(data, dict):
+            return None
+        pid, host, since = data.get("pid"), data.get("host"), data.get("since")
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            return None
+        host = host if isinstance(host, str) else None
+        since = float(since) if isinstance(since, (int, float)) and not isinstance(since, bool) else None
+        here = host is not None and host == socket.gethostname()
+        alive = here and _holds_lock(fd, pid)
+        return LockHolder(pid, _shown_host(host), since, here=here, alive=alive)
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)  # this process holds no lock on the file (checked above): closing drops nothing
+
+
+def _holds_lock(fd: int, pid: int) -> bool:
+    """Whether the file's lock is held now (``F_GETLK``); where that cannot be asked, whether ``pid`` is alive."""
+    held = _lock_held(fd)
+    if held is not None:
+        return held
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _lock_held(fd: int) -> bool | None:
+    """``F_GETLK`` for a write lock on the whole file: True when another process holds a conflicting lock, False when
+    none does, None when it cannot be asked (not Linux on 64 bits, a file system without record locks)."""
+    import struct
+    import sys
+
+    if not sys.platform.startswith("linux") or struct.calcsize("P") != 8:  # struct flock's layout below is Linux's, 64-bit
+        return None
+    try:
+        import fcntl
+
+        query = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+        answer = fcntl.fcntl(fd, fcntl.F_GETLK, query)
+        kind = struct.unpack("hhqqi4x", answer)[0]
+    except (OSError, ImportError, struct.error):
+        return None
+    return kind != fcntl.F_UNLCK
+
+
+def _shown_host(host: str | None) -> str | None:
+    """A host name as a report may show it: printable name characters only, clipped."""
+    if host is None:
+        return None
+    kept = "".join(c for c in host if c.isascii() and (c.isalnum() or c in ".-_"))[:HOST_CHARS]
+    return kept or None

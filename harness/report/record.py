@@ -5,6 +5,7 @@ file that was never written, an attempt still marked ``running``.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import stat
@@ -18,6 +19,7 @@ from harness.core.findings import Finding, findings_path, iter_findings, read_fi
 from harness.core.jsonl import read_jsonl  # noqa: F401 - re-exported: plugins read their own JSONL files with it
 from harness.core.strictjson import as_float  # re-exported: a number from a record field ("nan"/"inf" strings included)
 from harness.lib.rank_markers import ENDED, RankEnd, read_markers, short_error
+from harness.lib.rundir import LockHolder, read_holder
 from harness.lib.runinfo import INTERRUPTED, read_run_info
 
 
@@ -34,6 +36,7 @@ class RunRecord:
     unreadable: dict[str, int] = field(default_factory=dict)  # file name -> lines (or 1: the whole file) skipped
     problems: list[str] = field(default_factory=list)  # what else could not be read, one sentence each
     findings_unknown: str | None = None  # why findings.jsonl was not read (missing, not a file, a link, unreadable); None: read
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # what is read on demand, once
 
     @property
     def findings_known(self) -> bool:
@@ -83,6 +86,13 @@ class RunRecord:
             return "unknown"
         status = attempt_status(self.attempts[-1])
         return "killed" if status == "running" else status
+
+    def lock_holder(self) -> LockHolder | None:
+        """Who the run lock (``.lock``) names and whether that process holds it on this host now (read once: a process
+        that holds it is training in this run directory); None without a readable lock file (a link is not followed)."""
+        if "lock" not in self._cache:
+            self._cache["lock"] = read_holder(self.run_dir)
+        return self._cache["lock"]
 
     def rank_ends(self, index: int) -> list[RankEnd]:
         """How the ranks of attempt ``index`` that did not complete ended, by rank (several processes only).
@@ -135,6 +145,32 @@ class RunRecord:
         inside = [r["step"] for r in self.steps if _is_int(r.get("step")) and _within(as_float(r.get("time")), start, end)]
         inside += [f.step for f in self.attempt_findings(index) if _is_int(f.step)]
         return max(inside) if inside else None
+
+    def last_known_step(self, index: int = -1) -> int | None:
+        """The last step attempt ``index`` is known to have reached, from every record of it: its recorded ``end_step``;
+        for one that never recorded its end, the highest of :meth:`attempt_end_step` (steps.jsonl, written in batches,
+        and the findings) and, for the last attempt, the last step of ``metrics.jsonl`` and of each rank's data ledger
+        (written at every step), read from their tails only and only when written since the attempt started.
+
+        A lower bound for a killed attempt: the step in flight, or steps no file kept, may have gone further.
+        """
+        attempts = self.attempts
+        known = self.attempt_end_step(index)
+        if not attempts or not -len(attempts) <= index < len(attempts) or index % len(attempts) != len(attempts) - 1:
+            return known
+        attempt = attempts[-1]
+        if _is_int(attempt.get("end_step")):
+            return known
+        started = as_float(attempt.get("started"))
+        if started is None:  # which attempt wrote a file's last line cannot be told
+            return known
+        start_step = attempt.get("start_step") if _is_int(attempt.get("start_step")) else None
+        steps = [known] if known is not None else []
+        for path, ledger in [(self.run_dir / "metrics.jsonl", False), *((p, True) for p in _ledger_files(self.run_dir))]:
+            step = _last_step_since(path, started, ledger)
+            if step is not None and (start_step is None or step >= start_step):
+                steps.append(step)
+        return max(steps) if steps else None
 
     def attempt_stop(self, index: int) -> tuple[int | None, list[str]]:
         """Where and why the harness stopped attempt ``index``: (step, cause codes, the deciding one last).
@@ -321,6 +357,74 @@ def read_run_config(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
                         + (f"only {', '.join(kept)} kept." if kept else "the run's plugins are left out."))
         data["plugins"] = kept
     return data, problems
+
+
+TAIL_BYTES = 1 << 16  # read from the end of metrics.jsonl and of a ledger file for the last step (files of GBs)
+NUL_TAIL_BYTES = 1 << 22  # at most this much of a killed mapped writer's NUL bytes is looked through (its window is 1 MiB)
+LEDGER_FILES = 64  # the ranks' ledger files looked at for the last step (rank 0 first)
+
+
+def _ledger_files(run_dir: Path) -> list[Path]:
+    """The ranks' ledger files (``ledger/rank-<r>.jsonl``), rank 0 first, at most ``LEDGER_FILES``; none when ``ledger``
+    is missing or a symbolic link (not followed: a received run directory is data)."""
+    folder = Path(run_dir) / "ledger"
+    try:
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):
+            return []
+        names = [e.name for e in os.scandir(folder) if e.name.startswith("rank-") and e.name.endswith(".jsonl")]
+    except OSError:
+        return []
+    ranks = sorted((int(n[5:-6]), n) for n in names if n[5:-6].isdigit())
+    return [folder / name for _, name in ranks[:LEDGER_FILES]]
+
+
+def _last_step_since(path: Path, since: float, ledger: bool) -> int | None:
+    """The step of the last intact record of ``path`` with one, when the file was last written at or after ``since`` (so
+    that its last line is the attempt's that started then, not an earlier attempt's); None otherwise. Only the file's
+    last ``TAIL_BYTES`` before any NUL bytes a killed mapped writer left are read; a symbolic link is not followed. In a
+    ledger (``ledger``), a last line that starts an attempt means the newest attempt trained no step yet: None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_mtime < since:
+            return None
+        end = _end_before_nuls(fd, info.st_size)
+        start = max(0, end - TAIL_BYTES)
+        data = os.pread(fd, end - start, start)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    lines = data.split(b"\n")[:-1]  # the piece after the last newline is a torn line (or empty)
+    if start > 0 and lines:
+        lines = lines[1:]  # the first piece may be the end of a line that began before the tail
+    for raw in reversed(lines):
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, RecursionError, ValueError):
+            continue
+        if not isinstance(record, dict):
+            continue
+        if ledger and record.get("event") == "start":
+            return None
+        if _is_int(record.get("step")):
+            return record["step"]
+    return None
+
+
+def _end_before_nuls(fd: int, size: int) -> int:
+    """The length of the file without the NUL bytes at its end (looked through for at most ``NUL_TAIL_BYTES``)."""
+    end = size
+    while end > 0 and size - end < NUL_TAIL_BYTES:
+        start = max(0, end - TAIL_BYTES)
+        block = os.pread(fd, end - start, start).rstrip(b"\0")
+        if block:
+            return start + len(block)
+        end = start
+    return end
 
 
 def _within(value: float | None, start: float | None, end: float | None) -> bool:

@@ -1,6 +1,7 @@
 """The one-line verdict, and the general symptoms the numbers point at.
 
-Verdict: ``failed`` when the last ``train()`` call did not complete (crashed, interrupted,
+Verdict: ``running`` when the last ``train()`` call has not ended and its process holds the run
+lock on this host now; ``failed`` when it did not complete (crashed, interrupted,
 stopped by a plugin, killed) or a finding is critical; ``needs attention``
 when a finding is at warning or above; ``healthy`` otherwise.
 """
@@ -12,11 +13,13 @@ from dataclasses import dataclass
 
 from harness.core.findings import Severity, worst
 from harness.lib.rank_markers import first_failure
+from harness.lib.rundir import LockHolder
 from harness.lib.runinfo import RUN_FILE, UNREADABLE
 from harness.lib.trainer_kind import token_loss_named, token_loss_stage
 from harness.report.record import INTERRUPTED, RunRecord, as_float, error_text
 
 HEALTHY, ATTENTION, FAILED = "healthy", "needs attention", "failed"
+RUNNING = "running"  # the last train() call has not ended: its process holds the run lock on this host now
 
 
 @dataclass(frozen=True)
@@ -51,9 +54,16 @@ def verdict_of(run: RunRecord) -> Verdict:
         summary = (f"{summary} in the files that could be read, but {run.findings_unknown}, so there may be more" if severe
                    else f"findings not known: {run.findings_unknown}")
     ranks = rank_failure(run, -1)  # with several processes: the rank that failed first, and why
-    if status == "killed":
+    if status == "killed":  # no end recorded: still training (its process holds the run lock on this host), or killed
         crashed = f"; {ranks}" if ranks else ""
-        return Verdict(FAILED, f"the last train() call never reached its end{at} (killed, or still running{'; ' + which if which else ''}){crashed}; {summary}.")
+        step = run.last_known_step(-1)  # steps.jsonl comes in batches: metrics.jsonl and the ledger may know a later step
+        holder = run.lock_holder()
+        if holder is not None and holder.alive:
+            so_far = f"at step {step} so far" if step is not None else "no step recorded yet"
+            return Verdict(RUNNING, f"the last train() call is in progress (pid {holder.pid} on this host"
+                                    f"{'; ' + which if which else ''}), {so_far}{crashed}; {summary}.")
+        at = f" at step {step} or later (the last step recorded)" if step is not None else ""
+        return Verdict(FAILED, f"the last train() call never reached its end{at}: {_not_running(holder)}{attempt}{crashed}; {summary}.")
     after = f" after step {step}" if step is not None else ""  # global_step: the last step that completed, not the one in flight
     if status == INTERRUPTED:  # Ctrl-C: the person at the terminal ended it, training did not crash
         return Verdict(FAILED, f"training was interrupted (Ctrl-C / SIGINT){after}{attempt}; {summary}.")
@@ -78,6 +88,15 @@ def verdict_of(run: RunRecord) -> Verdict:
     if severe or not run.findings_known:  # completed, but what the harness found cannot be told: not "healthy"
         return Verdict(ATTENTION, f"training completed{at}; {summary}.")
     return Verdict(HEALTHY, f"training completed{at}; {summary}.")
+
+
+def _not_running(holder: LockHolder | None) -> str:
+    """Why a train() call that never recorded its end reads as killed, from the run lock (``<run_dir>/.lock``)."""
+    if holder is None:  # no lock file (an older harness, or one that could not make it), a link, or no pid in it
+        return "killed, or still running elsewhere"
+    if not holder.here:  # the lock of another host cannot be tested from here
+        return f"killed, or still running on {holder.host or 'another host'} (pid {holder.pid})"
+    return f"killed: pid {holder.pid} on this host no longer holds its run lock"
 
 
 def rank_failure(run: RunRecord, index: int) -> str | None:

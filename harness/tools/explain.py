@@ -1,14 +1,17 @@
 """``harness explain`` and ``harness playbook``: the run directory and the playbooks, in a terminal (``harness report`` is :mod:`harness.tools.report`)."""
 from __future__ import annotations
 
+import shlex
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 from harness.core.console import shorten
 from harness.core.errors import HarnessError, did_you_mean
 from harness.lib.hang_summary import RANK_HANG_CODE, hang_summary
 from harness.lib.playbook import find_section, load_library
+from harness.lib.runinfo import INTERRUPTED
 from harness.report.rundirs import scan_run_dirs
 
 
@@ -56,7 +59,8 @@ def print_explain(path: Path, width: int = 100) -> int:
         if n:
             print()
         print(f"== {run_dir}")
-        print(textwrap.fill(f"Verdict: {_clip(verdict_of(run).line(), where='run.json and findings.jsonl')}", width, subsequent_indent="  "))
+        verdict = verdict_of(run)
+        print(textwrap.fill(f"Verdict: {_clip(verdict.line(), where='run.json and findings.jsonl')}", width, subsequent_indent="  "))
         for note in run.damage_notes():
             print(textwrap.fill(f"Note: {_clip(note, where='the file it names')}", width, subsequent_indent="  "))
         groups = group_findings(run)
@@ -66,7 +70,7 @@ def print_explain(path: Path, width: int = 100) -> int:
             head = f"[{group.severity.value}] {group.code} x{group.count} (step {group.step_range}): {_clip(group.message)}"
             print(textwrap.fill(head, width, subsequent_indent="    "))
             if group.code == RANK_HANG_CODE and group.code not in explained:  # the ranks' watchdogs: which one stopped first
-                print(_fill(f"stalled first: {hang_summary(group.findings)}", width))
+                print(_fill(f"stalled first: {hang_summary(group.findings, run)}", width))
             if group.code in explained:
                 print("  next: as above")
                 continue
@@ -83,7 +87,35 @@ def print_explain(path: Path, width: int = 100) -> int:
                 print(f"  more: harness playbook {symptom.topic}")
         if not groups:
             print("No findings." if run.findings_known else f"No findings could be read: {run.findings_unknown} (see the note above).")
+        after = run_next_step(run, verdict.label)
+        if after is not None:
+            print()
+            print(_fill(f"next: {after}", width))
     return 0
+
+
+def run_next_step(run: Any, label: str) -> str | None:
+    """What to do about how the last ``train()`` call ended (the findings' next steps are about what it found): for a
+    call that did not end well, where to resume from; for one still training, to wait. None for a completed run."""
+    from harness.report.verdict import RUNNING
+
+    status = run.last_status
+    out = shlex.quote(str(run.output_dir))
+    point = f"harness resume-point {out}"
+    resume = f'(names the newest proven checkpoint to resume from: --resume_from_checkpoint "$({point})")'
+    if label == RUNNING:
+        holder = run.lock_holder()
+        pid = f" (pid {holder.pid})" if holder is not None else ""
+        return f"the run is still training{pid}: run `harness explain {out}` again when it has ended."
+    if status == "killed":
+        return f"{point}   {resume}; the killed call's steps after that checkpoint are trained again."
+    if status == INTERRUPTED:
+        return f"{point}   {resume}, to go on where the interrupted call left off."
+    if status == "stopped":
+        return f"{point}   {resume}, once the cause of the stop (above) is dealt with."
+    if status == "crashed":
+        return f"{point}   {resume}, once the error is fixed."
+    return None
 
 
 def _clip(text: str, limit: int = MESSAGE_CHARS, where: str = "findings.jsonl") -> str:
