@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report_to", default="none", help="the Trainer's report_to: none, or a comma-separated list (tensorboard,wandb)")
     p.add_argument("--crash_rank", type=int, default=-1, help="this rank raises ValueError at the start of --crash_step")
     p.add_argument("--crash_step", type=int, default=-1, help="the step (1-based) at whose start --crash_rank raises")
+    p.add_argument("--freeze_rank", type=int, default=-1, help="this rank freezes --freeze_param at the start of --freeze_step")
+    p.add_argument("--freeze_step", type=int, default=-1, help="the step (1-based) at whose start --freeze_rank freezes --freeze_param")
+    p.add_argument("--freeze_param", default="", help="the parameter --freeze_rank calls requires_grad_(False) on (after DDP wrapped the model)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     return p.parse_args(argv)
 
@@ -114,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.crash_rank >= 0 and int(os.environ.get("RANK", 0)) == args.crash_rank:
         trainer.add_callback(CrashAt(args.crash_rank, args.crash_step))
+    if args.freeze_rank >= 0 and int(os.environ.get("RANK", 0)) == args.freeze_rank:
+        trainer.add_callback(FreezeAt(args.freeze_param, args.freeze_step))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # as PyTorch asks of every script that initialised one
@@ -183,6 +188,17 @@ class CrashAt(TrainerCallback):
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step + 1 == self.step:
             raise ValueError(f"injected crash on rank {self.rank} at step {self.step}")
+
+
+class FreezeAt(TrainerCallback):
+    """``requires_grad_(False)`` on one parameter at the start of step ``step`` (a freeze made on one rank only, after wrapping)."""
+
+    def __init__(self, name: str, step: int) -> None:
+        self.name, self.step = name, step
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if state.global_step + 1 == self.step:
+            dict(getattr(model, "module", model).named_parameters())[self.name].requires_grad_(False)
 
 
 class OwnLoaderTrainer(Trainer):

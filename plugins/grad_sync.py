@@ -250,6 +250,9 @@ class GradSync(Plugin):
         mine: dict[str, Any] = {
             "params": exact_fingerprints(tensors) if o.check_params and (exact or self.mode == "zero") else None,
             "grads": exact_fingerprints([p.grad for p in tensors]) if o.check_grads and exact else None,
+            # host flags, no device read: a tensor frozen on some ranks only leaves their share of the all-reduce zero,
+            # and the reduced gradients still agree bit for bit
+            "requires_grad": [bool(p.requires_grad) for p in tensors] if o.check_grads else None,
             "group": list(self._group),
             "inputs": [h.tolist() for h in self._inputs] if o.check_inputs else None,
             "timing": list(self._window),
@@ -267,6 +270,7 @@ class GradSync(Plugin):
         if o.check_params:
             desync |= self._compare_exact(ctx, step, [g["params"] for g in gathered], PARAM_DESYNC.code, "weights", groups)
         if o.check_grads:
+            desync |= self._compare_requires_grad(ctx, step, [g.get("requires_grad") for g in gathered])
             desync |= self._compare_exact(ctx, step, [g["grads"] for g in gathered], GRAD_DESYNC.code, "reduced gradients", groups)
         if self._zero is not None and all(g.get("zero_local") is not None for g in gathered):
             desync |= self._compare_zero(ctx, step, gathered)
@@ -328,6 +332,36 @@ class GradSync(Plugin):
             evidence={"ranks": sorted(ranks), "tensors": shown, "diverging_tensors": len(diverging), "checked_tensors": len(self._params),
                       "parallelism": self._described, "on_desync": self.options.on_desync,
                       "replica_groups": [list(g) for g in replica_groups] if self.mode == "replicas" else None},
+        )
+        return True
+
+    def _compare_requires_grad(self, ctx: Any, step: int, per_rank: list[list[bool] | None]) -> bool:
+        """Every rank must train the same tensors: ``requires_grad`` per tensor, compared over all ranks (any engine).
+
+        A tensor frozen after the engine wrapped the model, on some ranks only, passes the gradient comparison: DDP still
+        all-reduces it (the frozen ranks contribute zeros, or nothing) and every rank holds the same reduced gradient.
+        """
+        if any(r is None for r in per_rank) or len({len(r) for r in per_rank if r is not None}) != 1:
+            return False
+        diverging = requires_grad_differences([n for n, _ in self._params], per_rank)  # type: ignore[arg-type]
+        if not diverging:
+            return False
+        ranks = sorted({r for d in diverging for r in d["ranks"]})
+        self._reference = diverging[0]["reference_rank"]
+        shown = diverging[: self.options.max_tensors]
+        more = f" and {len(diverging) - len(shown)} more" if len(diverging) > len(shown) else ""
+        self._report(
+            ctx, GRAD_DESYNC.code,
+            f"requires_grad differs across data-parallel ranks at step {step} ({self._described}) on {len(diverging)} of "
+            f"{len(self._params)} tensors: {'; '.join(d['described'] for d in shown)}{more}. The reduced gradients still agree "
+            "bit for bit, yet they are wrong: DDP still all-reduces such a tensor, the ranks where it is frozen add zeros "
+            "instead of a gradient of their own, so it learns from part of the batch only; and where a frozen rank's optimizer "
+            "skips it, that rank's weights drift from the others'. requires_grad was changed after the model was wrapped, "
+            "on some ranks only." + self._policy_note(GRAD_DESYNC.code),
+            step=step,
+            evidence={"ranks": ranks, "tensors": [{k: v for k, v in d.items() if k != "described"} for d in shown],
+                      "diverging_tensors": len(diverging), "checked_tensors": len(self._params), "compared": "requires_grad",
+                      "parallelism": self._described, "on_desync": self.options.on_desync},
         )
         return True
 
@@ -479,6 +513,33 @@ class GradSync(Plugin):
                              [[c.get("step"), c.get("params_compared"), c.get("grads_compared"), c.get("slices_compared")] for c in bad[:20]])
             text += "\n"
         return ReportSection("Replica consistency (grad_sync)", text)
+
+
+def requires_grad_differences(names: list[str], per_rank: list[list[bool]]) -> list[dict[str, Any]]:
+    """The tensors whose ``requires_grad`` is not the same on every rank: the odd ranks (the minority; a tie leaves the
+    lowest rank's side as the reference), the ranks where it is frozen and where it is trained, and a sentence."""
+    out: list[dict[str, Any]] = []
+    for index, name in enumerate(names):
+        if index >= len(per_rank[0]):
+            break
+        sides: dict[bool, list[int]] = {}
+        for rank, flags in enumerate(per_rank):
+            sides.setdefault(bool(flags[index]), []).append(rank)
+        if len(sides) <= 1:
+            continue
+        majority = max(sides.values(), key=lambda ranks_: (len(ranks_), -min(ranks_)))
+        odd = sorted(r for r in range(len(per_rank)) if r not in majority)
+        frozen, trained = sides[False], sides[True]
+        described = (f"{name} is frozen on {_ranks(frozen)} only (requires_grad False there, True on {_ranks(trained)})"
+                     if frozen == odd else
+                     f"{name} is trained on {_ranks(trained)} only (requires_grad True there, False on {_ranks(frozen)})")
+        out.append({"tensor": name, "ranks": odd, "reference_rank": majority[0], "frozen_on_ranks": frozen,
+                    "trained_on_ranks": trained, "described": described})
+    return out
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
 
 
 def _relative(reference: tuple[int, float, float] | None, others: list[tuple[int, float, float] | None]) -> float | None:

@@ -5,8 +5,9 @@ with ``defer`` (no host sync); the step guard reads them in its one transfer
 for every plugin, and the gradient norm arrives as a host float. On a hit it
 reports which micro-batch, rank and samples, names the first bad tensor
 (:mod:`harness.lib.first_bad`: the non-finite gradients in module order, or the
-first module with a non-finite output in one traced rerun of the micro-batch;
-one extra device read, on that step only), writes the batch to
+first module with a non-finite output in one traced rerun of the micro-batch,
+and, when that module's input was finite, which of its own parameters hold
+NaN/Inf; one or two extra device reads, on that step only), writes the batch to
 ``captures/step-<N>/``, and decides the action ladder:
 skip the step, and after ``max_consecutive`` non-finite steps in a row,
 ``escalate_to`` (``save_and_stop`` by default).
@@ -196,7 +197,7 @@ class NanGuard(Plugin):
         first = bad[0]
         values = [losses[i] for i in bad]
         samples = sample_ids(batches[first])
-        located, where = trainer_locate(ctx.trainer, batches[first]) if self.options.locate else ({"locate": "off"}, "")
+        located, where = trainer_locate(ctx.trainer, batches[first], ctx.rank) if self.options.locate else ({"locate": "off"}, "")
         capture = self._capture(ctx, step, batches, losses, f"loss {values[0]} in micro-batch {first}") if self.options.capture else None
         hidden = " The Trainer's logging_nan_inf_filter=True hides this value from its own logs." if self._log_filter else ""
         self.report(

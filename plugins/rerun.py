@@ -301,6 +301,14 @@ class Rerun(Plugin):
         if isinstance(neighbour, dict):
             evidence["neighbour"] = _strict(neighbour)
             source_finite = p["rerun"].grads_finite
+            broken = _nonfinite_own_weights(ctx, step)
+            if broken and not neighbour_agrees(p["losses"], neighbour["losses"], self.tolerance.value, source_finite, neighbour["grads_finite"]):
+                # the neighbour computes with its own, finite weights: the difference is this rank's model state, not its device
+                self.report(FAULT_REPRODUCED.code, f"{what}, reproduced it ({c.reason}); rank {neighbour['rank']} computes the same "
+                            f"micro-batches clean because rank {ctx.rank}'s weights already hold NaN/Inf ({', '.join(broken[:3])}): the "
+                            "model state, not the machine. Go back to a checkpoint with finite weights.",
+                            step=step, evidence={**evidence, "nonfinite_weights": broken[:20]}, limit=20)
+                return
             if not neighbour_agrees(p["losses"], neighbour["losses"], self.tolerance.value, source_finite, neighbour["grads_finite"]):
                 self.report(FAULT_RANK_SUSPECT.code, f"{what}, reproduced on rank {ctx.rank} ({c.reason}), but rank {neighbour['rank']} computes "
                             f"the same micro-batches clean (losses {_short(neighbour['losses'])} against {_short(p['losses'])}): rank {ctx.rank}'s "
@@ -314,6 +322,19 @@ class Rerun(Plugin):
                     f"{', and so did rank ' + str(neighbour['rank']) if isinstance(neighbour, dict) else ''}: the data or the model state, "
                     f"not the machine. Look at the step's capture (captures/step-{step}/) and the data and LR playbooks.",
                     step=step, evidence=evidence, limit=20)
+
+
+def _nonfinite_own_weights(ctx: Any, step: int) -> list[str]:
+    """The parameters this rank's own finding at ``step`` found non-finite in its first bad module (nan_guard's locate
+    pass: ``evidence.nonfinite_params_of_module``); [] when none was found or nothing was checked."""
+    names: list[str] = []
+    for finding in reversed(getattr(ctx, "findings", [])):
+        if finding.step != step or finding.rank != ctx.rank:
+            continue
+        for entry in finding.evidence.get("nonfinite_params_of_module") or []:
+            if isinstance(entry, dict) and entry.get("param") and entry["param"] not in names:
+                names.append(str(entry["param"]))
+    return names
 
 
 def _short(values: list[float]) -> str:

@@ -12,13 +12,18 @@ reads at most once, and nothing here runs on an ordinary step.
   module; the first module, in completion order (a child finishes before its
   parent), whose output is non-finite, with min/max/abs-max of its input and
   output (what ``transformers.debug_utils.DebugUnderflowOverflow`` prints),
-  and the last finite module before it.
+  and the last finite module before it. When that module's input is finite
+  (or not floating, as an embedding's token ids), its own parameters (that
+  module's only, not its children's) are checked for NaN/Inf with one more
+  read: a weight already non-finite is the model state (an earlier update
+  wrote it), neither the batch nor the device.
 
 Finiteness is read from ``torch.aminmax`` (NaN propagates into both, Inf
 shows as an extreme), so no tensor the size of an activation is allocated.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -103,12 +108,35 @@ class ModuleCall:
 
 
 @dataclass
+class ParamCount:
+    """One parameter of the first non-finite module: how many of its elements are NaN/Inf, on which rank."""
+
+    name: str  # the model's name for it (``model.layers.0.mlp.down_proj.weight``)
+    local: str  # the module's own name for it (``weight``)
+    nonfinite: int
+    elements: int
+    rank: int | None = None
+
+    def evidence(self) -> dict[str, Any]:
+        return {"param": self.name, "rank": self.rank, "nonfinite_elements": self.nonfinite, "elements": self.elements}
+
+    def describe(self) -> str:
+        where = f" on rank {self.rank}" if self.rank is not None else ""
+        return f"its {self.local} holds NaN/Inf{where} ({self.nonfinite} of {self.elements} elements)"
+
+
+@dataclass
 class ForwardLocation:
     """What a traced forward pass found."""
 
     first: ModuleCall | None
     last_finite: ModuleCall | None
     calls: int
+    own_params: list[ParamCount] | None = None  # the first module's own parameters, checked (None: not checked)
+
+    @property
+    def nonfinite_params(self) -> list[ParamCount]:
+        return [p for p in self.own_params or [] if p.nonfinite]
 
     @property
     def reproduced(self) -> bool:
@@ -122,6 +150,9 @@ class ForwardLocation:
             "last_finite_module": self.last_finite.name if self.last_finite else None,
             "last_finite": self.last_finite.evidence() if self.last_finite else None,
             "modules_traced": self.calls,
+            # the first module's own parameters that hold NaN/Inf ([]: checked, all finite; None: not checked)
+            "nonfinite_params_of_module": None if self.own_params is None else [p.evidence() for p in self.nonfinite_params],
+            "params_of_module_checked": None if self.own_params is None else len(self.own_params),
         }
 
     def describe(self) -> str:
@@ -129,7 +160,10 @@ class ForwardLocation:
             return (f"a rerun of that micro-batch on the same weights was finite in all {self.calls} module calls "
                     "(not reproduced in the forward: a transient fault, or a loss computed outside the model)")
         after = f", after {self.last_finite.name} (finite)" if self.last_finite else " (the first module to run)"
-        return f"first module with a non-finite output, rerun on the same weights: {self.first.describe()}{after}"
+        bad = self.nonfinite_params
+        own = ("; " + "; ".join(p.describe() for p in bad) + ": the weights were already non-finite before this step (an "
+               "earlier update wrote them), so the model state made this NaN, not the batch and not the device") if bad else ""
+        return f"first module with a non-finite output, rerun on the same weights: {self.first.describe()}{after}{own}"
 
 
 class ForwardTrace:
@@ -139,10 +173,12 @@ class ForwardTrace:
         self.model = model
         self._handles: list[Any] = []
         self._calls: list[tuple[str, str, bool, bool, torch.Tensor]] = []
+        self.modules: dict[str, tuple[str, torch.nn.Module]] = {}  # label -> (parameter name prefix, module)
 
     def __enter__(self) -> ForwardTrace:
         for name, module in self.model.named_modules():
             label = clean_name(name) or f"({type(module).__name__}: the model itself)"
+            self.modules.setdefault(label, (clean_name(name), module))
             self._handles.append(module.register_forward_hook(self._hook(label), with_kwargs=True))
         return self
 
@@ -197,12 +233,34 @@ def rng_state() -> dict[str, Any]:
 restore_rng = set_rng_state
 
 
-def locate_forward(model: torch.nn.Module, inputs: Mapping[str, Any]) -> ForwardLocation:
-    """Run ``model(**inputs)`` once without gradients, RNG untouched afterwards, and name the first non-finite module output."""
+def own_param_counts(module: torch.nn.Module, prefix: str = "", rank: int | None = None) -> list[ParamCount]:
+    """Non-finite element counts of ``module``'s own floating-point parameters (not its children's); one device read."""
+    named = [(n, p) for n, p in module.named_parameters(recurse=False) if _usable(p)]
+    if not named:
+        return []
+    device = named[0][1].device
+    counts = torch.stack([(~torch.isfinite(p.detach())).sum().to(device) for _, p in named]).tolist()  # the one read
+    return [ParamCount(f"{prefix}.{n}" if prefix else n, n, int(c), p.numel(), rank) for (n, p), c in zip(named, counts)]
+
+
+def _finite_or_absent(stats: dict[str, Any] | None) -> bool:
+    """A module input that cannot have made the NaN: no floating input (token ids), or finite min and max."""
+    return stats is None or all(math.isfinite(stats[k]) for k in ("min", "max"))
+
+
+def locate_forward(model: torch.nn.Module, inputs: Mapping[str, Any], rank: int | None = None) -> ForwardLocation:
+    """Run ``model(**inputs)`` once without gradients, RNG untouched afterwards, and name the first non-finite module output.
+
+    When that module's input is finite, its own parameters are checked too (one more read, this module only).
+    """
     saved = rng_state()
     try:
         with torch.no_grad(), ForwardTrace(model) as trace:
             model(**inputs)
-        return trace.result()
+        found = trace.result()
+        if found.first is not None and _finite_or_absent(found.first.input) and found.first.name in trace.modules:
+            prefix, module = trace.modules[found.first.name]
+            found.own_params = own_param_counts(module, prefix, rank)
+        return found
     finally:
         restore_rng(saved)

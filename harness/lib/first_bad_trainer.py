@@ -70,15 +70,16 @@ def trainer_grad_scan(trainer: Any, rank: int, grad_norm: float | None, batches:
         return GradScan(unavailable=f"{type(exc).__name__}: {exc}")
 
 
-def trainer_locate(trainer: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """(evidence, sentence) of a traced rerun of ``batch`` on the Trainer's model, or why it was skipped."""
+def trainer_locate(trainer: Any, batch: dict[str, Any], rank: int | None = None) -> tuple[dict[str, Any], str]:
+    """(evidence, sentence) of a traced rerun of ``batch`` on the Trainer's model (``rank``: named where a weight of the
+    first non-finite module holds NaN/Inf), or why it was skipped."""
     why_not = can_recompute(trainer)
     model = getattr(trainer, "model", None)
     if why_not is None and model is None:
         why_not = "no model"
     if why_not is None:
         try:
-            found = locate_forward(model, _inputs(batch))
+            found = locate_forward(model, _inputs(batch), rank)
             return found.evidence(), found.describe()
         except Exception as exc:  # noqa: BLE001 - an odd model or batch: the finding and the skip matter more
             why_not = f"the rerun failed: {type(exc).__name__}: {exc}"

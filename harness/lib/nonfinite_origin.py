@@ -25,6 +25,7 @@ class NonfiniteStep:
     grad_ranks: list[int] = field(default_factory=list)  # losses finite, gradients not
     reproduced_ranks: list[int] = field(default_factory=list)  # their own backward, rerun, gave non-finite gradients again
     clean_rerun_ranks: list[int] = field(default_factory=list)  # their own backward, rerun, gave finite gradients
+    nonfinite_weights: dict[int, list[str]] = field(default_factory=dict)  # rank -> its weights found NaN/Inf by the locate pass
     several_ranks: bool = False  # a finding of this step came from a run of several ranks
 
     @property
@@ -35,7 +36,10 @@ class NonfiniteStep:
     def origin(self) -> str:
         """The 'started on' cell of the report: a rank and why, or why none."""
         if self.loss_ranks:
-            return f"{_ranks(self.loss_ranks)}: its own loss (every other rank's NaN came through the gradient all-reduce)"
+            weights = [f"rank {r}'s {', '.join(names[:3])}" for r, names in sorted(self.nonfinite_weights.items()) if r in self.loss_ranks]
+            state = (f"; weights already NaN/Inf ({'; '.join(weights)}): the model state, not the batch or the device"
+                     if weights else "")
+            return f"{_ranks(self.loss_ranks)}: its own loss{state} (every other rank's NaN came through the gradient all-reduce)"
         if self.reproduced_ranks:
             return f"{_ranks(self.reproduced_ranks)}: its own backward reproduces the NaN"
         if self.grad_ranks and self.clean_rerun_ranks == self.grad_ranks:
@@ -57,6 +61,10 @@ def nonfinite_steps(findings: Iterable[Any]) -> list[NonfiniteStep]:
             entry.several_ranks = True
         if code == LOSS_CODE:
             _add(entry.loss_ranks, rank)
+            weights = evidence.get("nonfinite_params_of_module")
+            names = [w.get("param") for w in weights if isinstance(w, dict)] if isinstance(weights, list) else []
+            if any(isinstance(n, str) for n in names):
+                entry.nonfinite_weights[rank] = [n for n in names if isinstance(n, str)]
             continue
         _add(entry.grad_ranks, rank)
         reproduced = evidence.get("reproduced_in_backward")

@@ -98,6 +98,7 @@ class FaultOptions(BaseModel):
     nan_param_at_step: int | None = Field(
         None, description="Write a NaN into the first o_proj.weight just before this step's update (its name goes to nan_param.txt)."
     )
+    nan_param_on_rank: int | None = Field(None, description="With nan_param_at_step: only this rank's weight (default: every rank).")
     hang_at_step: int | None = Field(
         None, description="Sleep 600 s (for kill -9 tests) in inspect_batch of this step, after creating hanging.rank-<r>."
     )
@@ -410,7 +411,7 @@ class FaultInjector(Plugin):
         self._maybe_raise("on_before_optimizer_step", step)
         self._model, self._optimizer = model, optimizer
         o = self.options
-        if o.nan_param_at_step == step:
+        if o.nan_param_at_step == step and o.nan_param_on_rank in (None, ctx.rank):
             (ctx.run_dir / "nan_param.txt").write_text(poison_parameter(model), encoding="utf-8")
         if step in o.lr_scale_at_steps or (o.lr_scale_from_step is not None and step >= o.lr_scale_from_step):
             scale_lr(optimizer, o.lr_scale)

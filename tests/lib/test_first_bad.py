@@ -128,3 +128,38 @@ def test_the_rng_is_restored_and_hooks_removed() -> None:
 def test_clean_name_strips_wrappers() -> None:
     assert clean_name("module._fsdp_wrapped_module.model.layers.1._checkpoint_wrapped_module.mlp.weight") == "model.layers.1.mlp.weight"
     assert clean_name("_orig_mod.lm_head.weight") == "lm_head.weight"
+
+
+def test_a_nonfinite_weight_of_the_first_bad_module_is_counted_with_the_rank() -> None:
+    net = _net(nn.ReLU(), nn.Linear(4, 4))
+    with torch.no_grad():
+        net[2].weight[1, :2] = float("nan")
+        net[2].bias[0] = float("inf")
+    found = locate_forward(net, {"input": torch.ones(2, 4)}, rank=1)
+    assert found.first is not None and found.first.name == "2"
+    assert [(p.name, p.nonfinite, p.elements, p.rank) for p in found.nonfinite_params] == [("2.weight", 2, 16, 1), ("2.bias", 1, 4, 1)]
+    evidence = found.evidence()
+    assert evidence["nonfinite_params_of_module"] == [{"param": "2.weight", "rank": 1, "nonfinite_elements": 2, "elements": 16},
+                                                      {"param": "2.bias", "rank": 1, "nonfinite_elements": 1, "elements": 4}]
+    assert evidence["params_of_module_checked"] == 2
+    json.dumps(evidence, allow_nan=False)
+    text = found.describe()
+    assert "its weight holds NaN/Inf on rank 1 (2 of 16 elements); its bias holds NaN/Inf on rank 1 (1 of 4 elements)" in text
+    assert "not the device" in text
+
+
+def test_own_parameters_only_and_not_when_the_input_is_already_nonfinite() -> None:
+    # an embedding's input is token ids (not floating): its own weight is checked
+    emb = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2))
+    with torch.no_grad():
+        emb[0].weight[2, 0] = float("nan")
+    found = locate_forward(emb, {"input": torch.tensor([[1, 2]])})
+    assert found.first is not None and found.first.name == "0" and [p.name for p in found.nonfinite_params] == ["0.weight"]
+    assert "its weight holds NaN/Inf (1 of 15 elements)" in found.describe()  # no rank given: none named
+    # a parent whose children are finite: its own parameters (none) are checked, not its children's
+    parent = locate_forward(_net(Block()), {"input": torch.ones(1, 4)})
+    assert parent.own_params == [] and parent.evidence()["nonfinite_params_of_module"] == []
+    # a non-finite input: the module did not make the NaN, its weights are not read
+    fed = locate_forward(_net(), {"input": torch.full((1, 4), float("nan"))})
+    assert fed.first is not None and fed.first.name == "0" and fed.own_params is None
+    assert fed.evidence()["nonfinite_params_of_module"] is None and "holds NaN/Inf" not in fed.describe()

@@ -48,3 +48,14 @@ def test_one_process_is_marked_as_such_and_odd_records_are_skipped() -> None:
         _finding("NONFINITE_GRAD", 4, 0, world_size=True),  # a bool is not a world size
     ])
     assert [(s.step, s.several_ranks) for s in steps] == [(2, False), (4, False)]
+
+
+def test_a_rank_whose_weights_are_already_nonfinite_is_named_with_them() -> None:
+    weight = {"param": "model.layers.0.mlp.down_proj.weight", "rank": 1, "nonfinite_elements": 3, "elements": 4096}
+    (step,) = nonfinite_steps([
+        _finding("NONFINITE_GRAD", 13, 0, reproduced_in_backward=False, world_size=2),
+        _finding("NONFINITE_LOSS", 13, 1, nonfinite_params_of_module=[weight]),
+    ])
+    assert step.started_on == [1] and step.nonfinite_weights == {1: ["model.layers.0.mlp.down_proj.weight"]}
+    assert step.origin().startswith("rank 1: its own loss; weights already NaN/Inf (rank 1's model.layers.0.mlp.down_proj.weight)")
+    assert "not the batch or the device" in step.origin()

@@ -43,6 +43,58 @@ def test_exact_fingerprints_see_one_ulp_in_one_element() -> None:
     assert missing is None and exact_fingerprints([weights.clone()]) == [a]
 
 
+class _Ctx:
+    """The little of a plugin context the comparison uses: rank 0, its findings and its run directory."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.is_main, self.run_dir, self.findings = True, run_dir, []
+
+    def report(self, code: str, message: str, **kwargs: Any) -> Any:
+        self.findings.append({"code": code, "message": message, **kwargs})
+
+    def path(self, name: str) -> Path:
+        return self.run_dir / name
+
+
+def test_requires_grad_differences_name_the_tensor_and_where_it_is_frozen() -> None:
+    from plugins.grad_sync import requires_grad_differences
+
+    names = ["a.weight", "b.weight", "c.weight"]
+    assert requires_grad_differences(names, [[True, False, True]] * 3) == []  # frozen everywhere: no desync
+    (frozen,) = requires_grad_differences(names, [[True, True, True], [True, False, True], [True, True, True]])
+    assert (frozen["tensor"], frozen["ranks"], frozen["reference_rank"]) == ("b.weight", [1], 0)
+    assert frozen["frozen_on_ranks"] == [1] and frozen["trained_on_ranks"] == [0, 2]
+    assert frozen["described"] == "b.weight is frozen on rank 1 only (requires_grad False there, True on ranks 0, 2)"
+    (trained,) = requires_grad_differences(names, [[True, True, False], [True, True, True], [True, True, False]])
+    assert trained["ranks"] == [1] and trained["described"].startswith("c.weight is trained on rank 1 only")
+
+
+def test_a_tensor_frozen_on_one_rank_is_a_desync_although_the_reduced_gradients_agree(tmp_path: Path) -> None:
+    """The comparison of gathered fingerprints: weights and gradients bit-identical, requires_grad not."""
+    from plugins.grad_sync import GradSync
+
+    plugin = GradSync()
+    plugin.ctx = ctx = _Ctx(tmp_path)
+    plugin.mode, plugin._described = "ddp", "DistributedDataParallel"
+    plugin._params = [(n, torch.nn.Parameter(torch.ones(2))) for n in ("model.embed.weight", "model.layers.0.mlp.up_proj.weight")]
+    same = exact_fingerprints([torch.ones(2), torch.ones(2)])
+
+    def rank(flags: list[bool]) -> dict[str, Any]:
+        return {"params": same, "grads": same, "requires_grad": flags, "group": [], "inputs": None, "timing": [0.0, 0.0, 0], "micro_batches": 1}
+
+    plugin._compare(ctx, 15, [rank([True, True]), rank([True, False])])
+    (finding,) = ctx.findings
+    assert finding["code"] == "GRAD_DESYNC" and finding["step"] == 15
+    assert "model.layers.0.mlp.up_proj.weight is frozen on rank 1 only" in finding["message"]
+    assert finding["evidence"]["ranks"] == [1] and finding["evidence"]["compared"] == "requires_grad"
+    assert finding["evidence"]["tensors"][0]["tensor"] == "model.layers.0.mlp.up_proj.weight"
+    (check,) = read_jsonl(tmp_path / "grad_sync.jsonl")
+    assert check["in_sync"] is False
+    ctx.findings.clear()
+    plugin._compare(ctx, 20, [rank([True, True]), rank([True, True])])
+    assert ctx.findings == [] and read_jsonl(tmp_path / "grad_sync.jsonl")[-1]["in_sync"] is True
+
+
 def test_single_process_is_idle(make_trainer: Any) -> None:
     trainer = make_trainer(max_steps=3)
     harness.attach(trainer, config={"grad_sync": {"every": 1}})

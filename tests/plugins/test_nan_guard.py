@@ -121,6 +121,45 @@ def test_one_infinite_parameter_gradient_is_named_from_the_step_itself(make_trai
     assert evidence["grad_source"] == "the step's gradients" and evidence["grad_tensors_checked"] == 21
 
 
+class PoisonWeight(TrainerCallback):
+    """Writes NaN into three elements of one weight at the start of ``step`` (as an update with an infinite gradient would)."""
+
+    def __init__(self, name: str, step: int) -> None:
+        self.name, self.step = name, step
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if state.global_step + 1 == self.step:
+            with torch.no_grad():
+                dict(model.named_parameters())[self.name][0, :3] = float("nan")
+
+
+def test_a_nonfinite_weight_of_the_first_bad_module_is_named_with_its_rank(make_trainer: Any) -> None:
+    """The located module's input is finite and its own weight holds NaN: the finding says so (the model state, not the device)."""
+    target = "model.layers.0.mlp.down_proj"
+    trainer = make_trainer(max_steps=3, callbacks=[PoisonWeight(f"{target}.weight", 3)])
+    harness.attach(trainer, config={"plugins": ["nan_guard"]})
+    trainer.train()
+    (finding,) = findings_of(trainer.args.output_dir, "NONFINITE_LOSS")
+    evidence = finding["evidence"]
+    assert finding["step"] == 3 and evidence["first_nonfinite_module"] == target and evidence["reproduced_in_forward"] is True
+    assert all(isinstance(v, float) for v in evidence["first_nonfinite"]["input"].values())  # finite input
+    elements = trainer.model.get_submodule(target).weight.numel()
+    assert evidence["nonfinite_params_of_module"] == [
+        {"param": f"{target}.weight", "rank": 0, "nonfinite_elements": 3, "elements": elements}]
+    assert evidence["params_of_module_checked"] == 1  # that module's own parameters only (a Linear without bias)
+    assert f"its weight holds NaN/Inf on rank 0 (3 of {elements} elements)" in finding["message"]
+    assert "not the device" in finding["message"]
+
+
+def test_an_overflow_with_finite_weights_names_no_parameter(make_trainer: Any) -> None:
+    """The located module's own parameters are checked and finite: an empty list, nothing said about weights."""
+    trainer, _ = _train(make_trainer, {"overflow_module": "model.layers.1.mlp.down_proj", "overflow_at_step": 2}, max_steps=2)
+    (finding,) = findings_of(trainer.args.output_dir, "NONFINITE_LOSS")
+    assert finding["evidence"]["first_nonfinite_module"] == "model.layers.1.mlp.down_proj"
+    assert finding["evidence"]["nonfinite_params_of_module"] == [] and finding["evidence"]["params_of_module_checked"] == 1
+    assert "holds NaN/Inf" not in finding["message"]
+
+
 @pytest.mark.slow  # two processes
 def test_the_first_bad_tensor_under_ddp(tmp_path: Path) -> None:
     """Two DDP ranks: the traced forward and the backward rerun run on each rank alone (no collective, no hang) and agree."""
