@@ -36,7 +36,8 @@ from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.lib.hang_frames import Where, name_frames, thread_frames, write_stacks
-from harness.lib.hang_summary import hang_summary, stall_order
+from harness.lib.hang_summary import (PEER_WAIT_S, brief_where, hang_summary, stack_display, stall_order, stalled_first,
+                                     wait_for_peer_hangs)
 from harness.lib.hang_watch import (BATCH, COMPUTE, DATA, EVAL, EVAL_END, HANG_EXIT_CODE, PHASE_WORDS, RUN_START, SAVE, SAVE_END,
                                     START, STEP_END, Beat, HangClock, PhaseTimes, Stall, WatchThread, poll_interval)
 from harness.lib.offthread_findings import record_offthread
@@ -186,12 +187,7 @@ class Watchdog(Plugin):
                   f"Last progress: {stall.last_progress()}.\nThe training thread is {where.words}.\n"
                   f"Innermost frames (innermost first): {'; '.join(where.innermost)}")
         how = write_stacks(stack_file, header, self._training_ident, threading.get_ident())
-        message = (f"rank {ctx.rank} made no progress for {stall.stalled_s:.1f} s at step {step} ({PHASE_WORDS[stall.phase]}; "
-                   f"last progress: {stall.last_progress()}), over its threshold of {stall.threshold_s:.3g} s ({stall.basis}): "
-                   f"the training thread is {where.words}; innermost frames: {', '.join(where.innermost[:3]) or 'none'}; "
-                   f"every thread's stack in {stack_file}")
-        if aborting:
-            message += f"; the process exits with code {HANG_EXIT_CODE} (hang_action: abort)"
+        shown_stack = stack_display(str(stack_file)) or str(stack_file)
         stalled_ms, threshold_ms = stall_in_ms(stall.stalled_s, stall.threshold_s)
         evidence = {
             "step": step, "rank": ctx.rank, "seconds_stalled": stalled_ms, "threshold_s": threshold_ms,
@@ -201,7 +197,16 @@ class Watchdog(Plugin):
             "longest_seen_s": self._clock.times.snapshot() if self._clock else {}, "factor": o.factor, "floor_s": o.floor_s,
             "warmup_s": o.warmup_s, "hang_action": o.hang_action, "pid": os.getpid(),
         }
+        cross = self._cross_rank(ctx, stall, where, evidence)
+        doing = f"{PHASE_WORDS[stall.phase]}; last progress: {stall.last_progress()}"
+        details = (f"over its threshold of {stall.threshold_s:.3g} s ({stall.basis}): the training thread is {where.words}; "
+                   f"innermost frames: {', '.join(where.innermost[:3]) or 'none'}; every thread's stack in the run "
+                   f"directory's {shown_stack}")
+        head = f"rank {ctx.rank} made no progress for {stall.stalled_s:.1f} s at step {step}"
+        # the rank that stalled first goes in front: rank 0's console line shows the first 200 characters or so
+        message = f"{head}: {cross}. Rank {ctx.rank} was {doing}, {details}" if cross else f"{head} ({doing}), {details}"
         if aborting:
+            message += f"; the process exits with code {HANG_EXIT_CODE} (hang_action: abort)"
             evidence["exit_code"] = HANG_EXIT_CODE
         record_offthread(ctx, RANK_HANG, message, step=step, evidence=evidence, plugin=self.name,
                          action="stop" if aborting else "continue")
@@ -209,6 +214,42 @@ class Watchdog(Plugin):
         # stderr (Python's last-resort handler, when the script configures no logging). Other ranks have no console line
         shown = getattr(getattr(ctx, "console", None), "enabled", False)
         log.log(logging.INFO if shown else logging.ERROR, "harness watchdog: %s", message)
+
+    def _cross_rank(self, ctx: Any, stall: Stall, where: Where, evidence: dict[str, Any]) -> str | None:
+        """With several ranks: the rank that stalled first and where, from the other ranks' spill files (watchdog thread).
+
+        A rank waiting in a collective waits for another rank; that rank's watchdog fires at about the same time and
+        writes its own RANK_HANG to ``ranks/findings.rank-<r>.jsonl``. This reads those files (read-only, a bounded
+        wait of ``PEER_WAIT_S`` for them to appear, never a collective: the other rank is hung) and says which rank
+        stalled first, where, and its stack file; sets ``evidence.stalled_first``. None when this rank stalled first
+        (or alone) and does not wait in a collective.
+        """
+        if int(getattr(ctx, "world_size", 1) or 1) <= 1:
+            return None
+        waiting = where.kind == "collective"
+        thread = self._thread
+        try:
+            peers = wait_for_peer_hangs(Path(ctx.run_dir), ctx.rank, stall.since_unix, ctx.world_size,
+                                        wait_s=PEER_WAIT_S if waiting else 0.0,
+                                        sleep=thread.wait_stopped_or if thread is not None else None)
+            first = stalled_first(ctx.rank, stall.step, evidence, peers)
+        except Exception:  # noqa: BLE001 - the other ranks' files are a bonus: this rank's own finding comes first
+            log.debug("harness watchdog: the other ranks' findings could not be read", exc_info=True)
+            peers, first = [], None
+        brief = brief_where(where.words)
+        if first is None:
+            if not waiting:
+                return None
+            evidence["stalled_first"] = None
+            return (f"rank {ctx.rank} is waiting in a collective ({brief}): the rank that stalled is probably another one, "
+                    f"whose RANK_HANG is not written yet (the report and `harness explain` name it once it is)")
+        own = f"rank {ctx.rank} is waiting {brief}" if waiting else f"rank {ctx.rank} is {brief}"
+        e = first.evidence if isinstance(first.evidence, dict) else {}
+        stack = stack_display(e.get("stack_file"))
+        evidence["stalled_first"] = {"rank": first.rank, "step": first.step, "where": e.get("where"), "stack_file": stack,
+                                     "finding": first.id}
+        text = f"{own}; rank {first.rank} stalled first, at step {first.step} {e.get('where', 'at an unknown place')}"
+        return text + (f"; its stacks in the run directory's {stack}" if stack else "")
 
     def _stack_path(self, ctx: Any, step: int) -> Path:
         base = f"rank-{ctx.rank}-step-{step}"
@@ -253,19 +294,14 @@ class Watchdog(Plugin):
             e = f.evidence if isinstance(f.evidence, dict) else {}
             rows.append([str(f.rank), str(f.step), str(e.get("where", "?")), str(e.get("last_progress", "?")),
                          f"{e.get('seconds_stalled', '?')} / {e.get('threshold_s', '?')}", _relative(run, e.get("stack_file"))])
-        text = f"**{md_escape(hang_summary(ordered) or '')}**\n\n"
+        text = f"**{md_escape(hang_summary(ordered, run) or '')}**\n\n"
         text += md_table(["rank", "step", "where the training thread waits", "last progress", "stalled / threshold (s)", "stacks"], rows)
         return ReportSection("Hangs", text + "\n")
 
 
 def _relative(run: Any, value: Any) -> str:
-    path = run.evidence_path(value) if value else None
-    if path is None:
-        return str(value or "-")
-    try:
-        return str(path.relative_to(Path(run.run_dir).resolve()))
-    except ValueError:
-        return str(path)
+    """A stack file relative to the run directory being read (never the original path of a copied run)."""
+    return stack_display(value, run) or "-"
 
 
 __all__ = ["HANG_EXIT_CODE", "RANK_HANG", "Watchdog", "WatchdogOptions"]

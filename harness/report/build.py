@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.findings import Severity
+from harness.lib.hang_summary import RANK_HANG_CODE, stall_order
 from harness.lib.playbook import find_section, section_for_link
 from harness.report.model import FindingGroup, Raw, Report, ReportSection, md_table
 from harness.report.plots import make_plots
@@ -246,6 +247,9 @@ def next_step(group: FindingGroup, output_dir: Path | None = None) -> str:
         text = text.replace("<N>", str(group.steps[0]))
     if len(group.ranks) == 1:
         text = text.replace("<r>", str(group.ranks[0]))
+    elif group.code == RANK_HANG_CODE and (order := stall_order(group.findings)):
+        first = order[0]  # several ranks' watchdogs fired: the next step is the stacks of the rank that stalled first
+        text = text.replace("<r>", str(first.rank)).replace("<N>", str(first.step))
     return _drop_filled_legend(text)
 
 
