@@ -11,7 +11,7 @@ complete adds a second line, one JSON object, with how it ended::
 marker was written), so that the rank that failed first can be told from the
 ones that failed because it was gone. A completed rank writes ``ended`` alone,
 as older versions did for every rank: a marker without the JSON line still
-reads (its status is then not known). Standard library only.
+reads (its status is then not known).
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from harness.core.strictjson import dumps as strict_dumps
 
 RUNNING, ENDED = "running", "ended"
 MAX_MARKER_BYTES = 64 * 1024  # a received run directory is data: a huge "marker" is not read
@@ -105,7 +107,7 @@ def write_marker(run_dir: Path, rank: int, state: str, *, status: str | None = N
     text = state
     if state == ENDED and status is not None and status != "completed":
         fields = {"status": status, "error": short_error(error), "ended": ended, "step": step}
-        text += "\n" + json.dumps(fields, default=str)
+        text += "\n" + strict_dumps(fields, default=str)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
