@@ -91,7 +91,8 @@ class DataHashOptions(BaseModel):
     check_rank_overlap: bool = Field(True, description="Compare the ranks' samples every step (they ride the step's one exchange).")
     check_rank_datasets: bool = Field(
         True, description="Compare the ranks' training dataset fingerprints (row count, digest) at the first step (they ride "
-        "that step's exchange): RANK_DATASETS_DIFFER when the ranks hold other rows or the same rows in another order.",
+        "that step's exchange): RANK_DATASETS_DIFFER when the ranks hold other rows or the same rows in another order. Only "
+        "where the Trainer's own loader shards the dataset (a subclass with its own get_train_dataloader is not compared).",
     )
     fsync_every: int = Field(
         1000, ge=1, description="fsync the ledger every this many steps; it is flushed every step (a killed process loses "
