@@ -33,7 +33,7 @@ from harness.lib.capture import sample_ids
 from harness.core.findings import FindingCode, Severity, read_run_findings
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
-from harness.lib.hashing import combine_row_hashes, dataset_hashes, dataset_rows, device_row_hashes, from_hex64, hash_token_rows, hex64, hex64_all
+from harness.lib.hashing import combine_row_hashes, dataset_hashes, dataset_rows, device_row_hashes, from_hex64, hash_token_rows, hex64, hex64_all, wrap64
 from harness.lib.ledger import LedgerWriter, around_resume, iter_records, ledger_path
 from harness.lib.sampler_padding import EpochPadding, epoch_padding, is_padding
 from harness.lib.seentable import SeenTable, key64
@@ -113,12 +113,6 @@ def _trainer_shards_the_dataset(trainer: Any) -> bool:
     subclass's ``get_train_dataloader``; the method is looked up on the class (the harness wraps the instance's)."""
     method = getattr(type(trainer), "get_train_dataloader", None)
     return method is not None and getattr(method, "__module__", "").startswith(("transformers.", "trl."))
-
-
-def _wrap64(value: int) -> int:
-    """``value`` as a signed int64 (two's complement), as the exchange carries it."""
-    value &= 0xFFFF_FFFF_FFFF_FFFF
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def rank_datasets_finding(
@@ -283,7 +277,7 @@ class DataHash(Plugin):
         for value in hashes:
             digest.update(value.to_bytes(8, "little", signed=True))
         self.fingerprint = {"rows": size, "column": key, "indexed": indexed, "digest": digest.hexdigest()}
-        self._content_sum = _wrap64(sum(hashes)) if indexed else None
+        self._content_sum = wrap64(sum(hashes)) if indexed else None
         if self._multiplicity is not None and ctx.is_main:
             twins = {h: n for h, n in self._multiplicity.items() if n > 1}
             extra = sum(n - 1 for n in twins.values())

@@ -41,7 +41,7 @@ class TrackerOptions(BaseModel):
     findings: bool = Field(
         True, description="Add a count per finding code (`harness/findings/<CODE>`, `harness/findings/total`) to those "
         "logs, and write each finding where a tracker holds text: a TensorBoard text summary (`harness/findings`), a "
-        "W&B table (and an alert for errors), tags on the active MLflow run (`harness.findings.<CODE>`).",
+        "W&B table (and an alert for errors), tags on the active MLflow run (`harness.finding.<CODE>`).",
     )
     level: Literal["info", "warning", "error", "critical"] = Field(
         "warning", description="Findings at this severity or above reach the trackers (every finding is in findings.jsonl).",

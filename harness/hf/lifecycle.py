@@ -23,9 +23,9 @@ from harness.core.errors import HarnessStopped
 from harness.hf.actions import ActionExecutor
 from harness.hf.checkpoint_state import CheckpointState
 from harness.lib import rundir
-from harness.lib.rank_markers import ENDED, RUNNING, is_communication_error, read_marker, short_error, write_marker
+from harness.lib.rank_markers import ENDED, RUNNING, is_communication_error, marker_path, read_marker, short_error, write_marker
 from harness.lib.stops import StopNotice
-from harness.lib.runinfo import INTERRUPTED, end_attempt, run_facts, start_attempt
+from harness.lib.runinfo import INTERRUPTED, end_attempt, run_facts, start_attempt, status_of
 from harness.lib.wrapped_runs import write_run_marker
 
 RANK_END_WAIT_S = 90.0  # rank 0 waits this long at most for the other ranks' run-end files
@@ -239,38 +239,32 @@ class RunLifecycle:
             return None
         ends = []
         for rank in range(self.ctx.world_size):
-            end = read_marker(self.ctx.run_dir / "ranks" / f"attempt.rank-{rank}", rank)
+            end = read_marker(marker_path(self.ctx.run_dir, rank), rank)
             if end is not None and end.state == ENDED and end.status is not None:
                 ends.append(end.as_dict())
         return ends
 
     def _wait_for_ranks(self, timeout: float, quiet: bool = False) -> None:
         """Until every rank whose marker rank 0 can see (a shared run directory) has ended, at most ``timeout`` s."""
-        markers = [self.ctx.run_dir / "ranks" / f"attempt.rank-{r}" for r in range(1, self.ctx.world_size)]
+        ranks = range(1, self.ctx.world_size)
         deadline = time.monotonic() + timeout
-        pending: list[Path] = []
+        pending: list[int] = []
         while time.monotonic() < deadline:
-            pending = [m for m in markers if m.exists() and _marker_state(m) != ENDED]
+            # a marker that is missing, a link or unreadable (None) is nothing to wait for: only one that says running
+            pending = [r for r in ranks if (end := read_marker(marker_path(self.ctx.run_dir, r), r)) is not None and end.state != ENDED]
             if not pending:
                 return
             time.sleep(0.1)
         if quiet:
             return
-        log.warning("harness: ranks %s did not finish within %.0f s; the report may miss their last files", [m.name for m in pending], timeout)
-
-
-def _marker_state(path: Path) -> str | None:
-    end = read_marker(path, 0)
-    return end.state if end is not None else None
+        log.warning("harness: ranks %s did not finish within %.0f s; the report may miss their last files", pending, timeout)
 
 
 def recorded_status(status: str, error: BaseException | None) -> str:
-    """How run.json records a train() call that ended with ``status``: a KeyboardInterrupt (Ctrl-C, SIGINT) is
-    ``interrupted``, not a crash of training. The plugins' ``on_run_end`` still gets ``crashed`` for it (the hook's
-    documented statuses: a plugin's crash handling, a short wait or a FAILED tracker run, fits an interrupt too)."""
-    if status == "crashed" and isinstance(error, KeyboardInterrupt):
-        return INTERRUPTED
-    return status
+    """How run.json records a train() call that ended with ``status`` (:func:`harness.lib.runinfo.status_of`); the
+    plugins' ``on_run_end`` still gets ``crashed`` for a Ctrl-C (the hook's documented statuses: a plugin's crash
+    handling, a short wait or a FAILED tracker run, fits an interrupt too)."""
+    return status_of(status, error)
 
 
 def refuse_if_locked(run_dir: Path) -> None:

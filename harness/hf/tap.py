@@ -44,7 +44,7 @@ class MicroBatchTap:
         self._next_data_time = 0.0  # fetched before step_begin, so it belongs to the step about to begin
         self.indices = DatasetIndexFeed(trainer)
         self._batch_indices: list[int] | None = None  # of the micro-batch in training_step now
-        self._scale: int | None = None  # what the Trainer multiplies each rank's loss by (``_items_scale``), once known
+        self._items_scale: tuple[int, bool] | None = None  # (the Trainer's loss scale across ranks, labels shifted), once known
 
     def install(self, trainer: Any) -> None:
         trainer.training_step = self._wrap_training_step(trainer.training_step)
@@ -101,27 +101,26 @@ class MicroBatchTap:
         @functools.wraps(compute_loss)
         def harness_compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             seen = dict(inputs) if isinstance(inputs, Mapping) else inputs  # compute_loss may pop "labels"
+            num_items = kwargs.get("num_items_in_batch")
             if isinstance(seen, dict) and self.in_training_step:
                 if self._batch_indices is not None:
                     seen[DATASET_INDEX_KEY] = self._batch_indices
                 elif self.indices.note:
                     seen[DATASET_INDEX_NOTE_KEY] = self.indices.note
-                if kwargs.get("num_items_in_batch") is not None:  # a reference, not read: the rerun plugin normalises alike
-                    seen[NUM_ITEMS_KEY] = kwargs["num_items_in_batch"]
-            num_items = kwargs.get("num_items_in_batch")
-            if num_items is not None and self.in_training_step and isinstance(seen, dict):
-                scale = self._scale if self._scale is not None else self._items_scale()
-                if scale > 1:
-                    count = local_label_count(seen, bool(getattr(self.trainer, "_loss_shifts_labels", False)))
-                    if count is not None:
-                        self._record().add_local_items(count, num_items, scale)
+                if num_items is not None:  # a reference, not read: the rerun plugin normalises alike
+                    seen[NUM_ITEMS_KEY] = num_items
+                    scale, shifts = self._items_scale if self._items_scale is not None else self._learn_items_scale()
+                    if scale > 1:  # several ranks averaging tokens: this rank's label count, to undo the Trainer's scaling
+                        count = local_label_count(seen, shifts)
+                        if count is not None:
+                            self._record().add_local_items(count, num_items, scale)
             result = compute_loss(model, inputs, *args, **kwargs)
             if self.in_training_step:
                 loss = (result[0] if isinstance(result, tuple) else result).detach()
                 if loss.dim() > 0:
                     loss = loss.mean()  # DataParallel over several GPUs: one loss per replica, as the Trainer averages
                 ga_steps = self._ga_steps()  # one micro-batch per step: the part is the loss itself (x / 1 == x), no tensor op
-                part = loss if ga_steps == 1 or self._loss_scaled_for_ga(kwargs.get("num_items_in_batch")) else loss / ga_steps
+                part = loss if ga_steps == 1 or self._loss_scaled_for_ga(num_items) else loss / ga_steps
                 self._record().add_step_loss_part(part, loss)
                 ctx.step_batches.append((ctx.micro_step, seen))
                 hooks.on_loss(ctx, loss, seen, ctx.step, ctx.micro_step)
@@ -138,8 +137,9 @@ class MicroBatchTap:
         accepts = bool(getattr(trainer, "model_accepts_loss_kwargs", False))
         return (accepts and num_items_in_batch is not None) or getattr(trainer, "compute_loss_func", None) is not None
 
-    def _items_scale(self) -> int:
-        """What the Trainer multiplies each rank's loss by when it averages tokens across devices (1: it does not).
+    def _learn_items_scale(self) -> tuple[int, bool]:
+        """What the Trainer multiplies each rank's loss by when it averages tokens across devices (1: it does not), and
+        whether it counts labels shifted by one; read once (the arguments do not change within the trainer's life).
 
         With ``average_tokens_across_devices`` and a loss normalised by
         ``num_items_in_batch`` (every rank's label count), transformers
@@ -148,8 +148,9 @@ class MicroBatchTap:
         rank's value alone is then its label sum over the global count times
         that factor, which swings with the ranks' share of labels.
         """
-        self._scale = self._scale_of(self.trainer)  # the arguments and the world do not change within the trainer's life
-        return self._scale
+        trainer = self.trainer
+        self._items_scale = (self._scale_of(trainer), bool(getattr(trainer, "_loss_shifts_labels", False)))
+        return self._items_scale
 
     @staticmethod
     def _scale_of(trainer: Any) -> int:

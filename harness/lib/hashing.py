@@ -91,8 +91,7 @@ def combine_row_hashes(hashes: list[int]) -> int:
     """One order-sensitive 64-bit hash of a batch from its row hashes (read to the host once per step anyway)."""
     if len(_host_list) <= len(hashes):
         _host_weights(len(hashes) + 1)  # grow the cached multipliers; then no copy of them (map stops at the end of hashes)
-    total = sum(map(operator.mul, hashes, islice(_host_list, 1, None))) & 0xFFFF_FFFF_FFFF_FFFF
-    return total - (1 << 64) if total >= 1 << 63 else total
+    return wrap64(sum(map(operator.mul, hashes, islice(_host_list, 1, None))))
 
 
 def content_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> list[str]:
@@ -100,10 +99,15 @@ def content_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> list[
     return hex64_all(device_row_hashes(ids, mask if torch.is_tensor(mask) else None).tolist())
 
 
+def wrap64(value: int) -> int:
+    """``value`` as a signed int64 (two's complement, wrapped): how the exchange and the ledger's sums carry it."""
+    value &= 0xFFFF_FFFF_FFFF_FFFF
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def from_hex64(text: str) -> int:
     """The signed int64 a ``hex64`` string was made from."""
-    value = int(text, 16)
-    return value - (1 << 64) if value >= 1 << 63 else value
+    return wrap64(int(text, 16))
 
 
 def hex64(value: int) -> str:

@@ -64,6 +64,15 @@ def start_attempt(run_dir: Path, facts: dict[str, Any], resumed_from: str | None
     return len(data["attempts"]) - 1
 
 
+def status_of(status: str, error: BaseException | str | None) -> str:
+    """How an attempt ended as run.json says it: a crash whose error is a KeyboardInterrupt (Ctrl-C, SIGINT; the
+    exception, or its recorded text, as older versions wrote it with status ``crashed``) is ``interrupted``."""
+    if status != "crashed":
+        return status
+    interrupted = isinstance(error, KeyboardInterrupt) or (isinstance(error, str) and error.strip().rstrip(":").strip() == "KeyboardInterrupt")
+    return INTERRUPTED if interrupted else status
+
+
 def end_attempt(run_dir: Path, status: str, end_step: int, error: BaseException | None, attempt_index: int | None,
                 ranks: list[dict[str, Any]] | None = None) -> None:
     """Close attempt ``attempt_index`` with how it ended (``completed``, ``stopped``, ``crashed`` or ``interrupted``).

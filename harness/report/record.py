@@ -20,7 +20,7 @@ from harness.core.jsonl import read_jsonl  # noqa: F401 - re-exported: plugins r
 from harness.core.strictjson import as_float  # re-exported: a number from a record field ("nan"/"inf" strings included)
 from harness.lib.rank_markers import ENDED, RankEnd, read_markers, short_error
 from harness.lib.rundir import LockHolder, read_holder
-from harness.lib.runinfo import INTERRUPTED, read_run_info
+from harness.lib.runinfo import INTERRUPTED, read_run_info, status_of
 
 
 @dataclass
@@ -261,10 +261,7 @@ FINDINGS_FILE = "findings.jsonl"
 def attempt_status(attempt: dict[str, Any]) -> str:
     """How an attempt ended, from its run.json entry: ``interrupted`` also for a Ctrl-C that older versions recorded as
     ``crashed`` with a ``KeyboardInterrupt`` error."""
-    status = str(attempt.get("status", "unknown"))
-    if status == "crashed" and error_text(attempt.get("error")) == "KeyboardInterrupt":
-        return INTERRUPTED
-    return status
+    return status_of(str(attempt.get("status", "unknown")), attempt.get("error"))
 
 
 def error_text(error: Any) -> str | None:
