@@ -1,16 +1,24 @@
 """checkpoint_proof: every checkpoint is read back and checked off the training step; the last proven one is kept.
 
 At each save (rank 0, which writes the weights) the training thread takes the
-loss of one small fixed reference batch with the model in memory (eval mode,
+value of one small fixed reference batch with the model in memory (eval mode,
 no gradients: one forward pass of ``reference_rows`` rows, at saves only; a
-few more when that batch gives a non-finite loss, as a NaN step's batch
+few more when that batch gives a non-finite value, as a NaN step's batch
 does with any weights: an older recent batch replaces it) and
 queues the checkpoint for a background thread, which checks that the folder
-is complete, that the weights load on the CPU with finite values and the
-model's shapes, and that a copy of the model rebuilt from its config with
-those weights gives the reference batch the same loss. A checkpoint that
-passes gets a ``harness_proven`` marker; ``CHECKPOINT_CORRUPT`` names the file
-and what is wrong; ``CHECKPOINT_UNVERIFIED`` says what could not be checked.
+is complete, that the weights load on the CPU with finite values and fit the
+model's names and shapes (in memory, or transformers' saved format: a MoE's
+experts per expert), and that a copy of the model rebuilt from its config
+through transformers' own loading gives the reference batch the same value.
+The batch is any micro-batch the model's ``forward`` accepts (token labels,
+a classifier's labels, seq2seq targets; the value is the loss, or the output's
+mean square without labels). A SentenceTransformer is proven through the
+transformers model inside it; a PEFT model's adapter by its tensors, equal to
+the adapter's at the save (:mod:`harness.lib.checkpoint_target`). A checkpoint
+that passes gets a ``harness_proven`` marker; ``CHECKPOINT_CORRUPT`` names the
+file and what is wrong; ``CHECKPOINT_UNVERIFIED`` says what could not be
+checked, and a checkpoint that is complete with finite weights then gets
+``harness_checked``, which ``harness resume-point`` names when none is proven.
 With ``save_total_limit`` the last proven checkpoint (and any still being
 checked) is kept out of rotation until a newer one is proven
 (:mod:`harness.lib.rotation`). ``harness resume-point <output_dir>`` prints the
@@ -29,6 +37,7 @@ from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.lib.checkpoint_verify import Layout
+from harness.lib.raw_resume import resumes_by_saved_names
 
 CRASH_WAIT_S = 10.0  # after a crash or a preemption the run end waits at most this long for checks still running
 MAX_REFERENCE_TRIES = 4  # forward passes at one save, looking for a reference batch with a finite loss
@@ -54,13 +63,15 @@ class CheckpointProofOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    check_loss: bool = Field(True, description="Compare the reference-batch loss of the weights on disk with the model's at the save "
+    check_loss: bool = Field(True, description="Compare the reference-batch loss (the output's mean square without labels; a PEFT "
+                             "adapter: its tensors) of the weights on disk with the model's at the save "
                              "(false: completeness and weights only, and a checkpoint is proven without it).")
     reference_rows: int = Field(2, ge=1, description="Rows of a training micro-batch kept as the reference batch (taken at the first save; a later one when it gives a non-finite loss, as the batch of a NaN step does).")
     reference_tokens: int = Field(64, ge=8, description="Tokens per reference row (the rest is cut).")
     loss_rtol: float | None = Field(None, gt=0, description="Relative loss difference allowed (default: 1e-4 in fp32, 2e-2 under bf16/fp16).")
-    max_model_mb: float = Field(4096.0, gt=0, description="Largest model (fp32 MiB) rebuilt on the CPU for the loss check; above it the "
-                                "loss is not checked (CHECKPOINT_UNVERIFIED once per run) and the checkpoint is not proven.")
+    max_model_mb: float = Field(4096.0, gt=0, description="Largest model (fp32 MiB) rebuilt on the CPU for the loss check (a PEFT "
+                                "adapter: the adapter, copied at each save); above it the loss is not checked (CHECKPOINT_UNVERIFIED "
+                                "once per run) and the checkpoint is not proven (harness_checked when complete with finite weights).")
     keep_proven: bool = Field(
         True, description="Keep the last proven checkpoint (and the one just written, and those being checked) out of save_total_limit "
         "rotation. Not covered: the Trainer's own clean-up at the end of training with load_best_model_at_end and save_total_limit 1, "
@@ -92,12 +103,16 @@ class CheckpointProof(Plugin):
         self._rotation: Any = None
         self._batch: dict[str, Any] | None = None
         self._expected: dict[str, Any] | None = None
+        self._target: Any = None  # checkpoint_target.Target of the trained model (once per run)
+        self._module: Any = None  # the part of the model in memory that the target describes
+        self._no_target: str | None = None  # why the weights file is not a transformers model's or a PEFT adapter's
         self._unverified_said: set[str] = set()
         self.timings: list[dict[str, float]] = []  # per checkpoint: save_cost_s (training thread), verify_s (background)
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         self._batch, self._expected, self._unverified_said = None, None, set()
+        self._target, self._module, self._no_target = None, None, None
         self.idle_hooks("on_step_end")  # polled only while a checkpoint's proof is pending
         if not ctx.is_main:
             return  # rank 0 writes the weights and rotates; it checks for every rank
@@ -123,55 +138,93 @@ class CheckpointProof(Plugin):
         started = time.perf_counter()
         trainer = ctx.trainer
         job = Job(Path(trainer.args.output_dir), Path(checkpoint_dir), step, _layout(trainer, ctx.world_size),
-                  rtol=self.options.loss_rtol, rank_wait_s=self.options.rank_wait_s)
+                  rtol=self.options.loss_rtol, rank_wait_s=self.options.rank_wait_s, raw_resume=resumes_by_saved_names(trainer))
         self._take_reference(ctx, trainer, job)
         job.save_cost_s = time.perf_counter() - started
         self._worker.submit(job)
         self.idle_hooks("on_step_end", idle=False)
 
     def _take_reference(self, ctx: Any, trainer: Any, job: Any) -> None:
-        """On the training thread: the model's shapes (once) and the reference loss with the model in memory."""
+        """On the training thread: what the weights file holds and its shapes (once), and the reference value with the
+        model in memory (a PEFT adapter: its tensors)."""
         from harness.lib.capture import can_recompute
-        from harness.lib.checkpoint_loss import reference_batch, take_reference
+        from harness.lib.checkpoint_target import find_target
         from harness.lib.checkpoint_verify import expected_shapes
 
-        model = trainer.model
         why_not = can_recompute(trainer)
-        if why_not is None and self._expected is None:
-            self._expected = expected_shapes(model)
-        job.expected = self._expected
+        if why_not is not None:
+            job.no_loss_reason = why_not if self.options.check_loss else None
+            return
+        if self._expected is None:
+            self._target, self._module, self._no_target = find_target(trainer.model)
+            self._expected = expected_shapes(trainer.model if self._module is None else self._module)
+            if self._target is not None and self._target.kind == "adapter":
+                from harness.lib.checkpoint_target import adapter_state
+
+                state = adapter_state(self._module, self._target.adapter_name)
+                self._expected = {name: (tuple(t.shape), index) for index, (name, t) in enumerate(state.items())}
+        job.expected, job.target = self._expected, self._target
         if not self.options.check_loss:
             return
-        if why_not is not None:
-            job.no_loss_reason = why_not
+        if self._target is None:
+            job.no_loss_reason = self._no_target
             return
-        size_mb = sum(p.numel() for p in model.parameters()) * 4 / 2**20
+        module = self._module
+        adapter = None
+        if self._target.kind == "adapter":  # its tensors are copied, not the model rebuilt: the adapter's size is what counts
+            from harness.lib.checkpoint_target import adapter_state
+
+            adapter = adapter_state(module, self._target.adapter_name)
+        size_mb = sum(t.numel() for t in (adapter.values() if adapter is not None else module.parameters())) * 4 / 2**20
         if size_mb > self.options.max_model_mb:
-            job.no_loss_reason = (f"the model is {size_mb:.0f} MiB in fp32, above max_model_mb ({self.options.max_model_mb:g}); raise it "
+            what = "adapter" if adapter is not None else "model"
+            job.no_loss_reason = (f"the {what} is {size_mb:.0f} MiB in fp32, above max_model_mb ({self.options.max_model_mb:g}); raise it "
                                   "or set check_loss: false")
             return
-        # the kept reference batch first, then the recent micro-batches, newest first: the first that gives a finite loss with
-        # the model in memory (the batch of a step that went NaN, often the one a stop saves after, compares nothing)
+        if adapter is not None:
+            job.adapter = {name: t.detach().to("cpu", copy=True) for name, t in adapter.items()}
+            return
+        self._reference_value(ctx, trainer, module, job)
+
+    def _reference_value(self, ctx: Any, trainer: Any, module: Any, job: Any) -> None:
+        """The kept reference batch first, then the recent micro-batches, newest first: the first the model accepts that
+        gives a finite value with the model in memory (the batch of a step that went NaN, often the one a stop saves
+        after, compares nothing)."""
+        from harness.lib.checkpoint_loss import accepted_inputs, reference_batch, take_reference
+
+        accepted = accepted_inputs(module)
         candidates = [self._batch] if self._batch is not None else []
         candidates += [batch for _, _, batch in reversed(ctx.recent_batches)]
-        tried = 0
+        tried, failed = 0, None
         for candidate in candidates:
-            cut = candidate if candidate is self._batch else reference_batch(candidate, self.options.reference_rows, self.options.reference_tokens)
+            cut = candidate if candidate is self._batch else reference_batch(candidate, self.options.reference_rows,
+                                                                              self.options.reference_tokens, accepted)
             if cut is None:
                 continue
             tried += 1
-            job.reference = take_reference(model, trainer, cut)
-            if job.reference is None:
-                job.no_loss_reason = "the model has no config to rebuild it from, or returned no loss"
-                return
-            if math.isfinite(job.reference.loss):
-                self._batch = cut
-                return
+            try:
+                job.reference = take_reference(module, trainer, cut)
+            except Exception as exc:  # noqa: BLE001 - a batch this model does not take as cut: try the next one
+                failed = f"{type(exc).__name__}: {str(exc)[:160]}"
+                job.reference = None
+            else:
+                if job.reference is None:
+                    job.no_loss_reason = f"{type(module).__name__} has no config to rebuild it from, or returned neither a loss nor an output"
+                    return
+                if math.isfinite(job.reference.loss):
+                    self._batch = cut
+                    return
             if tried >= MAX_REFERENCE_TRIES:
                 break
         job.reference = None
-        job.no_loss_reason = ("every reference batch tried gives a non-finite loss with the model in memory: the loss check cannot tell"
-                              if tried else "no causal-LM micro-batch (input_ids and labels) was seen to take a reference batch from")
+        if failed is not None:
+            job.no_loss_reason = f"the model in memory did not take the reference batch ({failed})"
+        elif tried:
+            job.no_loss_reason = "every reference batch tried gives a non-finite value with the model in memory: the check cannot tell"
+        else:
+            takes = ", ".join(sorted(accepted)[:8]) if accepted else "any tensor"
+            job.no_loss_reason = (f"no micro-batch {type(module).__name__} accepts was seen to take a reference batch from "
+                                  f"(its forward takes {takes}; none of the recent batches had those tensors with one row count)")
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int) -> None:
@@ -229,7 +282,9 @@ class CheckpointProof(Plugin):
         self._unverified_said.add(key)
         self.report(
             CHECKPOINT_UNVERIFIED.code,
-            f"{checkpoint.name} could not be proven: {why}. It gets no harness_proven marker; checks passed: {', '.join(checks or []) or 'none'}.",
+            f"{checkpoint.name} could not be proven: {why}. It gets no harness_proven marker; checks passed: {', '.join(checks or []) or 'none'}"
+            + (" (complete with finite weights: harness_checked, which `harness resume-point` names when no checkpoint is proven)."
+               if {"complete", "weights_finite"} <= set(checks or []) and not loud else "."),
             step=step, limit=self.options.max_reports, severity=Severity.WARNING if loud else None,
             evidence={"checkpoint": str(checkpoint), "reason": why, "checks_passed": checks or []},
         )

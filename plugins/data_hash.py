@@ -34,7 +34,7 @@ from harness.core.findings import FindingCode, Severity, read_run_findings
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.lib.hashing import combine_row_hashes, dataset_hashes, dataset_rows, device_row_hashes, from_hex64, hash_token_rows, hex64, hex64_all, wrap64
-from harness.lib.ledger import LedgerWriter, around_resume, iter_records, ledger_path
+from harness.lib.ledger import LedgerWriter, around_resume, continuation, iter_records, ledger_path
 from harness.lib.sampler_padding import EpochPadding, epoch_padding, is_padding
 from harness.lib.seentable import SeenTable, key64
 
@@ -174,6 +174,27 @@ def rank_datasets_finding(
     return message, evidence
 
 
+def unsharded_workers_cause(same_run: int, num_workers: int, dataset_class: str | None) -> str | None:
+    """The classic cause of repeats that come in runs of the loader's worker count, in words; None when they do not.
+
+    ``same_run``: how many micro-batches right before the repeated one held
+    exactly its samples, in order. A torch ``IterableDataset`` whose
+    ``__iter__`` ignores ``get_worker_info()`` is read whole by each of the
+    loader's N workers, and the loader takes one batch from each worker in
+    turn: every batch comes N times in a row (runs of 1 to N-1 before it).
+    """
+    if dataset_class is None or num_workers < 2 or not 1 <= same_run < num_workers:
+        return None
+    return (
+        f"it holds exactly the samples of the micro-batch before it ({same_run + 1} in a row so far, with "
+        f"dataloader_num_workers={num_workers}): the classic cause is an IterableDataset ({dataset_class}) read by "
+        f"{num_workers} DataLoader workers without torch.utils.data.get_worker_info() sharding, so every worker yields the "
+        f"same rows and each sample comes {num_workers} times in a row. Fix: in __iter__, yield only every num_workers-th "
+        "row starting at get_worker_info().id (or use a datasets IterableDataset with n_shards >= the workers), or set "
+        "dataloader_num_workers=0."
+    )
+
+
 def _hash_key(batch: Mapping[str, Any]) -> str | None:
     for key in HASH_KEYS:
         if torch.is_tensor(batch.get(key)) and batch[key].dim() == 2:
@@ -218,6 +239,16 @@ class DataHash(Plugin):
         self._resume_step: int | None = None
         self._interrupted: dict[tuple[int, int], int] = {}  # (epoch, hash) -> step the interrupted attempt trained it at
         self._since_resume: set[tuple[int, int]] = set()  # the keys of _interrupted trained again (bounded by it)
+        # rank 0 of several: the resumed run's samples of every rank reach it in the step's exchange, so it alone judges
+        # DATA_SKIPPED, with the interrupted run's samples of every rank (a step is one set, whatever the world size)
+        self._skips_of_all_ranks = False
+        self._unseen_steps: list[int] = []  # steps after the resume whose exchange did not carry every rank's samples
+        self._skip_note: str | None = None  # why DATA_SKIPPED is not judged on this rank (logged once)
+        self._interrupted_epoch = 0  # the last epoch of _interrupted
+        self._num_workers = 0  # the training loader's worker processes (dataloader_num_workers)
+        self._iterable: str | None = None  # the training dataset's class when it is an IterableDataset
+        self._previous: list[int] | None = None  # the hashes of the micro-batch checked last
+        self._same_run = 0  # micro-batches before this one in a row with exactly its samples
 
     def setup(self, ctx: Any) -> None:
         self._seen = SeenTable(self.options.seen_capacity)
@@ -255,6 +286,14 @@ class DataHash(Plugin):
         # one process: the step end reads the hashes; several without the overlap check: the first step's fingerprint only
         self.idle_hooks("on_before_optimizer_step", idle=not (self._capacity or self._datasets_due))
         self._position, self._padding = 0, self._epoch_padding(ctx, trainer)
+        self._resume_step, self._interrupted, self._since_resume = None, {}, set()
+        self._skips_of_all_ranks = ctx.world_size > 1 and bool(self._capacity) and ctx.is_main
+        self._unseen_steps, self._skip_note = [], None
+        args = getattr(trainer, "args", None)
+        self._num_workers = int(getattr(args, "dataloader_num_workers", 0) or 0)
+        dataset = getattr(trainer, "train_dataset", None)
+        self._iterable = type(dataset).__name__ if isinstance(dataset, torch.utils.data.IterableDataset) else None
+        self._previous, self._same_run = None, 0
 
     @hookimpl
     def inspect_dataset(self, ctx: Any, dataset: Any, split: str) -> None:
@@ -350,10 +389,11 @@ class DataHash(Plugin):
         if self._datasets_step is not None:
             self._compare_datasets(ctx, step, self._datasets_step == step)
         shared_step, self._shared_step = self._shared_step, None
-        if shared_step == step and ctx.is_main:
-            gathered = ctx.shared("hashes", owner=self.name)
-            if gathered is not None:
-                self._check_overlap(ctx, step, gathered)
+        gathered = ctx.shared("hashes", owner=self.name) if shared_step == step and ctx.is_main else None
+        if gathered is not None:
+            self._check_overlap(ctx, step, gathered)
+        if self._skips_of_all_ranks and self._interrupted and len(self._since_resume) < len(self._interrupted):
+            self._note_resumed_samples(ctx, step, gathered)
         if not pending:
             return
         epoch = self._step_epoch
@@ -366,6 +406,19 @@ class DataHash(Plugin):
             self._writer.write_hashes(step, epoch, records)
         if len(unchecked) >= self._check_every:
             self._check_unchecked(ctx)
+
+    def _note_resumed_samples(self, ctx: Any, step: int, gathered: list[list[int] | None] | None) -> None:
+        """Rank 0 of several: the samples every rank trained at ``step`` that the interrupted run trained after the checkpoint."""
+        if gathered is None or any(g is None for g in gathered) or ctx.shared_cut("hashes", owner=self.name) or self._cut:
+            self._unseen_steps.append(step)  # not every rank's samples of this step are known here
+            return
+        epoch = self._step_epoch
+        if epoch > self._interrupted_epoch:
+            return  # past every epoch the interrupted run trained after the checkpoint: nothing more to find
+        for hashes in gathered:
+            for h in hashes or []:
+                if (epoch, h) in self._interrupted:
+                    self._since_resume.add((epoch, h))
 
     def _check_unchecked(self, ctx: Any) -> None:
         """The repeat and duplicate checks of the micro-batches written since the last call, in training order.
@@ -404,6 +457,8 @@ class DataHash(Plugin):
         distributed sampler pads the epoch)."""
         repeated = []
         untracked = self._seen.untracked
+        self._same_run = self._same_run + 1 if hashes and hashes == self._previous else 0
+        self._previous = hashes
         for i, h in enumerate(hashes):
             if self._interrupted and (self._epoch, h) in self._interrupted:
                 self._since_resume.add((self._epoch, h))
@@ -435,15 +490,21 @@ class DataHash(Plugin):
             repeated = []
         if repeated:
             self._repeats_total += len(repeated)
+            workers = unsharded_workers_cause(self._same_run, self._num_workers, self._iterable)
+            evidence: dict[str, Any] = {
+                "rows": repeated, "hashes": [hex64(hashes[i]) for i in repeated], "epoch": self._epoch,
+                "sample_ids": [ids[i] for i in repeated] if ids else None, "repeats_so_far": self._repeats_total,
+            }
+            if workers is not None:
+                evidence.update({"same_as_previous_micro_batches": self._same_run, "dataloader_num_workers": self._num_workers,
+                                 "dataset_class": self._iterable, "cause": "unsharded_iterable_workers"})
+            why = workers or ("this follows a resume: the data position was not restored." if self._resume_step is not None
+                              else "the loader is not covering its epoch once.")
             self.report(
                 DATA_REPEATED.code,
                 f"{len(repeated)} of {len(hashes)} samples of a micro-batch at step {step} on rank {ctx.rank} were already trained "
-                f"on in epoch {self._epoch} ({self._repeats_total} repeats so far); "
-                + ("this follows a resume: the data position was not restored." if self._resume_step is not None else "the loader is not covering its epoch once."),
-                step=step,
-                evidence={"rows": repeated, "hashes": [hex64(hashes[i]) for i in repeated], "epoch": self._epoch,
-                          "sample_ids": [ids[i] for i in repeated] if ids else None, "repeats_so_far": self._repeats_total},
-                limit=self.options.max_reports,
+                f"on in epoch {self._epoch} ({self._repeats_total} repeats so far); " + why,
+                step=step, evidence=evidence, limit=self.options.max_reports,
             )
         if self._seen.untracked and not untracked:
             log.warning(
@@ -551,38 +612,75 @@ class DataHash(Plugin):
                 evidence={"stored": stored, "current": self.fingerprint},
             )
 
+    def _check_skipped(self, ctx: Any) -> None:
+        """At the run end: DATA_SKIPPED for samples the interrupted run trained, up to the step reached, that no rank trained again."""
+        reached = ctx.step
+        unseen = set(self._unseen_steps)
+        missing = {key: s for key, s in self._interrupted.items()
+                   if s <= reached and s not in unseen and key not in self._since_resume}
+        if unseen:
+            log.info("data_hash: %d step(s) after the resume did not bring every rank's samples to rank 0 (%s...); the samples "
+                     "the interrupted run trained at those steps are not judged for DATA_SKIPPED", len(unseen), sorted(unseen)[:5])
+        if not missing:
+            return
+        steps = sorted(set(missing.values()))
+        who = "by any rank of the resumed run" if self._skips_of_all_ranks else (
+            f"by the resumed run on rank {ctx.rank}" if ctx.world_size > 1 else "by the resumed run")
+        self.report(
+            DATA_SKIPPED.code,
+            f"{len(missing)} samples the interrupted run trained at steps {steps[0]}-{steps[-1]} (after the checkpoint of step "
+            f"{self._resume_step}) were not trained in the same epoch {who}, which reached step {reached}: the resumed data "
+            "order differs from the interrupted one.",
+            step=reached,
+            evidence={"missing": len(missing), "steps": steps[:50], "hashes": [hex64(h) for _, h in list(missing)[:10]],
+                      "epochs": sorted({e for e, _ in missing}), "all_ranks": self._skips_of_all_ranks or ctx.world_size == 1},
+            limit=self.options.max_reports,
+        )
+
     def _restore_epoch_from_ledger(self, ctx: Any) -> None:
         """What this epoch already trained before the checkpoint, and what the interrupted run trained after it."""
-        before, after = around_resume(ctx.run_dir, ctx.rank, ctx.step)
+        before, _ = around_resume(ctx.run_dir, ctx.rank, ctx.step)
         for record in before:
             if record["epoch"] == self._epoch:
                 ids = record.get("sample_ids")
                 for i, h in enumerate(record["sample_hashes"]):
                     self._seen.add(key64(ids[i] if ids else from_hex64(h)))
                 self._position += len(record["sample_hashes"])
-        for record in after:
+        for record in self._interrupted_records(ctx):
             for h in record["sample_hashes"]:
                 self._interrupted.setdefault((record["epoch"], from_hex64(h)), record["step"])
+        self._interrupted_epoch = max((epoch for epoch, _ in self._interrupted), default=0)
+
+    def _interrupted_records(self, ctx: Any) -> list[dict[str, Any]]:
+        """The interrupted run's records after the checkpoint that this rank judges DATA_SKIPPED against.
+
+        A step's samples are one set over the ranks, whatever the world size of
+        either run: one process judges every rank's records; with several, rank
+        0 does, with every rank's resumed samples from the step's exchange. Without
+        that exchange (``check_rank_overlap: false``) each rank judges its own
+        ledger, which holds its share only when the world size is unchanged.
+        """
+        if ctx.world_size == 1 or self._skips_of_all_ranks:
+            return continuation(ctx.run_dir, ctx.step).records
+        if self._capacity:
+            return []  # rank 0 judges every rank's samples
+        found = continuation(ctx.run_dir, ctx.step)
+        if found.world_size not in (None, ctx.world_size):
+            self._skip_note = (
+                f"the interrupted run trained with {found.world_size} processes and this one with {ctx.world_size}, and "
+                "check_rank_overlap is off (no step exchange of the samples): DATA_SKIPPED is not judged for this resume"
+            )
+            return []
+        return [record for record in found.records if record["rank"] == ctx.rank]
 
     @hookimpl
     def on_run_end(self, ctx: Any) -> None:
         try:
             self._check_unchecked(ctx)
+            if self._skip_note is not None:
+                log.info("data_hash: %s.", self._skip_note)
             if self._interrupted and self._resume_step is not None:
-                reached = ctx.step
-                missing = {key: s for key, s in self._interrupted.items() if s <= reached and key not in self._since_resume}
-                if missing:
-                    steps = sorted(set(missing.values()))
-                    self.report(
-                        DATA_SKIPPED.code,
-                        f"{len(missing)} samples the interrupted run trained at steps {steps[0]}-{steps[-1]} (after the checkpoint of step "
-                        f"{self._resume_step}) were not trained in the same epoch by the resumed run on rank {ctx.rank}, which reached "
-                        f"step {reached}: the resumed data order differs from the interrupted one.",
-                        step=reached,
-                        evidence={"missing": len(missing), "steps": steps[:50], "hashes": [hex64(h) for _, h in list(missing)[:10]],
-                                  "epochs": sorted({e for e, _ in missing})},
-                        limit=self.options.max_reports,
-                    )
+                self._check_skipped(ctx)
         finally:  # the ledger is closed (trimmed, and its lock released for the next train() call) whatever failed above
             if self._writer is not None:
                 self._writer.close()

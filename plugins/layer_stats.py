@@ -8,10 +8,16 @@ parameter norm before the update, the update-to-parameter ratio
 the LR it used: no copy of the model; other optimizers only with
 ``update_snapshot``, one transient copy of the parameters), the norm of
 Adam's ``exp_avg_sq`` and the largest attention logit of the block on the
-step's first micro-batch (q/k projection hooks, pre-RoPE; see
+step's first micro-batch (hooks on each attention's q and k: separate
+projections, their q/k norms, or a fused projection split per the model's
+layout, pre-RoPE; see :mod:`harness.lib.attention_sites` and
 :mod:`harness.lib.layer_attention`). Each (block, statistic) has its own
 robust baseline; ``LAYER_GRAD_SURGE``, ``UPDATE_RATIO_HIGH`` and
-``ATTENTION_LOGIT_GROWTH`` are reported once per episode.
+``ATTENTION_LOGIT_GROWTH`` are reported once per episode. Blocks whose
+attention logit cannot be measured (an unknown fused layout, no attention
+module, a hook that gave no value) are named once, at the first measured
+step, in ``ATTENTION_LOGIT_UNMEASURED`` (information) and in the report's
+section: their rows' ``attn_logit_max`` is null, never silently.
 
 No read of its own: the statistics of step N stay on the device and are
 queued at step N+1's first micro-batch, so they travel in that step's one
@@ -37,9 +43,10 @@ from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.core.strictjson import dumps
+from harness.lib.attention_sites import AttentionSites, attention_sites
 from harness.lib.layer_attention import AttentionProbe
 from harness.lib.layer_baseline import LayerBaselines
-from harness.lib.layer_groups import LayerGroups, attention_projections
+from harness.lib.layer_groups import LayerGroups, is_block
 from harness.lib.layer_history import FILE, WORDS
 from harness.lib.layer_measure import Snapshot, adam_update_norms, grad_param_norms, inner_optimizer, is_adam
 from harness.lib.layer_rows import COLUMNS, Flag, describe_flags, judge_step
@@ -54,6 +61,11 @@ UPDATE_RATIO_HIGH = FindingCode(
 ATTENTION_LOGIT_GROWTH = FindingCode(
     "ATTENTION_LOGIT_GROWTH", Severity.WARNING, "A block's largest attention logit is above its limit or far above its baseline.",
     "layer-stats#attention_logit_growth",
+)
+ATTENTION_LOGIT_UNMEASURED = FindingCode(
+    "ATTENTION_LOGIT_UNMEASURED", Severity.INFO,
+    "Some blocks' largest attention logit is not measured (their attn_logit_max rows are null); the finding says why.",
+    "layer-stats#attention_logit_unmeasured",
 )
 CODE_OF = {"grad_norm": LAYER_GRAD_SURGE, "update_ratio": UPDATE_RATIO_HIGH, "attn_logit_max": ATTENTION_LOGIT_GROWTH}
 COOL_DOWN = 3  # clean measurements in a row that end an episode (one more flag in between is the same episode)
@@ -90,7 +102,7 @@ class LayerStats(Plugin):
 
     name = "layer_stats"
     Options = LayerStatsOptions
-    CODES = (LAYER_GRAD_SURGE, UPDATE_RATIO_HIGH, ATTENTION_LOGIT_GROWTH)
+    CODES = (LAYER_GRAD_SURGE, UPDATE_RATIO_HIGH, ATTENTION_LOGIT_GROWTH, ATTENTION_LOGIT_UNMEASURED)
     options: LayerStatsOptions
 
     def __init__(self) -> None:
@@ -108,6 +120,8 @@ class LayerStats(Plugin):
         self._measure: dict[str, Any] | None = None  # the step being measured: its device tensors so far
         self._pending: tuple[int, torch.Tensor] | None = None  # a measured step waiting for the next step's read
         self._awaiting: int | None = None  # the step whose values this step's read carries
+        self.attention = AttentionSites()
+        self._unmeasured_said = False
 
     def setup(self, ctx: Any) -> None:
         self._reset()
@@ -126,8 +140,8 @@ class LayerStats(Plugin):
             return
         self._index = torch.tensor(self.groups.index, device=self.groups.params[0].device)
         self._position = {id(p): i for p, i in zip(self.groups.params, self.groups.index)}
-        projections = attention_projections(model, self.groups.names) if self.options.attention else {}
-        self.probe = AttentionProbe(projections)
+        self.attention = attention_sites(model, self.groups.names) if self.options.attention else AttentionSites()
+        self.probe = AttentionProbe(self.attention.sites)
         self.optimizer = inner_optimizer(getattr(trainer, "optimizer", None))
         self.adam = is_adam(self.optimizer)
         if isinstance(self.optimizer, torch.optim.Optimizer):
@@ -135,8 +149,8 @@ class LayerStats(Plugin):
                              self.optimizer.register_step_post_hook(self._after_update)]
         self._file = open_append(ctx.path(FILE))
         update = "from the Adam state" if self.adam else "by snapshot" if self.options.update_snapshot else "not measured"
-        log.info("layer_stats: %d groups (%d with attention probes) every %d steps; update ratio %s",
-                 len(self.groups), len(projections), self.options.interval, update)
+        log.info("layer_stats: %d groups (%d blocks with attention probes) every %d steps; update ratio %s",
+                 len(self.groups), len(self.attention.blocks), self.options.interval, update)
 
     @hookimpl
     def on_run_end(self, ctx: Any) -> None:
@@ -182,7 +196,7 @@ class LayerStats(Plugin):
             self._awaiting, values = self._pending
             self._pending = None
             self.defer("stats", values)
-        if self._due(step) and self.probe.projections:
+        if self._due(step) and self.probe.sites:
             self.probe.install()
 
     @hookimpl
@@ -204,8 +218,33 @@ class LayerStats(Plugin):
         if grads is not None and clip and grad_norm is not None and math.isfinite(grad_norm) and grad_norm > clip:
             grads = grads * ((grad_norm + 1e-6) / clip)  # the Trainer scaled every gradient by clip / (norm + 1e-6)
         attention = dict(self.probe.results)
-        self.probe.results = {}
+        self._say_unmeasured(step, attention)
+        self.probe.results, self.probe.failures, self.probe.done = {}, {}, set()
         self._measure = {"step": step, "grad": grads, "param": params, "attention": attention}
+
+    def _say_unmeasured(self, step: int, measured: dict[int, Any]) -> None:
+        """Once per run, at the first measured step: the blocks without an attention logit, and why (host values only)."""
+        if self._unmeasured_said or not self.options.attention:
+            return
+        self._unmeasured_said = True
+        why: dict[str, str] = dict(self.attention.unmeasured)
+        for index, site in enumerate(self.probe.sites):
+            if index not in self.probe.done:  # T5's cross-attention may fail while its block's self-attention is measured
+                reason = self.probe.failures.get(index, "its hooks did not fire (not called in that micro-batch)")
+                why.setdefault(site.name, f"no value at step {step}: {reason}")
+        if not why:
+            return
+        every = [i for i, name in enumerate(self.groups.names) if is_block(name)]
+        blocks = [self.groups.names[i] for i in every if i not in measured]
+        listed = "; ".join(f"{name}: {reason}" for name, reason in list(why.items())[:4])
+        more = f"; and {len(why) - 4} more" if len(why) > 4 else ""
+        self.report(
+            ATTENTION_LOGIT_UNMEASURED.code,
+            f"the attention logits of {len(why)} attention(s) or block(s) are not measured ({listed}{more}): {len(blocks)} of "
+            f"{len(every)} blocks have attn_logit_max null in {FILE} (a block with several attentions gets the largest of those "
+            "measured); the other statistics are measured as usual.",
+            step=step, evidence={"blocks": blocks, "why": why, "measured_blocks": len(measured), "rows": FILE}, limit=1,
+        )
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Optimizer step pre-hook: the LR and weight decay this update really uses (after any change made to them)."""
@@ -295,7 +334,12 @@ class LayerStats(Plugin):
         from harness.report.model import ReportSection
 
         table = layer_table(run.run_dir)  # the figures are drawn by the report, and only when it draws plots
-        return ReportSection("Layer statistics", table, self.name, tuple(layer_figures(run.run_dir, run.findings))) if table else None
+        if not table:
+            return None
+        unmeasured = next((f for f in run.findings if f.code == ATTENTION_LOGIT_UNMEASURED.code), None)
+        if unmeasured is not None:  # the one line that says why some max attention logits are missing
+            table += f"\nNot measured: {unmeasured.message} (`{ATTENTION_LOGIT_UNMEASURED.code}`)\n"
+        return ReportSection("Layer statistics", table, self.name, tuple(layer_figures(run.run_dir, run.findings)))
 
 
 __all__ = ["LayerStats", "LayerStatsOptions"]

@@ -1,7 +1,11 @@
-"""loss_baseline: the first losses against ln(vocab size), the gradient-accumulation loss trap, and micro-batches with nothing to learn from.
+"""loss_baseline: the first losses against an untrained model's, the gradient-accumulation loss trap, and micro-batches with nothing to learn from.
 
-A language model initialised from scratch predicts a near-uniform
-distribution, so its first loss sits near ln(V). Far above means a broken
+A model initialised from scratch predicts a near-uniform distribution, so
+its first loss sits near the log of its number of outputs: ln(V) for a token
+loss, ln(number of labels) for single-label classification
+(:mod:`harness.lib.untrained_loss`). A loss with no such level (regression,
+multi-label, contrastive or custom) is not judged: one info finding,
+``LOSS_UNANCHORED``, says so. Far above means a broken
 initialisation or label/vocabulary mismatch; far below, for a model that
 should know nothing yet, means the labels leak into the inputs or the data
 is trivially repetitive. A model with trained weights (loaded, or trained
@@ -19,6 +23,7 @@ TRL, or NaN with a per-token mean.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -31,11 +36,12 @@ from harness.lib.capture import IGNORE_INDEX, can_recompute
 from harness.lib.ga_scaling import GaScaling, judge_ga_scaling, micro_batch_mean_loss
 from harness.lib.model_state import loaded_from, weights_state
 from harness.lib.trainer_kind import token_loss
+from harness.lib.untrained_loss import UntrainedLoss, none, settled_by_labels, untrained_loss
 
 INITIAL_LOSS_ANOMALY = FindingCode(
     "INITIAL_LOSS_ANOMALY",
     Severity.WARNING,
-    "The first loss is far from ln(vocab size), what an untrained model should show.",
+    "The first loss is far from what an untrained model scores (ln(vocab size) for a token loss, ln(num_labels) for a classifier).",
     "numeric-health#initial_loss_anomaly",
 )
 GA_LOSS_SCALING = FindingCode(
@@ -43,6 +49,13 @@ GA_LOSS_SCALING = FindingCode(
     Severity.WARNING,
     "The step loss is gradient_accumulation_steps times its micro-batches' own mean (or 1/GA): loss and gradients are scaled.",
     "numeric-health#ga_loss_scaling",
+)
+LOSS_UNANCHORED = FindingCode(
+    "LOSS_UNANCHORED",
+    Severity.INFO,
+    "The loss has no untrained level (regression, multi-label, contrastive or custom loss): its start is not judged, and the "
+    "loss checks anchor on the run's own first losses only.",
+    "numeric-health#loss_unanchored",
 )
 ALL_LABELS_MASKED = FindingCode(
     "ALL_LABELS_MASKED",
@@ -81,12 +94,12 @@ class LossBaseline(Plugin):
 
     name = "loss_baseline"
     Options = LossBaselineOptions
-    CODES = (INITIAL_LOSS_ANOMALY, GA_LOSS_SCALING, ALL_LABELS_MASKED)
+    CODES = (INITIAL_LOSS_ANOMALY, GA_LOSS_SCALING, ALL_LABELS_MASKED, LOSS_UNANCHORED)
     options: LossBaselineOptions
 
     def __init__(self) -> None:
         self.options = LossBaselineOptions()
-        self._vocab: int | None = None
+        self._level: UntrainedLoss = none("not started")
         self._first_done = False
         self._trainer: Any = None
         self._weights = "unknown"
@@ -94,24 +107,25 @@ class LossBaseline(Plugin):
         self._ga_step: int | None = None  # the step whose first micro-batch was recomputed (once per train() call)
         self._ga: GaScaling | None = None
         self._copy: float | None = None
+        self._said_unanchored = False
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
-        config = getattr(getattr(trainer, "model", None), "config", None)
-        vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None)
-        self._vocab = int(vocab) if vocab else None
+        self._level = untrained_loss(trainer)
         self._trainer, self._ga_step, self._ga, self._copy = trainer, None, None, None
         # the accumulation check looks at one micro-batch per train() call: no per-micro-batch call before or after it
         self.idle_hooks("on_loss", idle=not self.options.check_ga_scaling or _accumulation(trainer) < 2)
         model = getattr(trainer, "model", None)
         self._weights, self._loaded_from = weights_state(model), loaded_from(model)
-        # a resumed run is past its first steps; a preference or policy-gradient loss (DPO: ln 2 at the start, GRPO's
-        # near 0) is not a token loss to hold against ln(vocab)
-        self._first_done = ctx.resumed_from is not None or not token_loss(trainer)
+        # a resumed run is past its first steps; a loss with no untrained level (a preference or policy loss, regression,
+        # contrastive ...) has no start to judge
+        self._first_done = ctx.resumed_from is not None or self._level.kind == "none"
+        if self._level.kind == "none" and ctx.resumed_from is None:
+            self._unanchored(ctx)
         self.idle_hooks("on_step_end", idle=self._first_done)  # the first step's check is its only work
 
     @hookimpl
-    def inspect_batch(self, batch: dict[str, Any], micro_step: int) -> None:
+    def inspect_batch(self, ctx: Any, batch: dict[str, Any], micro_step: int) -> None:
         labels = batch.get("labels") if hasattr(batch, "get") else None  # a dict or a BatchEncoding
         if not torch.is_tensor(labels):
             return
@@ -119,6 +133,11 @@ class LossBaseline(Plugin):
             # device-side, read in the guard's one transfer: the count of labelled positions (0: every label masked); a
             # count, not any(), which measured twice as costly on the training thread (a kernel the model never warms)
             self.defer("has_labels", (labels != IGNORE_INDEX).sum())
+        if self._level.kind == "pending" and micro_step == 0:  # transformers picks the classifier's loss from the labels' dtype
+            self._level = settled_by_labels(self._level, labels)
+            if self._level.kind == "none":
+                self._first_done = True
+                self._unanchored(ctx)
         ids = batch.get("input_ids")
         if not self._first_done and micro_step == 0 and self._copy is None and torch.is_tensor(ids) and ids.shape == labels.shape:
             self._copy = -1.0  # queued: the first micro-batch only
@@ -152,12 +171,13 @@ class LossBaseline(Plugin):
         has_labels = self.deferred("has_labels")
         empty = [i for i, ok in enumerate(has_labels) if not ok]
         if empty:
+            where = masked_labels_check(self._trainer)
             self.report(
                 ALL_LABELS_MASKED.code,
                 f"{len(empty)} of {len(has_labels)} micro-batches at step {step} on rank {ctx.rank} have every label masked "
-                "(-100): they contribute no gradient (TRL logs loss 0 for them).",
+                f"(-100): they contribute no gradient (TRL logs loss 0 for them, a per-token mean NaN). Check: {where.check}",
                 step=step,
-                evidence={"micro_batches": empty},
+                evidence={"micro_batches": empty, **where.evidence()},
                 limit=20,
             )
 
@@ -171,6 +191,20 @@ class LossBaseline(Plugin):
             return  # judged once for the job (rank 0), not once per rank
         # the step loss as the Trainer logs it (micro-batch losses combined as it combines them)
         self._check_first_loss(ctx, step, float(metrics["loss"]))
+
+    def _unanchored(self, ctx: Any) -> None:
+        """One info finding per run (rank 0): the start of this loss is not judged, and why."""
+        if ctx is None or not ctx.is_main or self._said_unanchored or not token_loss(self._trainer):
+            return  # a preference or policy trainer is silent: its loss is judged by its own plugin (dpo_health, grpo_health)
+        self._said_unanchored = True
+        self.report(
+            LOSS_UNANCHORED.code,
+            f"the first loss is not judged against an untrained level: {self._level.basis}. Loss checks anchor on the run's "
+            "own first losses instead.",
+            step=0,
+            evidence={"reason": self._level.basis, "model": type(getattr(self._trainer, "model", None)).__name__,
+                      "trainer": type(self._trainer).__name__},
+        )
 
     def _check_ga(self, ctx: Any, step: int, step_loss: float, micro: float, recomputed: float) -> None:
         found = judge_ga_scaling(step_loss, micro, recomputed, _accumulation(self._trainer))
@@ -201,14 +235,17 @@ class LossBaseline(Plugin):
         )
 
     def _check_first_loss(self, ctx: Any, step: int, loss: float) -> None:
-        if not self._vocab or self._vocab < 2 or not math.isfinite(loss):
-            return  # nan_guard reports non-finite losses
+        level = self._level
+        if level.level is None or level.kind == "pending" or not math.isfinite(loss):
+            return  # nan_guard reports non-finite losses; a loss with no untrained level is not judged
         logged = loss
         if self._ga is not None:
             loss = loss / self._ga.scale  # judged as it should have been: GA_LOSS_SCALING names the factor
-        expected = math.log(self._vocab)
+        expected, basis = level.level, level.basis
         ratio = loss / expected
-        evidence: dict[str, Any] = {"first_loss": loss, "ln_vocab": expected, "ratio": ratio, "vocab_size": self._vocab,
+        evidence: dict[str, Any] = {"first_loss": loss, "untrained_level": expected, "basis": basis, "ratio": ratio,
+                                    "loss_kind": level.kind, "outputs": level.outputs,
+                                    **({"ln_vocab": expected, "vocab_size": level.outputs} if level.kind == "token" else {}),
                                     "weights": self._weights, "loaded_from": self._loaded_from, "copy_fraction": self._copy}
         if self._ga is not None:
             evidence.update(logged_first_loss=logged, ga_scale_removed=self._ga.scale)
@@ -220,15 +257,15 @@ class LossBaseline(Plugin):
                         "suspect the initialisation scale, a vocabulary/label mismatch or mis-shifted labels")
             self.report(
                 INITIAL_LOSS_ANOMALY.code,
-                f"first loss {loss:.3f}{removed} is {ratio:.2f}x ln(vocab={self._vocab})={expected:.3f}: far above an untrained "
+                f"first loss {loss:.3f}{removed} is {ratio:.2f}x {basis}={expected:.3f}: far above an untrained "
                 f"model's; {suspects}.",
                 step=step,
                 evidence=evidence,
             )
         elif ratio < o.low_ratio:
-            self._check_low(step, loss, ratio, expected, evidence)
+            self._check_low(step, loss, ratio, expected, basis, evidence)
 
-    def _check_low(self, step: int, loss: float, ratio: float, expected: float, evidence: dict[str, Any]) -> None:
+    def _check_low(self, step: int, loss: float, ratio: float, expected: float, basis: str, evidence: dict[str, Any]) -> None:
         """Far below ln(V): a leak for fresh weights; for trained weights only with targets that copy the input."""
         o, copy = self.options, self._copy
         expect = o.expect if o.expect != "auto" else {"trained": "pretrained", "fresh": "scratch"}.get(self._weights, "auto")
@@ -236,7 +273,7 @@ class LossBaseline(Plugin):
             if copy is not None and copy >= o.copy_fraction:
                 self.report(
                     INITIAL_LOSS_ANOMALY.code,
-                    f"first loss {loss:.3f} is only {ratio:.2f}x ln(vocab={self._vocab}), and {copy:.0%} of the first micro-batch's "
+                    f"first loss {loss:.3f} is only {ratio:.2f}x {basis}, and {copy:.0%} of the first micro-batch's "
                     "targets are the input token at the same position: the labels leak into the inputs (not shifted, or shifted "
                     "the wrong way), or padding is trained on.",
                     step=step, evidence=evidence,
@@ -245,12 +282,45 @@ class LossBaseline(Plugin):
         fresh = " (the weights are fresh: every norm weight is still at its initial constant)" if self._weights == "fresh" else ""
         self.report(
             INITIAL_LOSS_ANOMALY.code,
-            f"first loss {loss:.3f} is only {ratio:.2f}x ln(vocab={self._vocab})={expected:.3f}: far below an untrained model's{fresh}; "
-            "if the model starts from scratch, suspect labels leaking into the inputs or trivially repetitive data.",
+            f"first loss {loss:.3f} is only {ratio:.2f}x {basis}={expected:.3f}: far below an untrained model's{fresh}; "
+            + ("if the model starts from scratch, suspect labels leaking into the inputs or trivially repetitive data." if self._level.kind == "token"
+               else "if the classifier starts from scratch, suspect a label the inputs give away (a label column left among the "
+                    "features, or rows sorted by label) or a head that was trained before."),
             step=step,
             evidence=evidence,
             severity=Severity.WARNING if expect == "scratch" else Severity.INFO,
         )
+
+
+@dataclass(frozen=True)
+class MaskedLabelsCheck:
+    """Where a batch with every label masked comes from, for the trainer in use: the check to make first."""
+
+    trainer: str
+    collator: str
+    max_length: int | None
+    check: str
+
+    def evidence(self) -> dict[str, Any]:
+        return {"trainer": self.trainer, "collator": self.collator, "max_length": self.max_length}
+
+
+def masked_labels_check(trainer: Any) -> MaskedLabelsCheck:
+    """TRL's SFT masks prompts and truncates at max_length (a prompt at least that long leaves no completion token); a plain
+    Trainer's labels come from the dataset and the collator (padding, a masking rule by the wrong token ids, empty rows)."""
+    name = type(trainer).__name__
+    collator = type(getattr(trainer, "data_collator", None)).__name__
+    args = getattr(trainer, "args", None)
+    max_length = getattr(args, "max_length", None)
+    completion_only = any(getattr(args, flag, False) for flag in ("completion_only_loss", "assistant_only_loss"))
+    if isinstance(max_length, int) and (completion_only or any(c.__name__ == "SFTTrainer" for c in type(trainer).__mro__)):
+        check = (f"{name} masks prompts and truncates at max_length={max_length}: count the samples whose prompt alone has at "
+                 f"least {max_length} tokens (no completion token is left), and see that the chat template marks assistant turns.")
+    else:
+        check = (f"{name}'s labels come from the dataset and its collator ({collator}): decode one of these micro-batches' rows "
+                 "beside its labels; rows of padding only, empty targets, or a collator that masks by the wrong token ids "
+                 "(pad = eos masks every eos) leave nothing to learn.")
+    return MaskedLabelsCheck(name, collator, max_length if isinstance(max_length, int) else None, check)
 
 
 def _accumulation(trainer: Any) -> int:

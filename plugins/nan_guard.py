@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.lib.capture import sample_ids, write_capture
+from harness.lib.capture import IGNORE_INDEX, sample_ids, write_capture
 from harness.lib.first_bad import nonfinite_names
 from harness.lib.first_bad_trainer import trainer_grad_scan, trainer_locate
 from harness.lib.nonfinite_origin import listed, nonfinite_steps
@@ -197,7 +197,13 @@ class NanGuard(Plugin):
         first = bad[0]
         values = [losses[i] for i in bad]
         samples = sample_ids(batches[first])
-        located, where = trainer_locate(ctx.trainer, batches[first], ctx.rank) if self.options.locate else ({"locate": "off"}, "")
+        masked = [i for i in bad if i < len(batches) and _labels_all_masked(batches[i])]  # one read per bad micro-batch, this step only
+        if first in masked:  # 0/0: a per-token mean over no labelled token. The model is fine: no module to locate
+            located, where = {"locate": "skipped: every label of the micro-batch is masked"}, (
+                "every label of that micro-batch is masked (-100), so its per-token mean loss is 0/0 = NaN: the masked batch is "
+                "the cause, not the model or the machine (see ALL_LABELS_MASKED)")
+        else:
+            located, where = trainer_locate(ctx.trainer, batches[first], ctx.rank) if self.options.locate else ({"locate": "off"}, "")
         capture = self._capture(ctx, step, batches, losses, f"loss {values[0]} in micro-batch {first}") if self.options.capture else None
         hidden = " The Trainer's logging_nan_inf_filter=True hides this value from its own logs." if self._log_filter else ""
         self.report(
@@ -213,6 +219,7 @@ class NanGuard(Plugin):
                 "consecutive": self._consecutive,
                 "capture": capture,
                 "logging_nan_inf_filter": self._log_filter,
+                "all_labels_masked": masked,
                 **located,
             },
         )
@@ -324,6 +331,14 @@ def _scheduler_position(trainer: Any) -> int | None:
     scheduler = getattr(trainer, "lr_scheduler", None)  # every step: the counter alone (scheduler_state's test, without its LR)
     position = getattr(scheduler, "last_epoch", None)
     return position if isinstance(position, int) and callable(getattr(scheduler, "get_last_lr", None)) else None
+
+
+def _labels_all_masked(batch: Any) -> bool:
+    """Whether the micro-batch has labels and every one is -100 (a flagged step only: one small device read)."""
+    labels = batch.get("labels") if hasattr(batch, "get") else None
+    if not torch.is_tensor(labels) or labels.is_floating_point() or labels.numel() == 0:
+        return False
+    return not bool((labels != IGNORE_INDEX).any())
 
 
 def _as_float(value: Any) -> float | None:

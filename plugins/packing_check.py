@@ -19,6 +19,15 @@ A batch with no packing information at all claims no separation (GPT-style
 concatenation is a choice) and is not checked. The same look at the batch also finds labels on padding and labels
 that make the first token of a document a prediction target of the previous
 one (``PACKING_LOSS_ON_PADDING``).
+
+What is compared is the per-token output of the part of the model that reads
+the packed row: the decoder's last hidden states of a decoder-only model (GPT-2,
+Llama, Qwen, Gemma), the encoder's of an encoder (BERT) or of an
+encoder-decoder (T5: the packed row is the encoder's input; the decoder reads
+the labels). Where the experiment cannot run (sharded parameters, a forward
+pass that fails on one row, outputs that are not per token) a packed batch
+gets ``PACKING_CHECK_SKIPPED`` (information) once, with the reason, instead of
+a silent skip.
 """
 from __future__ import annotations
 
@@ -47,6 +56,12 @@ PACKING_LOSS_ON_PADDING = FindingCode(
     Severity.WARNING,
     "Labels train the model on padding, or on predicting a document's first token from the previous document.",
     "packing#packing_loss_on_padding",
+)
+PACKING_CHECK_SKIPPED = FindingCode(
+    "PACKING_CHECK_SKIPPED",
+    Severity.INFO,
+    "Packed rows were seen but the cross-document experiment could not run on this model or setup; the finding says why.",
+    "packing#packing_check_skipped",
 )
 IGNORE_INDEX = -100
 METADATA_KEYS = ("doc_ids", "seq_idx", "document_ids")
@@ -121,24 +136,43 @@ def _mask_form(batch: Mapping[str, Any]) -> str:
     return f"2D attention_mask{pos}"
 
 
-def _outputs(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
-    """The last hidden states of one row (hidden size, not vocabulary size, per token); logits when no decoder answers."""
+def _reader(model: Any) -> tuple[Any, str]:
+    """The module whose per-token last hidden states the experiment compares, and its name: the encoder of an
+    encoder-decoder (it reads the packed row; the decoder reads the labels), else the decoder (the base model of an
+    encoder such as BERT); the model itself (its logits) when neither answers."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) and hasattr(model, "get_encoder"):
+        encoder = model.get_encoder()
+        return encoder, f"{type(encoder).__name__} (the encoder)"
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if decoder is not None and decoder is not model:
+        return decoder, type(decoder).__name__
+    return model, f"{type(model).__name__} (logits)"
+
+
+def _outputs(model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, str]:
+    """The last hidden states of one row (hidden size, not vocabulary size, per token), and what gave them; logits when no
+    decoder answers."""
+    reader, name = _reader(model)
+    if name.endswith("(the encoder)"):
+        return reader(**{k: v for k, v in inputs.items() if not k.startswith("decoder_")}).last_hidden_state[0], name
+    if reader is not model:
         try:
-            return decoder(**inputs).last_hidden_state[0]
+            return reader(**inputs).last_hidden_state[0], name
         except TypeError:  # an input the decoder does not take (the head consumes it): run the whole model
             pass
-    return model(**inputs).logits[0]
+    output = model(**inputs)  # a ModelOutput, or a user model's dict
+    return (output["logits"] if isinstance(output, Mapping) else output.logits)[0], f"{type(model).__name__} (logits)"
 
 
-def _twice(model: Any, inputs: dict[str, Any], changed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Outputs on the row as it is and with document 1 changed: no gradients, dropout off, every module's mode restored."""
+def _twice(model: Any, inputs: dict[str, Any], changed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Outputs on the row as it is and with document 1 changed, and what gave them: no gradients, dropout off, every
+    module's mode restored."""
     modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
         with torch.no_grad():
-            return _outputs(model, inputs), _outputs(model, {**inputs, "input_ids": changed})
+            (before, measured), (after, _) = _outputs(model, inputs), _outputs(model, {**inputs, "input_ids": changed})
+            return before, after, measured
     finally:
         for module, training in modes.items():
             module.training = training
@@ -180,7 +214,7 @@ class PackingCheck(Plugin):
 
     name = "packing_check"
     Options = PackingCheckOptions
-    CODES = (PACKING_CROSS_DOC_ATTENTION, PACKING_LOSS_ON_PADDING)
+    CODES = (PACKING_CROSS_DOC_ATTENTION, PACKING_LOSS_ON_PADDING, PACKING_CHECK_SKIPPED)
 
     def __init__(self) -> None:
         self.options = PackingCheckOptions()
@@ -214,6 +248,8 @@ class PackingCheck(Plugin):
         labels_due = scheduled and self.options.check_labels
         if self._unable is not None or source == "none":  # nothing to measure on, or no packing in this run's batches
             self._due = 0
+            if self._unable is not None and source != "none":
+                self._skipped(step, self._unable, source)
             if not labels_due:
                 return
         self._defer_batch(batch, step, scheduled, source)
@@ -354,7 +390,7 @@ class PackingCheck(Plugin):
         }
         first_start, first_end = real[0]
         changed = inputs["input_ids"].clone()
-        vocab = int(getattr(model.config, "vocab_size", 0) or max(ids) + 1)
+        vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or max(ids) + 1)
         for t in range(first_start, first_end):
             token = ids[t]
             if token in specials:
@@ -366,7 +402,17 @@ class PackingCheck(Plugin):
                     break
         if torch.equal(changed, inputs["input_ids"]):
             return
-        before, after = _twice(model, inputs, changed)
+        try:
+            before, after, measured = _twice(model, inputs, changed)
+        except Exception as exc:  # noqa: BLE001 - a model that cannot rerun one packed row: said once, not a plugin crash
+            self._unable = f"the forward pass of one packed row failed ({type(exc).__name__}: {str(exc)[:200]})"
+            self._skipped(step, self._unable, source)
+            return
+        if before.dim() < 2 or before.shape[0] != len(ids):
+            self._unable = (f"{type(model).__name__} gives outputs of shape {list(before.shape)} for a row of {len(ids)} tokens, "
+                            "not one per token")
+            self._skipped(step, self._unable, source)
+            return
         others = real[1:]
         own = (after[first_start:first_end] - before[first_start:first_end]).abs().max().item()
         scale = max(max(before[s:e].abs().max().item() for s, e in others), 1e-12)
@@ -376,11 +422,11 @@ class PackingCheck(Plugin):
         leak = leak_abs / scale
         tolerance = self.options.tolerance or (2e-2 if autocast_dtype(ctx.trainer) else 1e-3)
         per_doc = [round(c / scale, 6) for c in changes]
-        impl = str(getattr(model.config, "_attn_implementation", None))
+        impl = str(getattr(getattr(model, "config", None), "_attn_implementation", None))
         form = _mask_form(batch)
         verdict = "inconclusive" if own <= tolerance * scale else ("leak" if leak > tolerance else "separate")
         result = {"step": step, "rank": ctx.rank, "row": row, "documents": len(real), "boundaries": source, "mask_form": form,
-                  "attn_implementation": impl, "leak": leak, "leak_abs": leak_abs, "perturbed_document_change": own,
+                  "attn_implementation": impl, "measured": measured, "leak": leak, "leak_abs": leak_abs, "perturbed_document_change": own,
                   "tolerance": tolerance, "verdict": verdict, "per_document_leak": per_doc}
         self.results.append(result)
         if ctx.is_main:
@@ -396,6 +442,18 @@ class PackingCheck(Plugin):
             f"{len(per_doc)} later documents by up to {leak:.3g} of their magnitude ({leak_abs:.3g} absolute; tolerance {tolerance:g}): "
             f"with attn_implementation='{impl}' and {form}, tokens attend across document boundaries (boundaries from {source}).",
             step=step, evidence=result, limit=self.options.max_reports,
+        )
+
+    def _skipped(self, step: int, why: str, source: str) -> None:
+        """Once per run, from rank 0 (every rank skips alike): packed rows were seen and not measured, and why."""
+        if not getattr(self.ctx, "is_main", True):
+            return
+        self.report(
+            PACKING_CHECK_SKIPPED.code,
+            f"packed rows at step {step} (boundaries from {source}) were not checked for cross-document attention: {why}. "
+            "The labels are still checked. Fix: see the playbook for measuring it another way (one process holding the whole "
+            "model, or the model's own forward on a packed row).",
+            step=step, evidence={"why": why, "boundaries": source}, limit=1,
         )
 
     # -- labels at padding and at boundaries ---------------------------------------------------------------------

@@ -6,7 +6,9 @@ state, the scheduler, the RNG streams, the world size and the training
 arguments that shape the schedule, the recent losses and the loss of a small
 fixed reference batch. After the Trainer has restored a checkpoint it
 recomputes each and compares; the first batches after the resume are
-compared with what the interrupted run trained next (from the data ledger).
+compared with what the interrupted run trained next (from the data ledgers
+of all its ranks: a step's samples are one set, so a resume on another
+number of processes that keeps the global batch trains on).
 Mismatches of weights, optimizer or data position stop training before its
 first update by default; the rest warn. The data position is read from
 ``data_hash``'s ledger and the interrupted run's losses from
@@ -15,8 +17,9 @@ first update by default; the rest warn. The data position is read from
 """
 from __future__ import annotations
 
+import json
 import math
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,7 @@ from harness.lib.hashing import device_row_hashes, hex64_all
 from harness.core.hookspecs import hookimpl
 from harness.lib.robust import judge
 from harness.lib.sharding import model_is_sharded, optimizer_is_sharded
-from harness.lib.ledger import around_resume
+from harness.lib.ledger import continuation
 from harness.lib.lr_resume import base_lr, describe, judge_lr_at_resume, schedule_factor
 
 
@@ -114,9 +117,12 @@ class ResumeCheck(Plugin):
         self._saved: dict[str, Any] | None = None
         self._resume_step: int | None = None
         self._pending_rng = False
-        self._expected: dict[int, list[str]] | None = None  # step -> the interrupted run's sample hashes, micro-batches in order
+        # step -> the sample hashes every rank of the interrupted run trained at it (one set per step, whatever the world size)
+        self._expected: dict[int, list[str]] | None = None
+        self._wanted: dict[int, Counter[str]] = {}  # the same, counted: how often each sample may come at that step
+        self._interrupted_world: int | None = None  # the interrupted run's processes (its ledger's start lines)
         self._trained_at: dict[str, int] = {}  # sample hash -> the step after the checkpoint the interrupted run trained it at
-        self._seen_in_step: dict[int, int] = {}  # step -> samples of it this run has compared so far
+        self._seen_in_step: dict[int, Counter[str]] = {}  # step -> the samples of it this rank has trained so far
         self._source_run_dir: Path | None = None  # the harness folder of the run that saved the checkpoint resumed from
         self._position_reported = False
         self._band_checked = 0
@@ -130,7 +136,7 @@ class ResumeCheck(Plugin):
     @hookimpl
     def on_run_start(self, ctx: Any) -> None:
         self._losses.clear()
-        self._resume_step, self._saved, self._expected = None, None, None
+        self._resume_step, self._saved, self._expected, self._wanted, self._interrupted_world = None, None, None, {}, None
         self._trained_at, self._seen_in_step, self._source_run_dir = {}, {}, None
         self._earlier_losses: dict[int, float] | None = None
         self._pending_rng, self._position_reported, self._band_checked = False, False, 0
@@ -248,6 +254,11 @@ class ResumeCheck(Plugin):
                 "ones the interrupted run trained next)",
                 evidence={"checkpoint": str(checkpoint_dir), "unchecked": "data position"},
             )
+        borrowed = _state_of_rank_0(Path(str(checkpoint_dir)), ctx.rank) if checkpoint_dir is not None else None
+        if borrowed is not None:
+            # the saving run had no rank ctx.rank (a resume on more processes): its replicas' state is rank 0's; a file of this
+            # rank's own there is left from an earlier save into the same folder by more processes (the Trainer overwrites)
+            state = self._saved = borrowed
         if not state:
             self._report_unchecked(ctx, checkpoint_dir)  # nothing to compare with: say so rather than pass silently
             return
@@ -255,19 +266,15 @@ class ResumeCheck(Plugin):
         resized = state.get("world_size") != ctx.world_size
         self._reshard = resized and model_is_sharded(trainer)
         self._reshard_optimizer = resized and optimizer_is_sharded(trainer)
-        if resized:
-            what = "the weights and optimizer state are" if self._reshard else "the optimizer state is"
-            self.report(
-                RESUME_WORLD_SIZE_CHANGED.code,
-                f"the run was saved with {state.get('world_size')} processes and resumes with {ctx.world_size}: the data position "
-                "(batches per step) and any per-rank state no longer line up"
-                + (f"; {what} partitioned across the ranks, so each rank now holds other parts and they were not compared."
-                   if self._reshard_optimizer else "."),
-                evidence={"saved": state.get("world_size"), "now": ctx.world_size, "sharded": self._reshard,
-                          "optimizer_sharded": self._reshard_optimizer},
-            )
+        saved_batch, batch = _batch_geometry(state.get("config") or {}, state.get("world_size")), _batch_geometry(
+            {k: _plain(getattr(trainer.args, k, None)) for k in BATCH_KEYS}, ctx.world_size)
+        kept = resized and saved_batch is not None and batch is not None and saved_batch[-1] == batch[-1]
+        if resized and ctx.is_main:  # the job's world size: one finding, not one per rank
+            self._report_world_size(ctx, state, saved_batch, batch, kept)
         config_now = {k: _plain(getattr(trainer.args, k, None)) for k in self.options.config_keys}
         changed = {k: {"saved": state["config"].get(k), "now": v} for k, v in config_now.items() if k in state.get("config", {}) and state["config"][k] != v}
+        if kept:  # the per-device batch and accumulation that keep the global batch across the world-size change: said there
+            changed = {k: c for k, c in changed.items() if k not in BATCH_KEYS}
         if changed:
             self._config_changed = changed
             if "learning_rate" not in changed:  # else wait for the first update: it shows which LR won
@@ -277,7 +284,36 @@ class ResumeCheck(Plugin):
         self._check_scheduler(ctx, trainer, state)
         self._check_reference(ctx, trainer, state)
         epoch = float(state.get("epoch", 0.0))
-        self._pending_rng = "rng" in state and epoch != int(epoch)  # at an epoch start the loader draws from the RNG first
+        # at an epoch start the loader draws from the RNG first; with another world size the Trainer's per-rank RNG files
+        # (rng_state_<r>.pth) do not carry over, as RESUME_WORLD_SIZE_CHANGED says
+        self._pending_rng = "rng" in state and epoch != int(epoch) and not resized
+
+    def _report_world_size(self, ctx: Any, state: dict[str, Any], saved_batch: tuple[int, ...] | None,
+                           batch: tuple[int, ...] | None, kept: bool) -> None:
+        """RESUME_WORLD_SIZE_CHANGED: info when the global batch is kept (the playbook's advice; the data position is
+        still compared, as one set of samples per step), a warning when it changed or sharded state could not be compared."""
+        saved_world = state.get("world_size")
+        what = "the weights and optimizer state are" if self._reshard else "the optimizer state is"
+        if saved_batch is not None and batch is not None:
+            geometry = f"{_geometry_text(saved_batch)} then, {_geometry_text(batch)} now"
+        else:
+            geometry = None
+        if kept:
+            message = (f"the run was saved with {_processes(saved_world)} and resumes with {ctx.world_size}, keeping the global batch "
+                       f"({geometry}): each step trains as many samples as before, and the first steps' samples are compared "
+                       "with the interrupted run's as one set over all ranks. The per-rank RNG files (rng_state_<r>.pth) do "
+                       "not carry over: dropout and sampling draw other numbers than the interrupted run's")
+        else:
+            message = (f"the run was saved with {_processes(saved_world)} and resumes with {ctx.world_size}"
+                       + (f" ({geometry}): the global batch changed, so" if geometry and saved_batch != batch else ":")
+                       + " the data position (samples per step) and any per-rank state no longer line up")
+        message += (f"; {what} partitioned across the ranks, so each rank now holds other parts and they were not compared."
+                    if self._reshard_optimizer else ".")
+        evidence = {"saved": saved_world, "now": ctx.world_size, "sharded": self._reshard, "optimizer_sharded": self._reshard_optimizer}
+        if saved_batch is not None and batch is not None:
+            evidence.update({"saved_global_batch": saved_batch[-1], "global_batch": batch[-1]})
+        self.report(RESUME_WORLD_SIZE_CHANGED.code, message, evidence=evidence,
+                    severity=Severity.INFO if kept and not self._reshard_optimizer else None)
 
     def _report_config_changed(self, ctx: Any, optimizer: Any, step: int | None) -> None:
         """RESUME_CONFIG_CHANGED, saying whether a changed learning rate is in effect (LR_CHANGE_IGNORED_ON_RESUME if not)."""
@@ -336,11 +372,17 @@ class ResumeCheck(Plugin):
         saved = state.get("params") or {}
         diff = differing(saved, tensor_sums(param_tensors(trainer.model_wrapped, clone=False)))
         if saved and diff:
+            from harness.lib.raw_resume import raw_load_gap
+
+            cause = "the checkpoint's model file was changed, or another model was loaded."
+            # a file in transformers' saved format (MoE experts per expert) that the Trainer loaded by raw names: say so
+            folder = Path(ctx.resumed_from) if ctx.resumed_from is not None else None
+            gap = raw_load_gap(folder, trainer, diff) if folder is not None else None
             self.report(
                 RESUME_MODEL_MISMATCH.code,
                 f"{len(diff)} of {len(saved)} weight tensors differ from those saved at step {state['step']} "
-                f"(first: {', '.join(diff[:3])}): the checkpoint's model file was changed, or another model was loaded.",
-                evidence={"tensors": diff[:50], "count": len(diff)},
+                f"(first: {', '.join(diff[:3])}): {gap.cause(folder.name, diff, cause) if gap and folder else cause}",
+                evidence={"tensors": diff[:50], "count": len(diff), **(gap.evidence() if gap else {})},
             )
 
     def _check_optimizer(self, ctx: Any, trainer: Any, state: dict[str, Any]) -> None:
@@ -407,30 +449,71 @@ class ResumeCheck(Plugin):
             return  # the interrupted run did not get this far: nothing to compare with
         mask = batch.get("attention_mask")
         got = hex64_all(device_row_hashes(batch["input_ids"], mask if torch.is_tensor(mask) else None).tolist())
-        # the step's samples in order, whatever its micro-batches: a resume that splits the same step into more, smaller
-        # micro-batches (per-device batch halved, accumulation doubled) trains the same data at the same position
-        offset = self._seen_in_step.get(step, 0)
-        self._seen_in_step[step] = offset + len(got)
-        expected = want[offset : offset + len(got)]
-        if got != expected:
-            self._position_reported = True
-            first = next((i for i, (g, e) in enumerate(zip(got, expected)) if g != e), min(len(got), len(expected)))
-            where = self._trained_at.get(got[first]) if first < len(got) else None
-            if where is not None:
-                seen = f" its sample {first} is one the interrupted run trained at step {where}"
-            elif first < len(got):
-                seen = f" its sample {first} is none the interrupted run trained after the checkpoint"
-            else:
-                seen = " the interrupted run trained more samples at that position"
-            self.report(
-                RESUME_DATA_POSITION.code,
-                f"micro-batch {micro} of step {step}, the first after resuming from step {self._resume_step}, does not hold the samples "
-                f"the interrupted run trained at that position of the step (samples {offset}-{offset + len(got) - 1}):{seen}. "
-                "The data loader did not resume at the saved position.",
-                step=step,
-                evidence={"sample_hashes": got[:16], "interrupted_run_sample_hashes": expected[:16], "first_different": first,
-                          "interrupted_run_step_of_first_different": where, "resume_step": self._resume_step},
-            )
+        # a step's samples are one set over all ranks, whatever the world size or the micro-batches of either run: a resume
+        # on 1 process x 16 of a run on 2 x 8 trains, at each step, the 16 samples both ranks trained there (its summed
+        # gradient is the same); each rank's samples must be among them, no more often than the interrupted run had them
+        wanted = self._wanted.setdefault(step, Counter(want))
+        seen = self._seen_in_step.setdefault(step, Counter())
+        offset = sum(seen.values())
+        first = None
+        for i, sample in enumerate(got):
+            seen[sample] += 1
+            if first is None and seen[sample] > wanted.get(sample, 0):
+                first = i
+        if first is None:
+            return
+        self._position_reported = True
+        sample = got[first]
+        where = self._trained_at.get(sample)
+        if wanted.get(sample, 0):
+            what = f"its sample {first} is one the interrupted run trained at step {step} {wanted[sample]} time(s) only, and it comes again"
+        elif where is not None:
+            what = f"its sample {first} is one the interrupted run trained at step {where}"
+        else:
+            what = f"its sample {first} is none the interrupted run trained after the checkpoint"
+        world = self._interrupted_world
+        over = f" over its {world} ranks" if world and world > 1 else ""
+        cause, cause_evidence = self._world_size_cause(ctx)
+        self.report(
+            RESUME_DATA_POSITION.code,
+            f"micro-batch {micro} of step {step}, the first after resuming from step {self._resume_step}, holds samples the "
+            f"interrupted run did not train at that step (the {len(want)} samples it trained there{over}, compared as one set "
+            f"with this run's samples {offset}-{offset + len(got) - 1} of the step on rank {ctx.rank}): {what}. The data loader "
+            "did not resume at the saved position." + cause,
+            step=step,
+            evidence={"sample_hashes": got[:16], "interrupted_run_sample_hashes": want[:16], "first_different": first,
+                      "interrupted_run_step_of_first_different": where, "resume_step": self._resume_step,
+                      "interrupted_run_samples_at_step": len(want), "interrupted_run_world_size": world, **cause_evidence},
+        )
+
+    def _world_size_cause(self, ctx: Any) -> tuple[str, dict[str, Any]]:
+        """The world-size change as the cause of a wrong data position (in words and evidence), or nothing when unchanged."""
+        saved = self._saved or {}
+        saved_world = saved.get("world_size") if isinstance(saved.get("world_size"), int) else self._interrupted_world
+        if saved_world is None or saved_world == ctx.world_size:
+            return "", {}
+        saved_batch = _batch_geometry(saved.get("config") or {}, saved_world)
+        batch = _batch_geometry({k: _plain(getattr(ctx.trainer.args, k, None)) for k in BATCH_KEYS}, ctx.world_size)
+        evidence: dict[str, Any] = {"cause": "world_size_changed", "saved_world_size": saved_world, "world_size": ctx.world_size}
+        if saved_batch is None or batch is None:
+            return (f" The cause is the world-size change ({_processes(saved_world)} then, {ctx.world_size} now): a step holds "
+                    f"another number of samples. Fix: resume with {_processes(saved_world)}, or keep the global batch (per-device "
+                    "batch x gradient accumulation x processes)."), evidence
+        evidence.update({"saved_global_batch": saved_batch[-1], "global_batch": batch[-1]})
+        if saved_batch[-1] == batch[-1]:
+            return (f" The world size changed ({_geometry_text(saved_batch)} then, {_geometry_text(batch)} now) with the global "
+                    "batch kept, yet the samples differ: the loader or its sampler splits the data by process in a way of its "
+                    f"own. Fix: resume with {_processes(saved_world)}."), evidence
+        resume = self._resume_step or 0
+        advice = ""
+        if saved_batch[-1] % (ctx.world_size * batch[1]) == 0:  # the per-device batch that keeps the global batch here
+            advice = (f", or keep the global batch of {saved_batch[-1]} on {_processes(ctx.world_size)}: "
+                      f"--per_device_train_batch_size {saved_batch[-1] // (ctx.world_size * batch[1])} with "
+                      f"--gradient_accumulation_steps {batch[1]}")
+        return (f" The cause is the world-size change: {_geometry_text(saved_batch)} then, {_geometry_text(batch)} now. The "
+                f"Trainer's data skip counts steps, not samples: the {resume} steps before the checkpoint are {resume * batch[-1]} "
+                f"samples now and were {resume * saved_batch[-1]}, so every step from here trains other samples. Fix: resume "
+                f"with {_processes(saved_world)}{advice}."), evidence
 
     def _interrupted_losses(self, ctx: Any) -> dict[int, float]:
         """The losses the interrupted run logged after the checkpoint (read once, before this run logs the same steps)."""
@@ -441,22 +524,19 @@ class ResumeCheck(Plugin):
         return self._earlier_losses
 
     def _expected_samples(self, ctx: Any) -> dict[int, list[str]]:
-        """step -> the sample hashes the interrupted attempt trained at that step after the checkpoint, micro-batches in
-        order (from data_hash's ledger); also fills ``_trained_at`` for the evidence."""
+        """step -> the sample hashes every rank of the interrupted attempt trained at that step after the checkpoint (from
+        data_hash's ledgers, all ranks); also fills ``_trained_at`` for the evidence and the interrupted run's world size."""
         if self._expected is None:
             last = (self._resume_step or 0) + self.options.first_steps
-            _, after = around_resume(ctx.run_dir, ctx.rank, self._resume_step or 0)
+            found = continuation(ctx.run_dir, self._resume_step or 0)
             source = self._source_run_dir
-            if not after and source is not None and source.resolve() != ctx.run_dir.resolve() and not source.is_symlink():
-                _, after = around_resume(source, ctx.rank, self._resume_step or 0, running_here=False)
-            expected: dict[int, list[str]] = {}
-            for record in sorted(after, key=lambda r: (r["step"], r["micro_batch"])):
-                samples = [str(h) for h in record.get("sample_hashes") or []]
-                if record["step"] <= last:
-                    expected.setdefault(record["step"], []).extend(samples)
-                for sample in samples:
-                    self._trained_at.setdefault(sample, record["step"])
-            self._expected = expected
+            if not found.records and source is not None and source.resolve() != ctx.run_dir.resolve() and not source.is_symlink():
+                found = continuation(source, self._resume_step or 0, running_here=False)
+            self._interrupted_world = found.world_size
+            for record in found.records:
+                for sample in record.get("sample_hashes") or []:
+                    self._trained_at.setdefault(str(sample), record["step"])
+            self._expected = {step: samples for step, samples in found.steps().items() if step <= last}
         return self._expected
 
     def _check_loss_band(self, ctx: Any, step: int, loss: float) -> None:
@@ -479,6 +559,46 @@ class ResumeCheck(Plugin):
                 step=step,
                 evidence={"loss": loss, "saved_window_median": median, "robust_sd": sd, "source": "first steps"},
             )
+
+
+BATCH_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps")
+STATE_BYTES = 64 << 20  # a received checkpoint is data: a larger state file is not read
+
+
+def _batch_geometry(config: dict[str, Any], world_size: Any) -> tuple[int, int, int, int] | None:
+    """(per-device batch, accumulation, processes, global batch) from training arguments, or None when one is not known."""
+    per_device, accumulation = config.get(BATCH_KEYS[0]), config.get(BATCH_KEYS[1])
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (per_device, accumulation, world_size)):
+        return None
+    return per_device, accumulation, world_size, per_device * accumulation * world_size
+
+
+def _geometry_text(geometry: tuple[int, ...]) -> str:
+    per_device, accumulation, world, total = geometry
+    return f"{_processes(world)} x {per_device} per device x {accumulation} accumulation = global batch {total}"
+
+
+def _processes(count: Any) -> str:
+    return f"{count} process" if count == 1 else f"{count} processes"
+
+
+def _state_of_rank_0(checkpoint_dir: Path, rank: int) -> dict[str, Any] | None:
+    """Rank 0's resume_check state for a rank the saving run did not have (a resume on more processes), else None.
+
+    Its weights, optimizer state (when not partitioned), scheduler, training
+    arguments and reference batch are those of every data-parallel replica.
+    """
+    path = checkpoint_dir / STATE_DIR / "rank-0.json"
+    if rank == 0 or path.is_symlink() or not path.is_file():
+        return None
+    try:
+        if path.stat().st_size > STATE_BYTES:
+            return None
+        state = json.loads(path.read_text(encoding="utf-8")).get("resume_check")
+    except (OSError, ValueError, AttributeError):
+        return None
+    world = state.get("world_size") if isinstance(state, dict) else None
+    return state if isinstance(world, int) and world <= rank else None
 
 
 def _read_logged_losses(path: Any) -> dict[int, float]:

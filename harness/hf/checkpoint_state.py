@@ -50,6 +50,10 @@ class CheckpointState:
                 states[name] = json.dumps(value)
             except (TypeError, ValueError) as exc:  # the plugin's state, not the checkpoint, is lost
                 manager.record_error(name, "checkpoint_state", exc)
+        if ctx.is_main:  # a folder saved again by fewer processes: the wider run's ranks must not pass for this save's
+            stale = checkpoints.drop_other_ranks(checkpoint_dir, ctx.world_size)
+            if stale:
+                log.info("harness: %s was saved before by more processes; removed their harness state %s", checkpoint_dir, stale)
         # written even when empty: with the marker below it tells a finished harness save from an interrupted one
         target = checkpoint_dir / STATE_DIR / f"rank-{ctx.rank}.json"
         written = False

@@ -200,24 +200,9 @@ def _tensors(path: Path) -> Any:
 
 
 def expected_shapes(model: Any) -> dict[str, tuple[tuple[int, ...], int]]:
-    """Each state-dict entry of the in-memory model: (shape, storage id); tied entries share the id (saved once)."""
+    """Each state-dict entry of the in-memory model: (shape, storage id); tied entries share the id (saved once).
+    Judged against a file by :func:`harness.lib.checkpoint_layout.layout_problems`, beside transformers' saved format."""
     shapes: dict[str, tuple[tuple[int, ...], int]] = {}
     for name, tensor in model.state_dict().items():
         shapes[name] = (tuple(tensor.shape), int(tensor.untyped_storage().data_ptr()) if tensor.numel() else id(tensor))
     return shapes
-
-
-def shape_problems(weights: Weights, expected: dict[str, tuple[tuple[int, ...], int]]) -> tuple[list[Problem], str | None]:
-    """Saved tensors against the model's: wrong shapes and missing tensors are problems; other names: not comparable."""
-    saved = weights.shapes
-    unexpected = [k for k in saved if k not in expected]
-    if unexpected and any(k not in saved for k in expected):
-        return [], f"the saved names do not match the model's ({len(unexpected)} unknown, e.g. {unexpected[0]}): a converted format"
-    problems = [Problem(weights.files[0] if len(weights.files) == 1 else "weights", f"tensor {k} has shape {list(saved[k])}, the model's is {list(shape)}")
-                for k, (shape, _) in expected.items() if k in saved and tuple(saved[k]) != shape]
-    present = {expected[k][1] for k in saved if k in expected}
-    missing = [k for k, (_, storage) in expected.items() if k not in saved and storage not in present]
-    if missing:
-        problems.append(Problem(weights.files[0] if len(weights.files) == 1 else "weights",
-                                f"lacks {len(missing)} tensor(s) of the model, e.g. {', '.join(missing[:3])}"))
-    return problems, None

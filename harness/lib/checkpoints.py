@@ -74,6 +74,34 @@ def write_marker(checkpoint_dir: Path, rank: int, world_size: int, step: int) ->
     os.replace(tmp, target)
 
 
+def drop_other_ranks(checkpoint_dir: Path, world_size: int) -> list[str]:
+    """Remove the harness's state and markers of ranks at or above ``world_size`` from a checkpoint saved again.
+
+    The Trainer saves into an existing ``checkpoint-<N>`` folder without
+    clearing it: after a resume on fewer processes re-saves a step, a
+    ``rank-1.json`` of the earlier, wider run would be read as this save's.
+    Only the harness's own files, by exact name (a link is removed, never
+    followed); the Trainer's files are the Trainer's. Returns the names removed.
+    """
+    folder = Path(checkpoint_dir) / STATE_DIR
+    pattern = re.compile(r"^(?:complete\.rank-|rank-)(\d+)(?:\.json)?$")
+    removed: list[str] = []
+    try:
+        names = [entry.name for entry in os.scandir(folder) if not entry.is_dir(follow_symlinks=False)]
+    except OSError:
+        return removed  # no state folder yet: a first save
+    for name in names:
+        match = pattern.match(name)
+        if match is None or int(match.group(1)) < world_size:
+            continue
+        try:
+            os.unlink(folder / name)
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
 def set_aside(checkpoint: Path) -> Path | None:
     """Rename an incomplete ``checkpoint-<N>`` to ``incomplete-checkpoint-<N>`` (``.2``, ``.3`` ... if taken); None if it cannot be.
 

@@ -16,14 +16,18 @@ reads at most once, and nothing here runs on an ordinary step.
   (or not floating, as an embedding's token ids), its own parameters (that
   module's only, not its children's) are checked for NaN/Inf with one more
   read: a weight already non-finite is the model state (an earlier update
-  wrote it), neither the batch nor the device.
+  wrote it), neither the batch nor the device. When its input is already
+  non-finite, no module call made the NaN: the code of an enclosing module
+  did, between its children's calls (a Qwen3-MoE experts module applies its
+  own 3D expert weights before it calls its activation). That module, the
+  innermost enclosing one whose inputs were finite, is named
+  (``nonfinite_made_in``) and its own parameters are checked instead.
 
 Finiteness is read from ``torch.aminmax`` (NaN propagates into both, Inf
 shows as an extreme), so no tensor the size of an activation is allocated.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,12 +70,6 @@ def nonfinite_names(named: Iterable[tuple[str, torch.Tensor | None]]) -> tuple[l
     return [n for (n, _), ok in zip(kept, finite) if not ok], len(kept)
 
 
-def _first_float(value: Any) -> torch.Tensor | None:
-    for tensor in _float_tensors(value, first_only=True):
-        return tensor
-    return None
-
-
 def _float_tensors(value: Any, first_only: bool = False, depth: int = 0) -> list[torch.Tensor]:
     """Floating-point tensors in a module's input or output (tensors, tuples, lists, dicts, ModelOutputs)."""
     if _usable(value):
@@ -96,6 +94,7 @@ class ModuleCall:
     input: dict[str, Any] | None
     output: dict[str, Any] | None
     finite: bool
+    inputs_finite: bool = True  # every floating input (not only the first) was finite
 
     def describe(self) -> str:
         def stats(s: dict[str, Any] | None) -> str:
@@ -132,7 +131,9 @@ class ForwardLocation:
     first: ModuleCall | None
     last_finite: ModuleCall | None
     calls: int
-    own_params: list[ParamCount] | None = None  # the first module's own parameters, checked (None: not checked)
+    own_params: list[ParamCount] | None = None  # the parameters of the module that made the NaN, checked (None: not checked)
+    made_in: ModuleCall | None = None  # first's input was already non-finite: the enclosing module whose own code made it
+    fed_nonfinite: bool = False  # first's input was already non-finite and no enclosing module had finite inputs
 
     @property
     def nonfinite_params(self) -> list[ParamCount]:
@@ -149,6 +150,8 @@ class ForwardLocation:
             "first_nonfinite": self.first.evidence() if self.first else None,
             "last_finite_module": self.last_finite.name if self.last_finite else None,
             "last_finite": self.last_finite.evidence() if self.last_finite else None,
+            # first's input was already non-finite: the enclosing module whose own code (not a child's call) made the NaN
+            "nonfinite_made_in": self.made_in.name if self.made_in else None,
             "modules_traced": self.calls,
             # the first module's own parameters that hold NaN/Inf ([]: checked, all finite; None: not checked)
             "nonfinite_params_of_module": None if self.own_params is None else [p.evidence() for p in self.nonfinite_params],
@@ -160,10 +163,17 @@ class ForwardLocation:
             return (f"a rerun of that micro-batch on the same weights was finite in all {self.calls} module calls "
                     "(not reproduced in the forward: a transient fault, or a loss computed outside the model)")
         after = f", after {self.last_finite.name} (finite)" if self.last_finite else " (the first module to run)"
+        made = ""
+        if self.made_in is not None:
+            made = (f"; its input was already non-finite: {self.made_in.name} ({self.made_in.kind}) made it with its own code "
+                    f"before calling {self.first.name} (its inputs were finite)")
+        elif self.fed_nonfinite:
+            made = "; its input was already non-finite when the model received it"
         bad = self.nonfinite_params
-        own = ("; " + "; ".join(p.describe() for p in bad) + ": the weights were already non-finite before this step (an "
+        where = f"{self.made_in.name}: " if self.made_in is not None and bad else ""
+        own = ("; " + where + "; ".join(p.describe() for p in bad) + ": the weights were already non-finite before this step (an "
                "earlier update wrote them), so the model state made this NaN, not the batch and not the device") if bad else ""
-        return f"first module with a non-finite output, rerun on the same weights: {self.first.describe()}{after}{own}"
+        return f"first module with a non-finite output, rerun on the same weights: {self.first.describe()}{after}{made}{own}"
 
 
 class ForwardTrace:
@@ -189,8 +199,8 @@ class ForwardTrace:
 
     def _hook(self, name: str) -> Any:
         def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            source = _first_float(args)
-            source = source if source is not None else _first_float(kwargs)
+            sources = _float_tensors(args) + _float_tensors(kwargs)
+            source = sources[0] if sources else None
             outputs = _float_tensors(output)
             first = outputs[0] if outputs else None
             ref = first if first is not None else source
@@ -202,7 +212,9 @@ class ForwardTrace:
             out = extremes(first) if first is not None else blank
             flags = [torch.isfinite(extremes(o).to(device)).all() for o in outputs]
             finite = torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
-            row = torch.cat((inp, out, finite.float().reshape(1)))
+            in_flags = [torch.isfinite(extremes(i).to(device)).all() for i in sources]
+            inputs_finite = torch.stack(in_flags).all() if in_flags else torch.ones((), dtype=torch.bool, device=device)
+            row = torch.cat((inp, out, finite.float().reshape(1), inputs_finite.float().reshape(1)))
             self._calls.append((name, type(module).__name__, source is not None, first is not None, row))
         return hook
 
@@ -212,13 +224,28 @@ class ForwardTrace:
             return ForwardLocation(None, None, 0)
         device = self._calls[0][4].device
         rows = torch.stack([row.to(device) for *_, row in self._calls]).tolist()
-        last_finite: ModuleCall | None = None
-        for (name, kind, has_in, has_out, _), (i_lo, i_hi, o_lo, o_hi, ok) in zip(self._calls, rows):
-            call = ModuleCall(name, kind, _stats(i_lo, i_hi) if has_in else None, _stats(o_lo, o_hi) if has_out else None, bool(ok))
-            if not call.finite:
-                return ForwardLocation(call, last_finite, len(rows))
-            last_finite = call
-        return ForwardLocation(None, last_finite, len(rows))
+        calls = [ModuleCall(name, kind, _stats(i_lo, i_hi) if has_in else None, _stats(o_lo, o_hi) if has_out else None, bool(ok),
+                            bool(ins))
+                 for (name, kind, has_in, has_out, _), (i_lo, i_hi, o_lo, o_hi, ok, ins) in zip(self._calls, rows)]
+        index = next((i for i, call in enumerate(calls) if not call.finite), None)
+        if index is None:
+            return ForwardLocation(None, calls[-1] if calls else None, len(rows))
+        first, last_finite = calls[index], calls[index - 1] if index else None
+        if first.inputs_finite:
+            return ForwardLocation(first, last_finite, len(rows))
+        made_in = self._enclosing_with_finite_inputs(first.name, calls[index + 1 :])
+        return ForwardLocation(first, last_finite, len(rows), made_in=made_in, fed_nonfinite=made_in is None)
+
+    def _enclosing_with_finite_inputs(self, name: str, later: list[ModuleCall]) -> ModuleCall | None:
+        """The innermost module enclosing ``name`` (it finishes later) whose inputs were all finite: its own code made the NaN."""
+        root = next((label for label, (prefix, _) in self.modules.items() if prefix == ""), None)
+        parts = name.split(".") if name != root else []
+        enclosing = [".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1)] + ([root] if root and name != root else [])
+        for parent in enclosing:
+            call = next((c for c in later if c.name == parent), None)
+            if call is not None and call.inputs_finite:  # else it received the NaN too: look further out
+                return call
+        return None
 
 
 def _stats(low: float, high: float) -> dict[str, float]:
@@ -243,23 +270,22 @@ def own_param_counts(module: torch.nn.Module, prefix: str = "", rank: int | None
     return [ParamCount(f"{prefix}.{n}" if prefix else n, n, int(c), p.numel(), rank) for (n, p), c in zip(named, counts)]
 
 
-def _finite_or_absent(stats: dict[str, Any] | None) -> bool:
-    """A module input that cannot have made the NaN: no floating input (token ids), or finite min and max."""
-    return stats is None or all(math.isfinite(stats[k]) for k in ("min", "max"))
-
-
 def locate_forward(model: torch.nn.Module, inputs: Mapping[str, Any], rank: int | None = None) -> ForwardLocation:
     """Run ``model(**inputs)`` once without gradients, RNG untouched afterwards, and name the first non-finite module output.
 
-    When that module's input is finite, its own parameters are checked too (one more read, this module only).
+    The parameters of the module that made the NaN (the first non-finite module when its inputs were finite, else the
+    enclosing module whose code did) are checked too (one more read, that module's own parameters only).
     """
     saved = rng_state()
     try:
         with torch.no_grad(), ForwardTrace(model) as trace:
             model(**inputs)
         found = trace.result()
-        if found.first is not None and _finite_or_absent(found.first.input) and found.first.name in trace.modules:
-            prefix, module = trace.modules[found.first.name]
+        maker = found.made_in  # the enclosing module whose own code made the NaN, else the first module if its inputs were finite
+        if maker is None and found.first is not None and found.first.inputs_finite:
+            maker = found.first
+        if maker is not None and maker.name in trace.modules:
+            prefix, module = trace.modules[maker.name]
             found.own_params = own_param_counts(module, prefix, rank)
         return found
     finally:

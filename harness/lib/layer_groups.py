@@ -1,8 +1,10 @@
 """Parameters grouped by transformer block, the unit that per-layer statistics are kept for.
 
-A parameter inside a block (a ``layers.<i>``, ``h.<i>`` or ``blocks.<i>``
-part of its name, as Llama/Mistral/Qwen, GPT-2 and many others name them)
-belongs to that block (``model.layers.1``); any other parameter belongs to
+A parameter inside a block (a ``layers.<i>``, ``layer.<i>``, ``h.<i>``,
+``blocks.<i>`` or ``block.<i>`` part of its name, as Llama/Mistral/Qwen/Gemma,
+BERT/RoBERTa, GPT-2/Falcon/BLOOM, MPT and T5 name them; the first such part
+when there are several, so T5's ``encoder.block.0.layer.1`` is the block
+``encoder.block.0``) belongs to that block (``model.layers.1``); any other parameter belongs to
 its own module (``model.embed_tokens``, ``model.norm``, ``lm_head``), so the
 embeddings and the head are groups of their own. Wrapper prefixes (DDP's
 ``module.``, ``torch.compile``'s ``_orig_mod.``, FSDP's
@@ -14,10 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-BLOCK = re.compile(r"^(.*?(?:^|\.)(?:layers|h|blocks)\.\d+)(?:\.|$)")
+BLOCK = re.compile(r"^(.*?(?:^|\.)(?:layers|layer|h|blocks|block)\.\d+)(?:\.|$)")
 WRAPPERS = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-QUERY_SUFFIXES = ("q_proj",)
-KEY_SUFFIXES = ("k_proj",)
 
 
 def clean_name(name: str) -> str:
@@ -67,31 +67,3 @@ class LayerGroups:
 
     def __len__(self) -> int:
         return len(self.names)
-
-
-def attention_projections(model: Any, groups: list[str]) -> dict[int, tuple[Any, Any, Any]]:
-    """Per block index in ``groups``: (attention module, query projection, key projection), where the model names them so.
-
-    Separate ``q_proj``/``k_proj`` linears (Llama, Mistral, Qwen, OPT, ...)
-    are found; fused projections (GPT-2's ``c_attn``) are not, and those
-    blocks get no attention-logit statistic.
-    """
-    position = {name: i for i, name in enumerate(groups)}
-    found: dict[int, dict[str, Any]] = {}
-    for name, module in model.named_modules():
-        parent, _, leaf = clean_name(name).rpartition(".")
-        kind = "q" if leaf in QUERY_SUFFIXES else "k" if leaf in KEY_SUFFIXES else None
-        if kind is None:
-            continue
-        index = position.get(group_of(name + ".weight"))
-        if index is None or not is_block(groups[index]):
-            continue
-        entry = found.setdefault(index, {"parent": parent})
-        entry[kind] = module
-    modules = dict(model.named_modules())
-    out: dict[int, tuple[Any, Any, Any]] = {}
-    for index, entry in found.items():
-        if "q" in entry and "k" in entry:
-            attention = modules.get(entry["parent"]) or next((m for n, m in modules.items() if clean_name(n) == entry["parent"]), None)
-            out[index] = (attention, entry["q"], entry["k"])
-    return out

@@ -8,7 +8,11 @@ flight, and the step pays no system call) and fsynced every
 starts an *attempt* with a header line (the step it starts from), so a
 resumed run's ledger holds both the interrupted run's steps past the
 checkpoint and the steps that replaced them: exactly what a resume check
-needs to compare.
+needs to compare. Attempts are numbered by the run, not by the rank: a rank
+that first trains at a resume (the world grew) takes the run's next number,
+so one number names one attempt in every rank's file, and ``continuation``
+reads what an interrupted attempt trained after a checkpoint over all its
+ranks (a step's samples are one set, whatever the world size).
 
 ``read_ledger`` turns the files into one pandas DataFrame, one row per sample.
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -55,6 +61,19 @@ def iter_records(path: Path) -> Iterator[dict[str, Any]]:
             yield record
 
 
+def ledger_files(run_dir: Path) -> dict[int, Path]:
+    """rank -> its ledger file (``ledger/rank-<r>.jsonl``); none through a symbolic link (a received run is data)."""
+    folder = Path(run_dir) / LEDGER_DIR
+    if folder.is_symlink() or not folder.is_dir():
+        return {}
+    files = {}
+    for path in folder.glob("rank-*.jsonl"):
+        rank = path.stem.split("-", 1)[1]
+        if rank.isdigit() and not path.is_symlink() and path.is_file():
+            files[int(rank)] = path
+    return dict(sorted(files.items()))
+
+
 def _attempt_of(record: dict[str, Any]) -> int:
     value = record.get("attempt", 0)
     return value if isinstance(value, int) else 0
@@ -76,10 +95,13 @@ class _Scan:
         """``before_running``: the attempt about to start has not written its start line yet (the writer's view)."""
         self.resume_step = resume_step
         self.highest = 0  # the highest attempt number in the file
+        self.highest_trained = 0  # ... of a line that is no start line (an attempt that trained at least one step)
         self._best: dict[tuple[int, int], dict[str, Any]] = {}
         self._after_any: list[dict[str, Any]] = []  # after the resume step: the newest attempt's records
         self._after_writer: list[dict[str, Any]] = []  # ... the newest attempt's that trained the resume step itself
         self._writers: set[int] = set()  # attempts with a record at the resume step (they saved, or could save, its checkpoint)
+        self.trained_after: dict[int, list[dict[str, Any]]] = {}  # earlier attempt -> its records after the resume step
+        self.worlds: dict[int, int] = {}  # attempt -> its world size (start lines)
         tail: list[dict[str, Any]] = []  # records of the newest started attempt (left out when it is the running one)
         newest_start, self.boundary = 0, 0
         stat = os.stat(path) if path.exists() else None
@@ -91,6 +113,10 @@ class _Scan:
                     continue
                 attempt = _attempt_of(record)
                 self.highest = max(self.highest, attempt)
+                if record.get("event") is None:
+                    self.highest_trained = max(self.highest_trained, attempt)
+                elif record.get("event") == "start" and isinstance(record.get("world_size"), int):
+                    self.worlds[attempt] = record["world_size"]
                 if before_running:
                     if record.get("event") is None:
                         self._settle(record)
@@ -127,9 +153,14 @@ class _Scan:
             if record["step"] == self.resume_step:
                 self._writers.add(attempt)
             return
+        self.trained_after.setdefault(attempt, []).append(record)
         _keep_newest(self._after_any, record, attempt)
         if attempt in self._writers:
             _keep_newest(self._after_writer, record, attempt)
+
+    @property
+    def writers(self) -> set[int]:
+        return self._writers
 
     @property
     def before(self) -> list[dict[str, Any]]:
@@ -200,6 +231,178 @@ def around_resume(run_dir: Path, rank: int, resume_step: int, running_here: bool
     return scan.before, list(scan.after)
 
 
+TAIL_BYTES = 1 << 13  # read from the end of another rank's ledger for its newest attempt (grown until a record is found)
+
+
+def _newest_trained(path: Path) -> int:
+    """The attempt of the last intact line of ``path`` that is no start line (0: none), read from the end of the file.
+
+    Attempt numbers only grow within a file, so that line holds the file's
+    highest attempt that trained a step; start lines after it (an attempt
+    starting now, or one killed before its first step) are left out. The NUL
+    bytes of a writer's mapped window (open, or killed) are skipped.
+    """
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            while size > 0:  # the end of the written lines: before the unwritten rest of a mapped window
+                start = max(0, size - (1 << 16))
+                handle.seek(start)
+                block = handle.read(size - start)
+                kept = len(block.rstrip(b"\0"))
+                size = start + kept
+                if kept:
+                    break
+            chunk = TAIL_BYTES
+            while True:
+                start = max(0, size - chunk)
+                handle.seek(start)
+                lines = handle.read(size - start).split(b"\n")[:-1]  # the last piece is empty or cut by a kill
+                for line in reversed(lines[1:] if start > 0 else lines):  # the first piece may be cut by the seek
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(record, dict) and record.get("event") is None:
+                        return _attempt_of(record)
+                if start == 0:
+                    return 0
+                chunk *= 8
+    except OSError:
+        return 0
+
+
+def run_attempt(run_dir: Path, rank: int, own_trained: int) -> int:
+    """The number of an attempt starting now: one above the highest attempt that trained a step in any rank's ledger.
+
+    ``own_trained``: that number in this rank's own file (already read). The
+    other ranks' files are read from their ends. Start lines without a trained
+    step after them are left out: the other ranks of this very attempt may have
+    written theirs already (no rank writes a step before every rank started:
+    the first step's gradients meet across the ranks), so every rank of one
+    launch gets the same number, a rank that joins at a resume included.
+    """
+    highest = own_trained
+    for other, path in ledger_files(run_dir).items():
+        if other != rank:
+            highest = max(highest, _newest_trained(path))
+    return highest + 1
+
+
+_RUNNING: dict[str, int] = {}  # run directory -> the attempt this process writes now (its earlier attempts are below it)
+_RECORD_HEAD = re.compile(rb'\{"attempt":(\d+),"step":(-?\d+),')  # the start of every record line the writer formats
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What one earlier attempt trained after a checkpoint, over all its ranks: the interrupted run's next steps."""
+
+    attempt: int | None = None  # the run's number of that attempt; None when no earlier attempt got past the checkpoint
+    world_size: int | None = None  # its processes (from its start lines, else the ranks that wrote its records)
+    records: list[dict[str, Any]] = field(default_factory=list)  # its records after the checkpoint, "rank" added, by step, rank, micro-batch
+
+    def steps(self) -> dict[int, list[str]]:
+        """step -> the sample hashes every rank of that attempt trained at it (one set per step, whatever the world size)."""
+        out: dict[int, list[str]] = {}
+        for record in self.records:
+            out.setdefault(record["step"], []).extend(str(h) for h in record.get("sample_hashes") or [])
+        return out
+
+
+_CONTINUATIONS: dict[tuple[Any, ...], Continuation] = {}  # the last few reads, keyed by the files' sizes and times
+
+
+def continuation(run_dir: Path, resume_step: int, running_here: bool = True, ranks: set[int] | None = None) -> Continuation:
+    """What the interrupted run trained after the checkpoint of ``resume_step``, over every rank's ledger (or ``ranks``).
+
+    The interrupted run is the newest earlier attempt that trained the
+    checkpoint's step itself (the one that saved it), not a later attempt that
+    resumed from the same checkpoint and may have been wrong; without one, the
+    newest earlier attempt that trained past it. With ``running_here`` the
+    attempt this process writes now is left out (with False: the ledger of
+    another run directory, every attempt is earlier). Lines at or before the
+    checkpoint are matched by their first bytes, not parsed; this rank's own
+    file is not read again when its writer's pass for the resume still holds.
+    """
+    files = ledger_files(run_dir)
+    if ranks is not None:
+        files = {r: p for r, p in files.items() if r in ranks}
+    running = _RUNNING.get(_key(Path(run_dir))) if running_here else None
+    signature: list[Any] = [_key(Path(run_dir)), resume_step, running, tuple(sorted(ranks)) if ranks is not None else None]
+    for rank, path in files.items():
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        signature.append((rank, stat.st_size, stat.st_mtime_ns))
+    key = tuple(signature)
+    if key in _CONTINUATIONS:
+        return _CONTINUATIONS[key]
+    writers: set[int] = set()
+    after: dict[int, list[tuple[int, bytes | dict[str, Any]]]] = {}  # attempt -> (rank, its line or its record)
+    worlds: dict[int, int] = {}
+    for rank, path in files.items():
+        scan = _SCANS.get(_key(path)) if running_here else None
+        if scan is not None and scan.resume_step == resume_step and scan.still_valid(path):
+            # this process's own writer read the file for this resume already (every attempt in it is an earlier one)
+            for attempt, world in scan.worlds.items():
+                worlds.setdefault(attempt, world)
+            writers.update(a for a in scan.writers if running is None or a < running)
+            for attempt, trained in scan.trained_after.items():
+                if running is None or attempt < running:
+                    after.setdefault(attempt, []).extend((rank, record) for record in trained)
+            continue
+        try:
+            handle = open(path, "rb")
+        except OSError:
+            continue
+        with handle:
+            for line in handle:
+                if not line.endswith(b"\n"):
+                    break  # the last line of a killed process may be incomplete
+                head = _RECORD_HEAD.match(line)
+                if head is not None:
+                    attempt, step = int(head.group(1)), int(head.group(2))
+                else:
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue
+                    if not isinstance(record, dict):
+                        continue
+                    attempt, step = _attempt_of(record), record.get("step")
+                    if record.get("event") == "start":
+                        if isinstance(record.get("world_size"), int):
+                            worlds[attempt] = record["world_size"]
+                        continue
+                    if not isinstance(step, int):
+                        continue
+                if running is not None and attempt >= running:
+                    continue
+                if step == resume_step:
+                    writers.add(attempt)
+                elif step > resume_step:
+                    after.setdefault(attempt, []).append((rank, line))
+    chosen = max(writers) if writers else max(after, default=None)
+    records = []
+    for rank, item in after.get(chosen, []) if chosen is not None else []:
+        try:
+            record = item if isinstance(item, dict) else json.loads(item)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("micro_batch"), int):
+            records.append({**record, "rank": rank})
+    records.sort(key=lambda r: (r["step"], r["rank"], r["micro_batch"]))
+    world = worlds.get(chosen) if chosen is not None else None
+    if world is None and records:
+        world = len({r["rank"] for r in records})
+    found = Continuation(chosen, world, records)
+    _CONTINUATIONS[key] = found
+    while len(_CONTINUATIONS) > _MAX_SCANS:
+        _CONTINUATIONS.pop(next(iter(_CONTINUATIONS)))
+    return found
+
+
 class LedgerWriter:
     """Appends one rank's records; each step is in the page cache at once, fsynced every ``fsync_every`` steps."""
 
@@ -210,7 +413,10 @@ class LedgerWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._handle: MappedLines | None = MappedLines(self.path)  # a torn last line is closed first: the start line stays readable
         self._scan: _Scan | None = _Scan(self.path, resume_step, before_running=True)
-        self.attempt = self._scan.highest + 1
+        self.attempt = run_attempt(run_dir, rank, self._scan.highest_trained)  # the run's number, alike on every rank
+        self._scan.current = self.attempt
+        self._run_dir = _key(Path(run_dir))
+        _RUNNING[self._run_dir] = self.attempt
         if resume_step is not None:
             _remember(self.path, self._scan)
         else:
@@ -264,6 +470,8 @@ class LedgerWriter:
 
     def close(self) -> None:
         self._forget_scan()
+        if _RUNNING.get(self._run_dir) == self.attempt:
+            del _RUNNING[self._run_dir]
         if self._handle is not None:
             self._handle.close(sync=True)
             self._handle = None
@@ -285,7 +493,8 @@ def read_ledger(path: str | Path) -> Any:
     Columns: ``attempt``, ``rank``, ``step``, ``micro_batch``, ``epoch``,
     ``row``, ``sample_id``, ``sample_hash``, ``batch_hash`` and
     ``superseded`` (True for steps an interrupted attempt trained past the
-    checkpoint that a later attempt resumed from: their updates were lost).
+    checkpoint that a later attempt, on any rank, resumed from: their updates
+    were lost).
     """
     import pandas as pd
 
@@ -312,12 +521,14 @@ def read_ledger(path: str | Path) -> Any:
                         "batch_hash": record["batch_hash"],
                     }
                 )
+    # attempts are the run's (one number on every rank): a later attempt on any rank supersedes what this one trained past
+    # its start (a rank left out of a resume on fewer processes has no start line of its own after its steps)
+    attempts = {attempt for _, attempt in starts} | {row["attempt"] for row in rows}
     later_start = {
-        (rank, attempt): min((s for (r, a), s in starts.items() if r == rank and a > attempt), default=None)
-        for (rank, attempt) in starts
+        attempt: min((s for (_, a), s in starts.items() if a > attempt), default=None) for attempt in attempts
     }
     for row in rows:
-        cut = later_start.get((row["rank"], row["attempt"]))
+        cut = later_start.get(row["attempt"])
         row["superseded"] = cut is not None and row["step"] > cut
     columns = ["attempt", "rank", "step", "micro_batch", "epoch", "row", "sample_id", "sample_hash", "batch_hash", "superseded"]
     return pd.DataFrame(rows, columns=columns)

@@ -118,10 +118,14 @@ class EvalExample:
     example_id: str
     text: str | None
     variants: list[np.ndarray]
+    cuts: list[np.ndarray] | None = None  # per variant: where joined lines/documents meet (harness.lib.copied_spans)
 
     @property
     def length(self) -> int:
         return max((len(v) for v in self.variants), default=0)
+
+    def cuts_of(self, variant: int) -> np.ndarray | None:
+        return self.cuts[variant] if self.cuts is not None and variant < len(self.cuts) else None
 
 
 @dataclass

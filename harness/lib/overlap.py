@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.lib.copied_spans import CopiedSpans, copied_spans, crossing_windows
 from harness.lib.documents import MissingFieldError, ScanError, iter_documents, unique_names
 from harness.lib.ngrams import EvalExample, Hit, NgramIndex, normalise_words, word_units
 from harness.lib.word_scan import WordChunk, documents_buffer
@@ -25,6 +26,7 @@ class ScanOptions:
     template_min_examples: int = 10
     dirty_fraction: float = 0.5
     partial_fraction: float = 0.0
+    dirty_span: int = 32  # a training span of this many units makes an example dirty whatever its fraction (0: off)
     max_locations: int = 5
     snippet_chars: int = 160
     min_length: int = 4
@@ -113,39 +115,46 @@ class Tally:
 
 
 def judge(index: NgramIndex, e: int, tally: Tally | None, options: ScanOptions) -> dict[str, Any]:
-    """The report row of one eval example: fractions, longest span, documents, status."""
+    """The report row of one eval example: fractions, training spans, documents, status.
+
+    A single example is judged on the share of its n-grams seen in training. A row that joins lines or documents
+    (``harness.lib.copied_spans``: the n-grams across its boundaries count neither way) is judged on the larger of
+    that share and the share of its tokens inside training spans, since a copied line cut by a training block loses
+    the n-grams across the cut but not its tokens; and a training span of ``dirty_span`` units makes it dirty
+    whatever its fractions (a single example's long span may be template text its few siblings share).
+    """
     example = index.examples[e]
-    best = {"fraction": 0.0, "coverage": 0.0, "longest": 0}
+    best, longest, by_span = None, 0, False
     for v, units in enumerate(example.variants):
         offsets = sorted((tally.matched.get(v) or set()) if tally else set())
-        total = index.windows_of(e, v)
-        if not total or not offsets:
-            continue
         window = min(index.n, len(units))
-        covered = np.zeros(len(units), dtype=bool)
-        for o in offsets:
-            covered[o : o + window] = True
-        run = longest = 0
-        previous = None
-        for o in offsets:
-            run = run + 1 if previous is not None and o == previous + 1 else 1
-            longest = max(longest, run)
-            previous = o
-        candidate = {"fraction": len(offsets) / total, "coverage": float(covered.mean()), "longest": longest + window - 1}
-        if candidate["fraction"] > best["fraction"]:
-            best = candidate
+        if not index.windows_of(e, v):
+            continue
+        cuts = example.cuts_of(v)
+        crossing = crossing_windows(len(units), window, cuts) if cuts is not None else np.zeros(index.windows_of(e, v), np.bool_)
+        copy = copied_spans(offsets, len(units), window, crossing, cuts)
+        longest = max(longest, copy.longest)
+        by_span = by_span or (copy.joined and bool(options.dirty_span) and copy.longest >= options.dirty_span)
+        if best is None or (copy.judged_fraction, copy.longest) > (best.judged_fraction, best.longest):
+            best = copy
+    best = best or CopiedSpans()
     near = sorted(tally.near, key=lambda d: -d["jaccard"]) if tally else []
+    fraction = best.judged_fraction
     if example.length < options.min_length and not near:
-        status = "too_short"
-    elif best["fraction"] >= options.dirty_fraction or near:
+        status, why = "too_short", None
+    elif fraction >= options.dirty_fraction or by_span or near:
         status = "dirty"
-    elif best["fraction"] > options.partial_fraction:
-        status = "partial"
+        why = "fraction" if fraction >= options.dirty_fraction else "span" if by_span else "near_duplicate"
+    elif fraction > options.partial_fraction:
+        status, why = "partial", None
     else:
-        status = "clean"
+        status, why = "clean", None
     return {
-        "eval_set": example.eval_set, "id": example.example_id, "status": status, "units": example.length,
-        "matched_fraction": round(best["fraction"], 6), "coverage": round(best["coverage"], 6), "longest_span": best["longest"],
+        "eval_set": example.eval_set, "id": example.example_id, "status": status, "dirty_by": why, "units": example.length,
+        "matched_fraction": round(fraction, 6), "ngram_fraction": round(best.fraction, 6), "matched_ngrams": best.matched,
+        "ngrams": best.windows, "boundary_ngrams": best.crossing, "boundary_matched": best.crossing_matched,
+        "coverage": round(best.covered / best.units, 6) if best.units else 0.0, "copied_fraction": round(best.copied_fraction, 6),
+        "joined": best.joined, "longest_span": longest, "training_spans": len(best.spans),
         "documents_hit": len(tally.documents) if tally else 0, "locations": tally.locations if tally else [],
         "near_duplicates": len(near), "near_duplicate_jaccard": near[0]["jaccard"] if near else None,
         "near_duplicate_documents": near[: options.max_locations],

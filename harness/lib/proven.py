@@ -12,6 +12,14 @@ checkpoint, is passed over: ``checkpoints.abandoned_checkpoints``).
 ``rotate`` is transformers' ``save_total_limit`` rotation (oldest step first, the newest always kept) with more folders kept
 (the last proven one, those still being checked), so that the only
 checkpoint known to be good is never the one deleted.
+
+``harness_checked`` (the same record, with ``not_proven``: why) marks a
+checkpoint whose proof could not be made but which is complete with
+readable, finite weights (a model above ``max_model_mb``, no batch the model
+accepts, names no layout fits). It is never taken as proven; with no proven
+checkpoint, ``resume_candidate`` falls back to the newest such one and says
+so in a note: a checkpoint the Trainer would resume is named, never refused
+for what the harness could not check.
 """
 from __future__ import annotations
 
@@ -25,6 +33,8 @@ from harness.lib.safe_paths import safe_rmtree, safe_target, safe_write_text
 
 MARKER = "harness_proven"
 FORMAT = "train-harness-proven/1"
+CHECKED = "harness_checked"  # complete with readable, finite weights; the proof could not be made (why: ``not_proven``)
+CHECKED_FORMAT = "train-harness-checked/1"
 
 
 def write_proven(output_dir: Path, checkpoint: Path, record: dict[str, Any]) -> Path:
@@ -33,16 +43,23 @@ def write_proven(output_dir: Path, checkpoint: Path, record: dict[str, Any]) -> 
     return safe_write_text(Path(output_dir), Path(checkpoint) / MARKER, json.dumps(body, indent=1, sort_keys=True))
 
 
+def write_checked(output_dir: Path, checkpoint: Path, record: dict[str, Any]) -> Path:
+    """Write ``harness_checked`` as :func:`write_proven` writes its marker."""
+    body = {"format": CHECKED_FORMAT, **record}
+    return safe_write_text(Path(output_dir), Path(checkpoint) / CHECKED, json.dumps(body, indent=1, sort_keys=True))
+
+
 def forget_proof(output_dir: Path, checkpoint: Path) -> None:
-    """Remove ``checkpoint``'s marker before a new save into the same folder (a resume that saves that step again),
+    """Remove ``checkpoint``'s markers before a new save into the same folder (a resume that saves that step again),
     so that a torn or corrupt second save is never taken for the proven first one. Never through a link."""
-    path = Path(checkpoint) / MARKER
-    if path.is_symlink() or not path.is_file():
-        return
-    try:
-        safe_target(Path(output_dir), path).unlink()
-    except (OSError, ValueError):
-        pass
+    for name in (MARKER, CHECKED):
+        path = Path(checkpoint) / name
+        if path.is_symlink() or not path.is_file():
+            continue
+        try:
+            safe_target(Path(output_dir), path).unlink()
+        except (OSError, ValueError):
+            pass
 
 
 def _short(value: Any, limit: int = 80, quoted: bool = True) -> str:
@@ -54,10 +71,11 @@ def _short(value: Any, limit: int = 80, quoted: bool = True) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def read_marker(checkpoint: Path) -> tuple[dict[str, Any] | None, str | None]:
+def read_marker(checkpoint: Path, name: str = MARKER) -> tuple[dict[str, Any] | None, str | None]:
     """``(record, None)`` for a valid marker of ``checkpoint``; ``(None, None)`` when it has none; ``(None, why)`` for a
-    marker that is there but is not proof (a link, a folder, not JSON, another format, another step)."""
-    path = Path(checkpoint) / MARKER
+    marker that is there but is not proof (a link, a folder, not JSON, another format, another step). ``name``: the
+    proof (``harness_proven``) or the fallback (``harness_checked``)."""
+    path = Path(checkpoint) / name
     if path.is_symlink():
         return None, "it is a symbolic link; nothing is read through a link"
     if not path.exists():
@@ -74,8 +92,9 @@ def read_marker(checkpoint: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"not JSON: {_short(str(e), quoted=False)}"
     if not isinstance(record, dict):
         return None, f"not a JSON object but {type(record).__name__}"
-    if record.get("format") != FORMAT:
-        return None, f"its format is {_short(record.get('format'))}, not {FORMAT!r}"
+    wanted = CHECKED_FORMAT if name == CHECKED else FORMAT
+    if record.get("format") != wanted:
+        return None, f"its format is {_short(record.get('format'))}, not {wanted!r}"
     step = checkpoint_step(Path(checkpoint))
     if record.get("step") != step:
         return None, f"it names step {_short(record.get('step'))}, the folder is step {step}"
@@ -96,7 +115,7 @@ def file_manifest(checkpoint: Path) -> dict[str, int]:
         dirs[:] = [d for d in dirs if not (Path(root) / d).is_symlink()]
         for name in names:
             path = Path(root) / name
-            if path.is_symlink() or name == MARKER:
+            if path.is_symlink() or name in (MARKER, CHECKED):
                 continue
             try:
                 found[path.relative_to(checkpoint).as_posix()] = path.stat().st_size
@@ -130,11 +149,28 @@ def newest_proven_noting(output_dir: Path) -> tuple[Path | None, list[str]]:
     there but broken, a proven checkpoint that changed or lost Trainer files since, one of a history the run went back
     from (written before the run's last ``train()`` call resumed from an older step; see ``run.json``). One without a marker
     is not noted."""
+    return _newest_noting(output_dir, fallback=False)
+
+
+def resume_candidate(output_dir: Path) -> tuple[Path | None, list[str]]:
+    """What ``harness resume-point`` names: :func:`newest_proven_noting`'s choice; with no proven checkpoint, the newest
+    one marked ``harness_checked`` (complete, weights finite, the proof could not be made), with a note saying so. A
+    newer checked one passed over for an older proven one is noted too."""
+    return _newest_noting(output_dir, fallback=True)
+
+
+def _checked_note(checkpoint: Path, record: dict[str, Any]) -> str:
+    checks = ", ".join(str(c) for c in record.get("checks") or []) or "none"
+    return f"{checkpoint.name} is not proven ({_short(record.get('not_proven'), 300, quoted=False)}); checks passed: {checks}"
+
+
+def _newest_noting(output_dir: Path, fallback: bool) -> tuple[Path | None, list[str]]:
     output_dir = Path(output_dir)
     links = linked_checkpoints(output_dir)
     gone_back = abandoned_checkpoints(output_dir)  # {} without a readable run.json
     candidates = sorted([*list_checkpoints(output_dir), *links], key=lambda p: checkpoint_step(p) or 0, reverse=True)
-    notes = []
+    notes: list[str] = []
+    checked: tuple[Path, dict[str, Any]] | None = None  # the newest harness_checked one met so far (fallback only)
     for checkpoint in candidates:
         if checkpoint in links:
             try:
@@ -152,18 +188,50 @@ def newest_proven_noting(output_dir: Path) -> tuple[Path | None, list[str]]:
             notes.append(f"passed over {checkpoint.name}: its proof marker {MARKER} could not be read ({problem})")
             continue
         if record is None:
+            if fallback and checked is None:
+                checked = _usable_checked(checkpoint, notes)
             continue  # never proven (or not yet): nothing to say
-        changed = changed_since_proof(checkpoint, record)
-        if changed:
-            more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
-            notes.append(f"passed over {checkpoint.name}: it changed since it was proven: {'; '.join(changed[:3])}{more}")
+        if not _still_as_checked(checkpoint, record, "proven", notes):
             continue
-        missing = trainer_missing(checkpoint)
-        if missing:
-            notes.append(f"passed over {checkpoint.name}: it was proven but lacks {', '.join(missing)} now")
-            continue
-        return checkpoint, notes
+        if checked is not None:
+            notes.append(f"passed over {checked[0].name} for the proven {checkpoint.name}: {_checked_note(*checked)}")
+        return checkpoint, notes + _warnings(checkpoint, record, fallback)
+    if checked is not None:
+        notes.append(f"{_checked_note(*checked)}; named because it is complete and its weights load with finite values, "
+                     "and no checkpoint is proven")
+        return checked[0], notes + _warnings(*checked, fallback)
     return None, notes
+
+
+def _warnings(checkpoint: Path, record: dict[str, Any], shown: bool) -> list[str]:
+    """What the proof found about resuming from ``checkpoint`` (its files are good; the Trainer's loader may not be)."""
+    warning = record.get("resume_warning")
+    return [f"warning: {checkpoint.name} is good, but {_short(warning, 900, quoted=False)}"] if shown and warning else []
+
+
+def _usable_checked(checkpoint: Path, notes: list[str]) -> tuple[Path, dict[str, Any]] | None:
+    """``checkpoint`` and its ``harness_checked`` record when that marker is valid and its files are as checked."""
+    record, problem = read_marker(checkpoint, CHECKED)
+    if problem is not None:
+        notes.append(f"passed over {checkpoint.name}: its marker {CHECKED} could not be read ({problem})")
+        return None
+    if record is None or not _still_as_checked(checkpoint, record, "checked", notes):
+        return None
+    return checkpoint, record
+
+
+def _still_as_checked(checkpoint: Path, record: dict[str, Any], what: str, notes: list[str]) -> bool:
+    """Whether ``checkpoint`` still holds the files its marker recorded and what the Trainer needs; else a note."""
+    changed = changed_since_proof(checkpoint, record)
+    if changed:
+        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+        notes.append(f"passed over {checkpoint.name}: it changed since it was {what}: {'; '.join(changed[:3])}{more}")
+        return False
+    missing = trainer_missing(checkpoint)
+    if missing:
+        notes.append(f"passed over {checkpoint.name}: it was {what} but lacks {', '.join(missing)} now")
+        return False
+    return True
 
 
 def newest_proven(output_dir: Path) -> Path | None:

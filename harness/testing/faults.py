@@ -96,7 +96,7 @@ class FaultOptions(BaseModel):
     lr_scale_at_steps: list[int] = Field(default_factory=list, description="Steps whose update uses the LR times lr_scale.")
     lr_scale_from_step: int | None = Field(None, description="Every update from this step on uses the LR times lr_scale (divergence).")
     nan_param_at_step: int | None = Field(
-        None, description="Write a NaN into the first o_proj.weight just before this step's update (its name goes to nan_param.txt)."
+        None, description="Write a NaN into the first attention output projection's weight (o_proj, GPT-2's attn.c_proj, BERT's attention.output.dense, T5's SelfAttention.o) just before this step's update (its name goes to nan_param.txt)."
     )
     nan_param_on_rank: int | None = Field(None, description="With nan_param_at_step: only this rank's weight (default: every rank).")
     hang_at_step: int | None = Field(
@@ -210,9 +210,26 @@ def corrupt_batch(batch: dict[str, Any], rows: list[int] | None, seed: int) -> l
     return chosen
 
 
+# the attention output projection as each family names it: Llama/Qwen/Gemma, GPT-2, BERT, T5
+ATTENTION_OUTPUT_SUFFIXES = ("o_proj.weight", "attn.c_proj.weight", "attention.output.dense.weight", "SelfAttention.o.weight")
+
+
+def attention_output_weight(model: Any) -> tuple[str, Any]:
+    """The first attention output projection's weight of any family (else the first floating-point matrix), by name."""
+    named = list(model.named_parameters())
+    for suffix in ATTENTION_OUTPUT_SUFFIXES:
+        found = next(((n, p) for n, p in named if n.endswith(suffix)), None)
+        if found is not None:
+            return found
+    found = next(((n, p) for n, p in named if p.dim() == 2 and p.is_floating_point()), None)
+    if found is None:
+        raise ValueError(f"{type(model).__name__} has no floating-point weight matrix to poison")
+    return found
+
+
 def poison_parameter(model: Any) -> str:
     """Write a NaN into the first attention output projection (a weight gone bad); returns its name."""
-    name, param = next((n, p) for n, p in model.named_parameters() if n.endswith("o_proj.weight"))
+    name, param = attention_output_weight(model)
     with torch.no_grad():
         getattr(param, "ds_tensor", param).view(-1)[0] = float("nan")
     return name

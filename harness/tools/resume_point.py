@@ -4,8 +4,13 @@ A checkpoint is proven when ``checkpoint_proof`` read it back after its save
 (complete, weights load and are finite, the reference loss matches) and wrote
 ``harness_proven`` into it. The newest such folder, with its Trainer files
 still there and unchanged since the proof (every file it held, by size), is printed alone on stdout (exit 0), so that a launcher can do
-``--resume_from_checkpoint "$(harness resume-point out)"``; with none, one line
-on stderr says so and what the newer folders are (exit 1).
+``--resume_from_checkpoint "$(harness resume-point out)"``. With none proven,
+the newest checkpoint marked ``harness_checked`` is printed instead (exit 0):
+its proof could not be made (a model above ``max_model_mb``, no batch the
+model accepts, a format no layout fits) but it is complete and its weights
+load with finite values, and a line on stderr says so and why. With neither,
+one line on stderr says so and what the newer folders are (exit 1): a
+checkpoint found corrupt is never named.
 
 A newer folder passed over for a reason a user would not guess gets a line on
 stderr: a ``checkpoint-<N>`` that is a symlink (never named: a run directory
@@ -24,7 +29,7 @@ import sys
 from pathlib import Path
 
 from harness.lib.checkpoints import abandoned_checkpoints, list_checkpoints
-from harness.lib.proven import MARKER, newest_proven_noting
+from harness.lib.proven import CHECKED, MARKER, resume_candidate
 
 EXIT_NONE = 1
 
@@ -34,8 +39,8 @@ def print_resume_point(output_dir: Path) -> int:
     if not output_dir.is_dir():
         sys.stderr.write(f"harness resume-point: {output_dir} is not a folder (give the training run's output_dir).\n")
         return 2
-    chosen, notes = newest_proven_noting(output_dir)
-    for note in notes:  # a newer folder passed over: a link, a broken marker, proven but changed since, an abandoned history
+    chosen, notes = resume_candidate(output_dir)
+    for note in notes:  # a newer folder passed over (a link, a broken marker, changed since, an abandoned history), a fallback
         sys.stderr.write(f"harness resume-point: {note}.\n")
     if chosen is not None:
         print(chosen)
@@ -44,7 +49,7 @@ def print_resume_point(output_dir: Path) -> int:
     found = [p.name for p in list_checkpoints(output_dir) if p not in gone_back]
     line = " of the history the run's last train() call continues" if gone_back else ""
     sys.stderr.write(
-        f"harness resume-point: no proven checkpoint in {output_dir}{line} (none holds a valid {MARKER} marker; checkpoint "
+        f"harness resume-point: no proven checkpoint in {output_dir}{line} (none holds a valid {MARKER} or {CHECKED} marker; checkpoint "
         f"folders: {', '.join(found[:10]) or 'none'}). A checkpoint is proven by the checkpoint_proof plugin after its save; see "
         "`harness explain` for CHECKPOINT_CORRUPT / CHECKPOINT_UNVERIFIED findings.\n"
     )

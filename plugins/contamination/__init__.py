@@ -23,7 +23,7 @@ row by row before training.
 from __future__ import annotations
 
 from .checker import PUT_POLL_S, QUEUE_SIZE
-from .options import CONTAMINATION, CONTAMINATION_UNCHECKED, EVAL_SPLIT_OVERLAP, ContaminationOptions, EvalSet
+from .options import CONTAMINATION, CONTAMINATION_SUMMARY, CONTAMINATION_UNCHECKED, EVAL_SPLIT_OVERLAP, ContaminationOptions, EvalSet
 from .plugin import EXCHANGE_INTS, LAST_STEP_WAIT_S, RUN_END_WAIT_S, Contamination
 from .sources import trainer_eval_examples as _trainer_eval_examples
 

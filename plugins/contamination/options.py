@@ -17,6 +17,12 @@ EVAL_SPLIT_OVERLAP = FindingCode(
     "The Trainer's eval dataset shares samples with its train dataset: eval loss and metrics look better than they are.",
     "contamination#eval_split_overlap",
 )
+CONTAMINATION_SUMMARY = FindingCode(
+    "CONTAMINATION_SUMMARY",
+    Severity.WARNING,
+    "Eval examples hold training text: how many of each eval set, judged by the spans of training text they hold.",
+    "contamination#contamination_summary",
+)
 CONTAMINATION_UNCHECKED = FindingCode(
     "CONTAMINATION_UNCHECKED",
     Severity.WARNING,
@@ -48,7 +54,10 @@ class ContaminationOptions(BaseModel):
     template_min_examples: int = Field(10, ge=0, description="n-grams shared by this many eval examples are templates and left out (0 keeps all).")
     sample_every: int = Field(1, ge=1, description="Check one micro-batch in this many.")
     dirty_fraction: float = Field(0.5, ge=0, le=1, description="An example is dirty (a CONTAMINATION finding) from this fraction of its n-grams "
-                                                                "seen in training, over all micro-batches, steps and ranks of the run.")
+                                                                "seen in training, over all micro-batches, steps and ranks of the run "
+                                                                "(n-grams across a line or document boundary of a joined row not counted).")
+    dirty_span: int = Field(32, ge=0, description="An example is dirty whatever its fraction when it holds a training span this many "
+                                                  "tokens long (consecutive matched n-grams within a line or document; 0: off).")
     partial_fraction: float = Field(0.0, ge=0, le=1, description="Run-end status partial above this fraction (below dirty_fraction: "
                                                                   "summary and report only, no finding).")
     check_split_overlap: bool = Field(True, description="EVAL_SPLIT_OVERLAP: compare the Trainer's train and eval rows before training.")

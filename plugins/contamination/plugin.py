@@ -11,6 +11,7 @@ from harness.core.findings import read_run_findings
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.lib.capture import sample_ids
+from harness.lib.copied_spans import copied_spans, crossing_windows, inner_bits
 from harness.lib.documents import ScanError
 from harness.lib.hashing import dataset_hashes
 from harness.lib.ngrams import EvalExample, NgramIndex
@@ -18,11 +19,11 @@ from harness.lib.overlap import FrontEnd, ScanOptions, Tally, judge
 from harness.lib.overlap_ledger import Bits, MatchLedger, example_keys, tally_from_bits
 
 from .checker import Checker, Found, Job, JobBuffer
-from .options import CONTAMINATION, CONTAMINATION_UNCHECKED, EVAL_SPLIT_OVERLAP, ContaminationOptions
+from .options import CONTAMINATION, CONTAMINATION_SUMMARY, CONTAMINATION_UNCHECKED, EVAL_SPLIT_OVERLAP, ContaminationOptions
 from .sightings import Sighting, finding, remember
 from .sources import configured_examples, eval_set_names, trainer_eval_examples
 from .state import restore, state_of
-from .summary import console_line, report_section, write_summary
+from .summary import console_line, report_section, span_counts, summary_message, write_summary
 
 log = logging.getLogger("harness.contamination")
 
@@ -37,7 +38,7 @@ class Contamination(Plugin):
 
     name = "contamination"
     Options = ContaminationOptions
-    CODES = (CONTAMINATION, EVAL_SPLIT_OVERLAP, CONTAMINATION_UNCHECKED)
+    CODES = (CONTAMINATION, CONTAMINATION_SUMMARY, EVAL_SPLIT_OVERLAP, CONTAMINATION_UNCHECKED)
 
     def __init__(self) -> None:
         self.options = ContaminationOptions()
@@ -54,6 +55,7 @@ class Contamination(Plugin):
         self._shared = False  # this run agrees over ranks through the step exchange (else: alone, at step end)
         self._exchanged: int | None = None  # the step whose guard carried this plugin's slot
         self._max_steps = 0
+        self._shapes: dict[tuple[int, int], tuple[int, bool]] = {}  # (example, variant) -> (counted windows, joins lines)
 
     @property
     def checked_tokens(self) -> int:
@@ -65,6 +67,7 @@ class Contamination(Plugin):
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         self.index, self.checker, self.ledger, self._buffer = None, None, None, None  # a second train() call starts from nothing
         self._tallies, self._sightings, self._exchanged, self._worker_error_reported = {}, {}, None, False
+        self._shapes = {}
         self._max_steps = int(getattr(getattr(trainer, "state", None), "max_steps", 0) or 0)
         watching = bool(self.options.eval_sets) or (self.options.trainer_eval and getattr(trainer, "eval_dataset", None) is not None)
         self._shared = ctx.world_size > 1 and watching
@@ -85,7 +88,7 @@ class Contamination(Plugin):
                     self.report(CONTAMINATION_UNCHECKED.code, f"contamination: {exc}".replace("harness scan: ", ""),
                                 evidence={"eval_set": spec.path, "field": spec.field})
         if self.options.trainer_eval and getattr(trainer, "eval_dataset", None) is not None:
-            examples += trainer_eval_examples(trainer.eval_dataset)
+            examples += trainer_eval_examples(trainer.eval_dataset, self._tokenizer)
         if not examples:
             return
         self.index = NgramIndex.build(examples, self.options.n, self.options.template_min_examples, self.options.min_length)
@@ -105,18 +108,36 @@ class Contamination(Plugin):
     def _scan_options(self) -> ScanOptions:
         o = self.options
         return ScanOptions(n=o.n, template_min_examples=o.template_min_examples, dirty_fraction=o.dirty_fraction,
-                           partial_fraction=o.partial_fraction, min_length=o.min_length)
+                           partial_fraction=o.partial_fraction, dirty_span=o.dirty_span, min_length=o.min_length)
 
     def _judge(self, example: int, bits: Bits) -> dict[str, Any]:
         assert self.index is not None
         return judge(self.index, example, tally_from_bits(bits, self._tallies.get(example)), self._scan_options)
 
     def _is_dirty(self, example: int, bits: Bits) -> bool:
+        """judge's verdict, after cheap first tests on the bits (no near duplicates online): most calls end there."""
         assert self.index is not None
-        best = max((b.bit_count() / max(self.index.windows_of(example, v), 1) for v, b in bits.items()), default=0.0)
-        if best < self.options.dirty_fraction:
-            return False  # judge's own first test (no near duplicates online), without building its arrays
-        return self._judge(example, bits)["status"] == "dirty"
+        may = False
+        for variant, matched in bits.items():
+            inner, joined = self._shape(example, variant)
+            inside = matched & inner
+            if joined:
+                may = may or bool(inside)  # only windows across a line boundary (template text there): nothing copied
+            else:
+                may = may or inside.bit_count() >= self.options.dirty_fraction * max(inner.bit_count(), 1)
+        return may and self._judge(example, bits)["status"] == "dirty"
+
+    def _shape(self, example: int, variant: int) -> tuple[int, bool]:
+        """A variant's counted windows (inside one line or document) as a bitset, and whether it joins lines; once."""
+        assert self.index is not None
+        key = (example, variant)
+        if key not in self._shapes:
+            x = self.index.examples[example]
+            units, cuts = x.variants[variant], x.cuts_of(variant)
+            window = min(self.index.n, len(units))
+            crossing = crossing_windows(len(units), window, cuts)
+            self._shapes[key] = (inner_bits(crossing), copied_spans([], len(units), window, crossing, cuts).joined)
+        return self._shapes[key]
 
     # -- per micro-batch: a host copy, the lookup in the background ------------------------------------------------
 
@@ -243,11 +264,9 @@ class Contamination(Plugin):
         kept = self._sightings.get(example)
         if not kept:
             return
-        bits = self.ledger.combined(example)
-        verdict = self._judge(example, bits)
-        matched, total = max(((b.bit_count(), self.index.windows_of(example, v)) for v, b in bits.items() if b),
-                             key=lambda mt: mt[0] / max(mt[1], 1), default=(0, self.index.windows_of(example, 0)))
-        message, step, evidence = finding(self.index.examples[example], verdict, self.index.n, matched, total, kept, ranks, self._snippet)
+        verdict = self._judge(example, self.ledger.combined(example))
+        message, step, evidence = finding(self.index.examples[example], verdict, self.index.n, kept, ranks, self._snippet,
+                                          self.options.dirty_span)
         evidence["agreed"] = agreed  # False: judged at run end on this rank's late matches alone (no exchange is left)
         self.report(CONTAMINATION.code, message, step=step, evidence=evidence, limit=self.options.max_reports)
 
@@ -307,17 +326,32 @@ class Contamination(Plugin):
             self._report(example, tuple(sorted(self.ledger.contributors.get(example, set()) | {ctx.rank})), agreed=False)
         rows = [self._judge(e, self.ledger.combined(e)) for e in range(len(self.index.examples))]
         out = ctx.path("contamination", f"summary.rank-{ctx.rank}.json").parent
-        per_set = write_summary(out, ctx.rank, rows, self.checked_tokens, finished)
+        per_set = write_summary(out, ctx.rank, rows, self.checked_tokens, finished, self.options.dirty_span)
+        if ctx.is_main:
+            self._report_summary(ctx, rows)
         for name, counts in per_set.items():
             ctx.log_metrics({f"contamination/{name}/{status}": counts.get(status, 0) for status in ("clean", "partial", "dirty")})
         if ctx.is_main:
-            log.info(console_line(rows, self.options.dirty_fraction))
+            log.info(console_line(rows, self.options.dirty_fraction, self.options.dirty_span))
         if not finished and self.checker.error is None and not self._worker_error_reported:
             self._worker_error_reported = True
             raise RuntimeError(f"contamination: the background checker did not finish within {RUN_END_WAIT_S:.0f} s at run end; "
                                "the summary covers the batches checked so far.")
         if self.checker.error is not None:
             self._raise_worker_error()  # died after the last batch was queued: said now (once)
+
+    def _report_summary(self, ctx: Any, rows: list[dict[str, Any]]) -> None:
+        """CONTAMINATION_SUMMARY: per eval set with a dirty row, how many rows hold training spans (the findings per
+        example stop at ``max_reports``); not again when an earlier attempt in this run directory said the same."""
+        o = self.options
+        counts = span_counts(rows, o.dirty_span)
+        message = summary_message(counts, o.dirty_span, o.dirty_fraction, o.n, f"contamination/dirty_ids.rank-{ctx.rank}.txt")
+        if message is None:
+            return
+        evidence = {"eval_sets": counts, "dirty_span": o.dirty_span, "dirty_fraction": o.dirty_fraction, "n": o.n}
+        if any(f.evidence.get("eval_sets") == counts for f in read_run_findings(ctx.run_dir) if f.code == CONTAMINATION_SUMMARY.code):
+            return  # an earlier attempt said the same
+        self.report(CONTAMINATION_SUMMARY.code, message, evidence=evidence)
 
     @hookimpl
     def report_sections(self, run: Any) -> Any:

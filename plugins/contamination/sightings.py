@@ -41,32 +41,37 @@ def remember(kept: list[Sighting], sighting: Sighting) -> None:
         kept.append(sighting)
 
 
-def finding(example: Any, verdict: dict[str, Any], n: int, matched: int, total: int, kept: list[Sighting], ranks: tuple[int, ...],
-            decode: Callable[[np.ndarray], str | None]) -> tuple[str, int, dict[str, Any]]:
+def finding(example: Any, verdict: dict[str, Any], n: int, kept: list[Sighting], ranks: tuple[int, ...],
+            decode: Callable[[np.ndarray], str | None], dirty_span: int = 0) -> tuple[str, int, dict[str, Any]]:
     """Message, step and evidence of the CONTAMINATION finding of one example.
 
-    ``verdict`` is ``judge``'s row, ``matched`` of ``total`` the windows of its best variant over the run; the step is
-    the latest sighting's (the batch that made the example dirty, as far as this rank saw), the row and snippet those
-    of the sighting that held most of it.
+    ``verdict`` is ``judge``'s row (its n-gram counts leave out those across a line or document boundary of a joined
+    row); the step is the latest sighting's (the batch that made the example dirty, as far as this rank saw), the row
+    and snippet those of the sighting that held most of it.
     """
     main = max(kept, key=lambda s: s.windows)
     last = kept[-1]
     snippet = decode(main.tokens)
     others = [r for r in ranks if r != main.rank]
     steps = sorted({s.step for s in kept})
+    matched, total, across = verdict["matched_ngrams"], verdict["ngrams"], verdict["boundary_ngrams"]
     where = main.where() + (f" and {len(kept) - 1} more training row(s), at steps {', '.join(map(str, steps))}" if len(kept) > 1 else "")
+    seams = f" (the {across} that cross a line or document boundary inside it not counted)" if across else ""
+    span = (f" (dirty from a training span of {dirty_span} tokens, whatever the fraction)"
+            if verdict.get("dirty_by") == "span" else "")
     message = (
         f"eval example '{example.example_id}' of eval set '{example.eval_set}' is in the training data: {matched} of its "
-        f"{total} {n}-grams ({matched / max(total, 1):.0%}) were in training batches, longest matched span "
-        f"{verdict['longest_span']} tokens; most of it in the batch of {where}"
+        f"{total} {n}-grams{seams} ({matched / max(total, 1):.0%}) were in training batches, longest training span "
+        f"{verdict['longest_span']} tokens{span}; most of it in the batch of {where}"
         + (f", also seen on rank(s) {', '.join(map(str, others))}" if others else "")
         + (f', e.g. "{snippet}"' if snippet else "") + "."
     )
     evidence = {
         "eval_set": example.eval_set, "example_id": example.example_id, "rank": main.rank, "micro_batch": main.micro,
         "row": main.row, "sample_id": main.sample_id, "position": main.position, "matched_ngrams": matched, "ngrams": total,
-        "matched_fraction": verdict["matched_fraction"], "coverage": verdict["coverage"], "longest_span": verdict["longest_span"],
-        "ranks": list(ranks), "steps": steps, "snippet": snippet,
+        "boundary_ngrams": across, "boundary_matched": verdict["boundary_matched"], "matched_fraction": verdict["matched_fraction"], "coverage": verdict["coverage"],
+        "longest_span": verdict["longest_span"], "dirty_by": verdict.get("dirty_by"), "ranks": list(ranks), "steps": steps,
+        "snippet": snippet,
         "sightings": [{"step": s.step, "rank": s.rank, "micro_batch": s.micro, "row": s.row, "sample_id": s.sample_id,
                        "new_ngrams": s.windows} for s in kept],
     }

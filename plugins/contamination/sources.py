@@ -11,6 +11,7 @@ from harness.lib.hashing import dataset_rows
 from harness.lib.ngrams import EvalExample
 from harness.lib.overlap import FrontEnd
 
+from .boundaries import BoundaryTokens
 from .options import EvalSet
 
 
@@ -34,17 +35,24 @@ def configured_examples(spec: EvalSet, front: FrontEnd | None, name: str, index:
     return found
 
 
-def trainer_eval_examples(dataset: Any) -> list[EvalExample]:
-    """The Trainer's eval rows as token-id examples (padding excluded when an attention mask says where it is)."""
+def trainer_eval_examples(dataset: Any, tokenizer: Any = None) -> list[EvalExample]:
+    """The Trainer's eval rows as token-id examples (padding excluded when an attention mask says where it is).
+
+    With the run's tokenizer each row also knows where the lines or documents it joins meet (after a token ending in
+    a line break, around special tokens: ``.boundaries``), so a ``run_clm``-style block is judged on
+    the n-grams inside its lines (``harness.lib.copied_spans``).
+    """
     if not hasattr(dataset, "__len__") or len(dataset) > 200_000:
         return []
     rows = dataset_rows(dataset, "input_ids", range(len(dataset)))
     masks = dataset_rows(dataset, "attention_mask", range(len(dataset)))
     if rows is None:
         return []
-    out = []
+    arrays = []
     for i, row in enumerate(rows):
         if masks is not None:
             row = [t for t, m in zip(row, masks[i]) if m]
-        out.append(EvalExample("eval_dataset", str(i), None, [np.asarray(row, dtype=np.int64)]))
-    return out
+        arrays.append(np.asarray(row, dtype=np.int64))
+    seams = BoundaryTokens.of(tokenizer, np.concatenate(arrays)) if tokenizer is not None and arrays else None
+    return [EvalExample("eval_dataset", str(i), None, [row], [seams.gaps(row)] if seams is not None else None)
+            for i, row in enumerate(arrays)]

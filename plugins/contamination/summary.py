@@ -18,13 +18,15 @@ STATUSES = ("clean", "partial", "dirty")
 ORDER = {"too_short": 0, "clean": 0, "partial": 1, "dirty": 2}
 
 
-def write_summary(out: Path, rank: int, rows: list[dict[str, Any]], checked_tokens: int, complete: bool) -> dict[str, Counter[str]]:
+def write_summary(out: Path, rank: int, rows: list[dict[str, Any]], checked_tokens: int, complete: bool,
+                  dirty_span: int = 0) -> dict[str, Counter[str]]:
     """The summary and the id lists of one rank (atomically: rank 0's report may read them at any moment)."""
     per_set: dict[str, Counter[str]] = {}
     for row in rows:
         per_set.setdefault(row["eval_set"], Counter())[row["status"]] += 1
     summary = {"rank": rank, "checked_tokens": checked_tokens, "eval_sets": {k: dict(v) for k, v in per_set.items()},
-               "complete": complete,
+               "complete": complete, "dirty_span": dirty_span,
+               "long_spans": {name: c["long_spans"] for name, c in span_counts(rows, dirty_span).items()},
                "examples": [{k: v for k, v in r.items() if k != "locations"} for r in rows if r["status"] != "clean"]}
     tmp = out / f".summary.rank-{rank}.json.tmp"
     tmp.write_text(dumps(summary, indent=1), encoding="utf-8")
@@ -35,7 +37,40 @@ def write_summary(out: Path, rank: int, rows: list[dict[str, Any]], checked_toke
     return per_set
 
 
-def console_line(rows: list[dict[str, Any]], dirty_fraction: float) -> str:
+def span_counts(rows: list[dict[str, Any]], dirty_span: int) -> dict[str, dict[str, int]]:
+    """Per eval set: rows, rows holding a training span of at least ``dirty_span`` tokens, dirty, partial, the longest span."""
+    out: dict[str, dict[str, int]] = {}
+    for row in rows:
+        counts = out.setdefault(row["eval_set"], {"rows": 0, "long_spans": 0, "dirty": 0, "partial": 0, "longest_span": 0})
+        counts["rows"] += 1
+        counts["long_spans"] += int(bool(dirty_span) and row["longest_span"] >= dirty_span)
+        counts["dirty"] += int(row["status"] == "dirty")
+        counts["partial"] += int(row["status"] == "partial")
+        counts["longest_span"] = max(counts["longest_span"], int(row["longest_span"]))
+    return out
+
+
+def summary_message(counts: dict[str, dict[str, int]], dirty_span: int, dirty_fraction: float, n: int, ids_file: str) -> str | None:
+    """The CONTAMINATION_SUMMARY message: per eval set with a dirty row, how many rows hold training text; None if none."""
+    parts = []
+    for name, c in counts.items():
+        if not c["dirty"]:
+            continue
+        spans = (f"{c['long_spans']} of {c['rows']} eval rows hold training spans of at least {dirty_span} tokens "
+                 f"(the longest {c['longest_span']}), " if dirty_span else "")
+        span_rule = f" or one span of {dirty_span}" if dirty_span else ""
+        parts.append(f"eval set '{name}': {spans}{c['dirty']} of {c['rows']} are dirty (at least {dirty_fraction:.0%} of their "
+                     f"{n}-grams seen in training; in a row that joins lines, also {dirty_fraction:.0%} of its tokens inside "
+                     f"training spans{span_rule}) and {c['partial']} more hold less training text (partial)")
+    if not parts:
+        return None
+    return ("contamination: " + "; ".join(parts) + f". The dirty ids are in <output_dir>/harness/{ids_file}: eval metrics on those rows measure "
+            "memory, not skill. A row that joins several lines (run_clm's blocks) is dirty for the lines it holds: to judge "
+            "each line of the validation file on its own, name the file in contamination.eval_sets (a .txt is one example "
+            "per line), or run `harness scan --eval <file>`.")
+
+
+def console_line(rows: list[dict[str, Any]], dirty_fraction: float, dirty_span: int = 0) -> str:
     """One line per run: what the eval sets met in training, partial ones with their largest fraction."""
     parts = []
     for name in dict.fromkeys(r["eval_set"] for r in rows):
@@ -43,6 +78,8 @@ def console_line(rows: list[dict[str, Any]], dirty_fraction: float) -> str:
         counts = Counter(r["status"] for r in mine)
         partial = [r["matched_fraction"] for r in mine if r["status"] == "partial"]
         text = f"{name}: {len(mine)} examples, {counts['dirty']} dirty, {counts['partial']} partial"
+        if dirty_span:
+            text += f", {sum(1 for r in mine if r['longest_span'] >= dirty_span)} with training spans of at least {dirty_span} tokens"
         if partial:
             text += (f" (at most {max(partial):.0%} of an example's n-grams seen, below dirty_fraction {dirty_fraction:g}: "
                      "in partial_ids, not reported)")
@@ -67,9 +104,13 @@ def report_section(run_dir: Path) -> Any:
         return None
     worst: dict[tuple[str, str], dict[str, Any]] = {}
     totals: dict[str, int] = {}
+    long_spans: dict[str, int] = {}
+    span = max((int(s.get("dirty_span") or 0) for s in summaries), default=0)
     for summary in summaries:
         for name, counts in summary.get("eval_sets", {}).items():
             totals[name] = max(totals.get(name, 0), sum(counts.values()))
+        for name, count in (summary.get("long_spans") or {}).items():
+            long_spans[name] = max(long_spans.get(name, 0), int(count))
         for example in summary.get("examples", []):
             key = (example["eval_set"], str(example["id"]))
             if key not in worst or ORDER.get(example["status"], 0) > ORDER.get(worst[key]["status"], 0):
@@ -77,11 +118,12 @@ def report_section(run_dir: Path) -> Any:
     rows = []
     for name, total in totals.items():
         hit = Counter(e["status"] for (s, _), e in worst.items() if s == name)
-        rows.append([name, total, total - hit["partial"] - hit["dirty"], hit["partial"], hit["dirty"]])
+        rows.append([name, total, total - hit["partial"] - hit["dirty"], hit["partial"], hit["dirty"], long_spans.get(name, 0)])
     text = (f"Eval examples met in the training batches of this run ({sum(s.get('checked_tokens', 0) for s in summaries):,} "
-            "training tokens checked; an example counts at its worst over ranks; partial examples share some n-grams with "
-            "training, below the dirty fraction, and are not reported as findings).\n\n")
-    text += md_table(["eval set", "examples", "clean", "partial", "dirty"], rows) + "\n\n"
+            "training tokens checked; an example counts at its worst over ranks; n-grams across a line or document boundary "
+            "inside a joined row are not counted; partial examples share some n-grams with training, below the dirty "
+            "fraction (and, in a joined row, shorter than the dirty span), and are not reported as findings).\n\n")
+    text += md_table(["eval set", "examples", "clean", "partial", "dirty", f"training spans >= {span} tokens"], rows) + "\n\n"
     dirtiest = sorted(worst.values(), key=lambda e: (-ORDER.get(e["status"], 0), -float(e.get("matched_fraction") or 0)))[:10]
     if dirtiest:
         text += md_table(["eval set", "example", "status", "matched fraction", "longest span", "training documents hit"],

@@ -7,6 +7,12 @@ only). Planted eval lines (``--plant``) make every eval block they cover dirty,
 although no training block holds one whole (the block boundaries differ): each
 is reported exactly once, by one rank, and not again after a resume into the
 same output_dir.
+
+Issue 43 item 6: eval lines copied one by one from training (``--leak``, the
+way a validation file drawn from training text leaks) into blocks of long
+lines: no 13-gram across their line breaks was ever trained, yet every block
+mostly made of them is dirty, and one summary finding counts the eval rows
+that hold training spans.
 """
 from __future__ import annotations
 
@@ -77,10 +83,21 @@ def _warnings(out: Path) -> list[dict[str, Any]]:
     return [f for f in _findings(out) if f["severity"] in ("warning", "error", "critical")]
 
 
+def _copied_shares(out: Path, data: Path) -> list[float]:
+    """Per eval block: the share of its tokens that are validation lines also found in train.txt (the client's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    trained = set(data.joinpath("train.txt").read_text(encoding="utf-8").splitlines())
+    lines = data.joinpath("validation.txt").read_text(encoding="utf-8").splitlines(keepends=True)
+    flags = [line.rstrip("\n") in trained for line, ids in zip(lines, tokenizer(lines)["input_ids"]) for _ in ids]
+    return [sum(flags[BLOCK * b : BLOCK * b + BLOCK]) / BLOCK for b in range(len(flags) // BLOCK)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_clean_fine_tune_with_a_templated_eval_set_is_silent(tmp_path: Path, nproc: int) -> None:
-    data, out = _data(tmp_path), tmp_path / "out"
+@pytest.mark.parametrize(("nproc", "per_line"), [(1, 1), (2, 1), (1, 3)])
+def test_clean_fine_tune_with_a_templated_eval_set_is_silent(tmp_path: Path, nproc: int, per_line: int) -> None:
+    data, out = _data(tmp_path, "--questions_per_line", str(per_line), "--eval_lines", str(80 // per_line)), tmp_path / "out"
     _run_clm(data, out, nproc, 30)
     assert [f for f in _findings(out) if f["plugin"] == "contamination"] == []
     # the run is otherwise clean too: under DDP accelerate's even_batches pads each epoch's last round with samples from
@@ -107,7 +124,27 @@ def test_planted_eval_lines_are_reported_once_per_dirty_block(tmp_path: Path, np
         assert ev["agreed"] is True  # through the step exchange (the last step waits for the checker), not at run end
     if nproc == 2:  # with the client's seeded order, the two halves of eval block 2 are drawn by different ranks
         assert any(len(f["evidence"]["ranks"]) == 2 for f in found), [f["evidence"]["ranks"] for f in found]
-    assert [f for f in _warnings(out) if f["code"] != "CONTAMINATION"] == []
+    assert [f for f in _warnings(out) if f["code"] not in ("CONTAMINATION", "CONTAMINATION_SUMMARY")] == []
+
+
+@pytest.mark.slow
+def test_eval_lines_copied_one_by_one_are_counted_by_their_training_spans(tmp_path: Path) -> None:
+    """A fifth of 40 validation lines of three questions each (about 37 tokens) are copies of training lines."""
+    data, out = _data(tmp_path, "--questions_per_line", "3", "--eval_lines", "40", "--leak", "0.2"), tmp_path / "out"
+    _run_clm(data, out, 1, 30)
+    shares = _copied_shares(out, data)
+    (summary,) = _summaries(out)
+    rows = {e["id"]: e for e in summary["examples"]}
+    dirty = _dirty(out)
+    assert {str(b) for b, share in enumerate(shares) if share >= 0.55} <= dirty, (shares, rows)
+    assert not {str(b) for b, share in enumerate(shares) if share == 0} & dirty
+    found = [f for f in _findings(out) if f["code"] == "CONTAMINATION"]
+    assert {f["evidence"]["example_id"] for f in found} == dirty
+    (said,) = [f for f in _findings(out) if f["code"] == "CONTAMINATION_SUMMARY"]
+    long_spans = sum(1 for e in rows.values() if e["longest_span"] >= 32)
+    assert long_spans and f"{long_spans} of {len(shares)} eval rows hold training spans of at least 32 tokens" in said["message"]
+    assert f"{len(dirty)} of {len(shares)} are dirty" in said["message"], said["message"]
+    assert [f for f in _warnings(out) if f["code"] not in ("CONTAMINATION", "CONTAMINATION_SUMMARY")] == []
 
 
 @pytest.mark.slow  # two processes only (see above): the suite's 20-minute budget

@@ -103,6 +103,6 @@ def test_wrapping_a_client_script_validates_in_the_launcher_without_torch(tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     launcher = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")]
     # it did import the plugins to validate them (modules imported by importlib.import_module are not timed, their own imports are)
-    assert "harness.plugins.contamination.plugin" in launcher and "harness.lib.spike_notes" in launcher
+    assert "harness.plugins.contamination.plugin" in launcher and "harness.plugins.spike_capture.notes" in launcher
     assert not [m for m in launcher if m.startswith(("torch.", "transformers.", "datasets."))], "the launcher loaded a framework"
     assert (out / "harness" / "findings.jsonl").is_file() and findings_of(out) == []  # and the child ran the harness as ever

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.lib.checkpoint_loss import reference_batch, take_reference
-from harness.lib.checkpoint_verify import INCOMPLETE_MARKER, Layout, check_complete, expected_shapes, read_weights, shape_problems
+from harness.lib.checkpoint_layout import layout_problems, memory_layout
+from harness.lib.checkpoint_verify import INCOMPLETE_MARKER, Layout, check_complete, expected_shapes, read_weights
 from harness.lib.proof_worker import Job, prove
 from harness.lib.proven import MARKER, newest_proven, read_proven, rotate
 
@@ -50,7 +51,7 @@ def test_a_clean_save_is_complete_and_its_weights_are_the_models(saved: dict[str
     assert check_complete(folder, 2, Layout()) == []
     weights = read_weights(folder, keep=False)
     assert weights.problems == [] and weights.files == ["model.safetensors"] and weights.unverified is None
-    assert shape_problems(weights, expected_shapes(saved["model"])) == ([], None)
+    assert layout_problems(weights.shapes, [memory_layout(expected_shapes(saved["model"]))], "model.safetensors") == ([], None)
 
 
 def test_prove_writes_the_marker_with_the_matching_loss(saved: dict[str, Any], folder: Path) -> None:
@@ -62,6 +63,22 @@ def test_prove_writes_the_marker_with_the_matching_loss(saved: dict[str, Any], f
     record = read_proven(folder)
     assert record is not None and record["step"] == 2 and record["loss_from_disk"] == pytest.approx(record["loss_at_save"], rel=1e-5)
     assert newest_proven(folder.parent) == folder
+
+
+def test_a_batch_without_labels_is_compared_by_the_models_output(saved: dict[str, Any], folder: Path, tokenizer: Any) -> None:
+    """DPO-style batches carry no labels: the model returns no loss, so the mean square of its logits is the reference."""
+    from harness.lib.tiny import build_tiny_llama
+
+    unlabelled = {"input_ids": saved["batch"]["input_ids"]}
+    reference = take_reference(saved["model"], saved["trainer"], unlabelled)
+    assert reference is not None and reference.kind == "output" and reference.loss > 0
+    job = Job(folder.parent, folder, 2, Layout(), reference=reference, expected=expected_shapes(saved["model"]), wait_for_ranks=False)
+    outcome = prove(job)
+    assert outcome.proven and outcome.checks == ["complete", "weights_finite", "shapes", "reference_output"]
+    other = build_tiny_llama(tokenizer, seed=1)
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    (problem,) = prove(job).problems
+    assert "gives the reference batch an output mean square of" in problem.what and "not the weights that were training" in problem.what
 
 
 def test_a_truncated_weights_file_is_named(saved: dict[str, Any], folder: Path) -> None:
@@ -104,7 +121,7 @@ def test_a_nan_and_a_wrong_shape_are_named_with_the_tensor(saved: dict[str, Any]
     assert problem.file == "model.safetensors" and f"tensor {name} has 1 non-finite" in problem.what
     tensors[name] = torch.zeros(3, 3)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    problems, _ = shape_problems(read_weights(folder, keep=False), expected_shapes(saved["model"]))
+    problems, _ = layout_problems(read_weights(folder, keep=False).shapes, [memory_layout(expected_shapes(saved["model"]))], "model.safetensors")
     assert len(problems) == 1 and f"tensor {name} has shape [3, 3]" in problems[0].what
 
 

@@ -331,3 +331,22 @@ def test_resume_true_after_going_back_takes_the_newest_checkpoint_of_the_current
     assert trainer.state.global_step == 9 and ctx.status == "completed"
     assert findings_of(out, "CHECKPOINT_INCOMPLETE") == []  # passed over, not taken for a broken save
     assert (out / "checkpoint-10").is_dir() and (out / "checkpoint-14").is_dir()  # nothing renamed or deleted
+
+
+def test_a_checkpoint_saved_again_by_fewer_processes_drops_the_wider_run_s_harness_state(tmp_path: Path) -> None:
+    """A 2-rank run saved checkpoint-15; a 1-process resume from checkpoint-10 saves checkpoint-15 again into the same folder:
+    rank 1's state and marker of the first save must not pass for the second's. The Trainer's own files stay."""
+    from harness.lib.checkpoints import STATE_DIR, drop_other_ranks
+
+    state = tmp_path / "checkpoint-15" / STATE_DIR
+    state.mkdir(parents=True)
+    for name in ("rank-0.json", "rank-1.json", "complete.rank-0", "complete.rank-1", "rank-10.json", "notes.txt"):
+        (state / name).write_text("{}")
+    (tmp_path / "checkpoint-15" / "rng_state_1.pth").write_bytes(b"x")
+    outside = tmp_path / "outside.json"
+    outside.write_text("keep")
+    (state / "rank-2.json").symlink_to(outside)
+    assert sorted(drop_other_ranks(tmp_path / "checkpoint-15", 1)) == ["complete.rank-1", "rank-1.json", "rank-10.json", "rank-2.json"]
+    assert sorted(p.name for p in state.iterdir()) == ["complete.rank-0", "notes.txt", "rank-0.json"]
+    assert outside.read_text() == "keep" and (tmp_path / "checkpoint-15" / "rng_state_1.pth").exists()
+    assert drop_other_ranks(tmp_path / "missing", 1) == []

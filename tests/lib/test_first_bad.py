@@ -163,3 +163,36 @@ def test_own_parameters_only_and_not_when_the_input_is_already_nonfinite() -> No
     fed = locate_forward(_net(), {"input": torch.full((1, 4), float("nan"))})
     assert fed.first is not None and fed.first.name == "0" and fed.own_params is None
     assert fed.evidence()["nonfinite_params_of_module"] is None and "holds NaN/Inf" not in fed.describe()
+
+
+class Experts(nn.Module):
+    """Like a Qwen3-MoE experts module: applies its own weight inline (no child module), then calls its activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4, 4))
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x @ self.weight)
+
+
+def test_a_nan_made_by_a_parents_own_code_names_the_parent_and_its_weight() -> None:
+    """The first non-finite output is the activation's, but its input was already NaN: the experts' inline matmul made it."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.Sequential(Experts()), nn.Linear(4, 2))
+    with torch.no_grad():
+        net[1][0].weight[0, 0] = float("nan")
+    found = locate_forward(net, {"input": torch.ones(2, 4)}, rank=0)
+    assert found.first is not None and found.first.name == "1.0.act" and not found.first.inputs_finite
+    assert found.made_in is not None and found.made_in.name == "1.0"  # not "1": the outer wrapper received the NaN from it
+    assert [(p.name, p.nonfinite) for p in found.nonfinite_params] == [("1.0.weight", 1)]
+    evidence = found.evidence()
+    assert evidence["nonfinite_made_in"] == "1.0" and evidence["first_nonfinite_module"] == "1.0.act"
+    assert "1.0 (Experts) made it with its own code before calling 1.0.act" in found.describe()
+    assert "its weight holds NaN/Inf on rank 0 (1 of 16 elements)" in found.describe()
+
+
+def test_a_nan_that_came_in_with_the_models_input_is_made_by_no_module() -> None:
+    found = locate_forward(nn.Sequential(Experts()), {"input": torch.full((1, 4), float("nan"))})
+    assert found.first is not None and found.first.name == "0.act" and found.made_in is None and found.fed_nonfinite
+    assert found.own_params is None and "already non-finite when the model received it" in found.describe()

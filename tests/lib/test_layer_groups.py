@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from harness.lib.layer_attention import max_causal_logit
-from harness.lib.layer_groups import LayerGroups, attention_projections, group_of
+from harness.lib.attention_sites import attention_sites
+from harness.lib.layer_attention import max_logit
+from harness.lib.layer_groups import LayerGroups, group_of
 from harness.lib.layer_measure import Snapshot, adam_update_norms, grad_param_norms, is_adam
 
 
@@ -22,6 +23,10 @@ from harness.lib.layer_measure import Snapshot, adam_update_norms, grad_param_no
         ("lm_head.weight", "lm_head"),
         ("model.norm.weight", "model.norm"),
         ("model.layers_extra.weight", "model.layers_extra"),  # not a numbered block
+        ("bert.encoder.layer.1.attention.self.query.weight", "bert.encoder.layer.1"),  # BERT, RoBERTa
+        ("encoder.block.0.layer.1.DenseReluDense.wi.weight", "encoder.block.0"),  # T5: the first numbered part is the block
+        ("decoder.block.1.layer.2.layer_norm.weight", "decoder.block.1"),
+        ("transformer.blocks.3.attn.Wqkv.weight", "transformer.blocks.3"),  # MPT
     ],
 )
 def test_a_parameter_belongs_to_its_block_or_else_its_module(name: str, group: str) -> None:
@@ -36,8 +41,9 @@ def test_a_tiny_llama_groups_into_embeddings_blocks_norm_and_head_with_attention
     assert groups.names == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"][: len(groups.names)]
     assert groups.names[1:3] == ["model.layers.0", "model.layers.1"]
     assert len(groups.index) == len(groups.params) and set(groups.index) == set(range(len(groups)))
-    probes = attention_projections(model, groups.names)
-    assert sorted(probes) == [1, 2] and all(q is not k for _, q, k in probes.values())
+    found = attention_sites(model, groups.names)
+    assert sorted(s.block for s in found.sites) == [1, 2] and all(s.query is not s.key for s in found.sites)
+    assert found.unmeasured == {}
 
 
 @pytest.mark.parametrize("chunk", [1 << 24, 20, 3])  # whole matrices of several heads; blocks of rows (a long context); one row
@@ -53,7 +59,7 @@ def test_the_causal_logit_maximum_matches_a_brute_force_one_with_grouped_query_h
             for i in range(length):
                 for j in range(i + 1):
                     best = max(best, float(qh[i] @ kh[j]) / math.sqrt(dim))
-    assert float(max_causal_logit(q, k, dim)) == pytest.approx(best, rel=1e-5)
+    assert float(max_logit(q, k, dim)) == pytest.approx(best, rel=1e-5)
 
 
 def _model_and_step(optimizer_class: type, **kwargs: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.lib.ledger import LedgerWriter, around_resume, iter_records, last_attempt, ledger_path, read_ledger
+from harness.lib.ledger import Continuation, LedgerWriter, around_resume, continuation, iter_records, last_attempt, ledger_path, read_ledger
 
 
 def _record(step: int, micro_batch: int = 0) -> dict[str, object]:
@@ -115,3 +115,110 @@ def test_a_kill_9_loses_no_step_and_the_resumed_attempt_continues_the_file(tmp_p
     frame = read_ledger(tmp_path)
     assert sorted(set(zip(frame.attempt, frame.step))) == [(1, s) for s in range(1, 7)] + [(2, s) for s in range(5, 8)]
     assert sorted(set(frame.step[frame.superseded])) == [5, 6]
+
+
+# -- attempts numbered by the run, and the interrupted run read over all its ranks (issue 43, item 4) -----------------
+
+
+def _rank_record(step: int, rank: int, rows: int = 2) -> dict[str, object]:
+    return {"step": step, "micro_batch": 0, "epoch": 0, "batch_hash": f"b{step}.{rank}",
+            "sample_hashes": [f"h{step}.{rank}.{i}" for i in range(rows)], "sample_ids": None}
+
+
+def _ranks_attempt(run_dir: Path, ranks: range, start: int, steps: range, resume_step: int | None = None) -> list[LedgerWriter]:
+    """One attempt on ``ranks``: every rank opens its writer and writes its start line, then each step on every rank."""
+    writers = []
+    for rank in ranks:
+        writer = LedgerWriter(run_dir, rank=rank, fsync_every=1, resume_step=resume_step)
+        writer.start(step=start, world_size=len(ranks), resumed_from=None if resume_step is None else f"checkpoint-{resume_step}")
+        writers.append(writer)
+    for step in steps:
+        for rank, writer in zip(ranks, writers):
+            writer.write_step([_rank_record(step, rank, rows=2 * 2 // len(ranks))])
+    return writers
+
+
+def test_a_rank_that_joins_at_a_resume_takes_the_runs_attempt_number(tmp_path: Path) -> None:
+    """1 process trained steps 1-15; the resume on 2 processes is attempt 2 on both ranks. Rank 1, without a ledger of
+    its own, numbered it 1 (the killed run's number): the two attempts could not be told apart across the files."""
+    for writer in _ranks_attempt(tmp_path, range(1), 0, range(1, 16)):
+        writer.close()
+    resumed = _ranks_attempt(tmp_path, range(2), 10, range(11, 13), resume_step=10)  # rank 0 writes its start line first
+    assert [w.attempt for w in resumed] == [2, 2]
+    for writer in resumed:
+        writer.close()
+    # the other order: rank 1 opens its writer first
+    again = [LedgerWriter(tmp_path, rank=r, resume_step=12) for r in (1, 0)]
+    assert [w.attempt for w in again] == [3, 3]
+    for writer in again:
+        writer.close()
+
+
+def test_an_attempt_killed_before_its_first_step_does_not_split_the_numbering(tmp_path: Path) -> None:
+    """Start lines with no step after them (this attempt's other ranks, or an attempt killed at its start) never make
+    one rank of a launch number differently from another."""
+    for writer in _ranks_attempt(tmp_path, range(2), 0, range(1, 4)):
+        writer.close()
+    dead = LedgerWriter(tmp_path, rank=0, resume_step=2)  # killed before its first step: rank 0's start line only
+    dead.start(step=2, world_size=2, resumed_from="checkpoint-2")
+    dead.close()
+    launch = _ranks_attempt(tmp_path, range(2), 2, range(3, 5), resume_step=2)
+    assert [w.attempt for w in launch] == [2, 2]
+    for writer in launch:
+        writer.close()
+    frame = read_ledger(tmp_path)
+    assert sorted(set(zip(frame.attempt, frame["rank"], frame.step))) == sorted(
+        [(1, r, s) for r in (0, 1) for s in (1, 2, 3)] + [(2, r, s) for r in (0, 1) for s in (3, 4)])
+
+
+def test_the_interrupted_run_is_read_over_all_its_ranks(tmp_path: Path) -> None:
+    """2 ranks trained steps 1-15 (2 samples each a step); the resume from step 10 runs on 1 process. What the killed
+    run trained at step 11 is both ranks' 4 samples, not rank 0's 2."""
+    for writer in _ranks_attempt(tmp_path, range(2), 0, range(1, 16)):
+        writer.close()
+    (resumed,) = _ranks_attempt(tmp_path, range(1), 10, range(0), resume_step=10)
+    found = continuation(tmp_path, 10)
+    assert (found.attempt, found.world_size) == (1, 2)
+    steps = found.steps()
+    assert sorted(steps) == list(range(11, 16))
+    assert steps[11] == ["h11.0.0", "h11.0.1", "h11.1.0", "h11.1.1"]
+    resumed.write_step([_rank_record(11, 0, rows=4)])  # the running attempt's own steps are never the interrupted run's
+    assert continuation(tmp_path, 10).steps()[11] == steps[11]
+    assert continuation(tmp_path, 10, ranks={1}).steps()[11] == ["h11.1.0", "h11.1.1"]
+    resumed.close()
+    # rank 1's steps past the checkpoint were lost with the killed run: superseded, though rank 1 never started again
+    frame = read_ledger(tmp_path)
+    lost = frame[frame.superseded]
+    assert sorted(set(zip(lost.attempt, lost["rank"], lost.step))) == [(1, r, s) for r in (0, 1) for s in range(11, 16)]
+
+
+def test_the_interrupted_run_is_the_attempt_that_saved_the_checkpoint_over_all_ranks(tmp_path: Path) -> None:
+    """Attempt 1 (2 ranks) trained 1-15; attempt 2 (1 process) resumed from 10 wrongly and was stopped at step 11;
+    attempt 3 resumes from 10 again: what came next is attempt 1's (it trained step 10 and saved its checkpoint)."""
+    for writer in _ranks_attempt(tmp_path, range(2), 0, range(1, 16)):
+        writer.close()
+    for writer in _ranks_attempt(tmp_path, range(1), 10, range(11, 12), resume_step=10):
+        writer.close()
+    (running,) = _ranks_attempt(tmp_path, range(1), 10, range(0), resume_step=10)
+    assert running.attempt == 3
+    found = continuation(tmp_path, 10)
+    assert found.attempt == 1 and len(found.steps()[11]) == 4
+    running.close()
+    assert continuation(tmp_path / "nothing", 10) == Continuation()
+
+
+def test_the_newest_attempt_of_another_rank_is_read_behind_its_open_writers_window(tmp_path: Path) -> None:
+    """Another rank's file ends in up to a window of NUL bytes while its writer is open (or after a kill): the attempt
+    number is read from the last line before them, a start line of the running launch left out."""
+    from harness.lib.ledger import _newest_trained
+
+    path = ledger_path(tmp_path, 1)
+    path.parent.mkdir(parents=True)
+    lines = [{"event": "start", "attempt": 4, "step": 0}, {"attempt": 4, **_rank_record(1, 1)},
+             {"event": "start", "attempt": 5, "step": 1}]
+    import json
+
+    path.write_bytes("".join(json.dumps(r) + "\n" for r in lines).encode() + b"\0" * (3 << 16))
+    assert _newest_trained(path) == 4
+    path.write_bytes(b'{"event": "start", "attempt": 1, "step": 0}\n' + b"\0" * 100)
+    assert _newest_trained(path) == 0

@@ -10,7 +10,7 @@ import pytest
 
 import harness
 from conftest import FAULTS, findings_of, harness_cli
-from harness.lib.proven import MARKER
+from harness.lib.proven import CHECKED, MARKER
 
 
 def _run(make_trainer: Any, tmp_path: Path, options: dict[str, Any] | None = None, faults: dict[str, Any] | None = None,
@@ -76,14 +76,22 @@ def test_rotation_still_rotates_once_a_newer_checkpoint_is_proven(make_trainer: 
     assert [f for f in findings_of(out) if f["severity"] != "info"] == []
 
 
-def test_a_check_that_cannot_run_is_unverified_once_and_proves_nothing(make_trainer: Any, tmp_path: Path) -> None:
+def test_a_check_that_cannot_run_is_unverified_once_and_resume_point_falls_back_to_complete_and_finite(
+        make_trainer: Any, tmp_path: Path) -> None:
+    """No proof can be made (the model is above max_model_mb): nothing is proven, but the checkpoints are complete with
+    finite weights (harness_checked), so resume-point names the newest, saying why it is not proven (it exited 1)."""
     out, _ = _run(make_trainer, tmp_path, options={"max_model_mb": 0.001})
     (unverified,) = findings_of(out, "CHECKPOINT_UNVERIFIED")  # one per reason per run, not one per save
     assert unverified["severity"] == "info" and unverified["step"] == 5 and "above max_model_mb" in unverified["message"]
     assert unverified["evidence"]["checks_passed"] == ["complete", "weights_finite", "shapes"]
+    assert "harness_checked, which `harness resume-point` names when no checkpoint is proven" in unverified["message"]
     assert not any((out / name / MARKER).exists() for name in _checkpoints(out))
+    record = json.loads((out / "checkpoint-10" / CHECKED).read_text())
+    assert record["checks"] == ["complete", "weights_finite", "shapes"] and "above max_model_mb" in record["not_proven"]
     result = harness_cli("resume-point", str(out))
-    assert result.returncode == 1 and result.stdout == "" and "no proven checkpoint" in result.stderr
+    assert result.returncode == 0 and result.stdout.strip() == str(out / "checkpoint-10"), result
+    assert "checkpoint-10 is not proven (the reference loss: the model is 1 MiB in fp32, above max_model_mb (0.001)" in result.stderr
+    assert "named because it is complete and its weights load with finite values, and no checkpoint is proven" in result.stderr
 
 
 def test_without_keep_proven_the_trainer_rotates_the_proven_one_away(make_trainer: Any, tmp_path: Path) -> None:

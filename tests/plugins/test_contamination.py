@@ -14,7 +14,7 @@ from harness.lib.hashing import hash_token_rows, hex64
 from harness.lib.ledger import read_ledger
 from harness.lib.tiny import build_tiny_llama, corpus_lines, lm_dataset, train_tokenizer
 
-CODES = ("CONTAMINATION", "EVAL_SPLIT_OVERLAP", "CONTAMINATION_UNCHECKED")
+CODES = ("CONTAMINATION", "CONTAMINATION_SUMMARY", "EVAL_SPLIT_OVERLAP", "CONTAMINATION_UNCHECKED")
 
 
 def _made_up(count: int, seed: int = 0) -> list[str]:
@@ -113,30 +113,102 @@ def _templated(plant: int = 0) -> tuple[Any, Any, Any, int]:
     return tokenizer, _blocks(tokenizer, train), _blocks(tokenizer, evals), planted
 
 
-def test_templated_eval_set_is_silent_but_partial_in_the_summary(make_trainer: Any) -> None:
-    """Template n-grams shared by train and eval (what used to be reported) are a small fraction: partial, no finding."""
+def test_templated_eval_set_is_silent_and_its_line_breaks_hold_no_training_text(make_trainer: Any) -> None:
+    """Template n-grams shared by train and eval (what used to be reported) are no finding. Those n-grams all cross a
+    line break (``Answer: 0.\nQuestion: What is 8``), so no eval block holds training text: clean, not partial."""
     tokenizer, train, evals, _ = _templated()
     trainer = make_trainer(max_steps=30, train_dataset=train, eval_dataset=evals, processing_class=tokenizer,
+                           model=build_tiny_llama(tokenizer, seed=0))
+    ctx = harness.attach(trainer)
+    trainer.train()
+    out = Path(trainer.args.output_dir)
+    assert [f for f in findings_of(out) if f["code"] in CODES] == []
+    summary = json.loads((out / "harness" / "contamination" / "summary.rank-0.json").read_text())
+    assert summary["eval_sets"] == {"eval_dataset": {"clean": len(evals)}} and summary["long_spans"] == {"eval_dataset": 0}
+    plugin = ctx.manager.plugin("contamination")
+    met = [e for e in range(len(evals)) if plugin.ledger.combined(e)]
+    assert met  # template n-grams were met in training (the check is not vacuous) ...
+    assert all(plugin._judge(e, plugin.ledger.combined(e))["boundary_matched"] > 0 for e in met)  # ... across line breaks
+
+
+def _joined_lines(copies: bool) -> tuple[Any, Any, Any, list[float]]:
+    """Tokenizer, train and eval rows of run_clm-style blocks of lines of three templated questions (about 37 tokens,
+    as in the issue's report), and per eval block the share of its tokens that are copied training lines.
+
+    With ``copies``, 12 of the 40 eval lines are copies of scattered training lines, 4 of them in a row (so one block
+    at least is copied whole): no 13-gram across their line breaks was ever trained.
+    """
+    qs = _questions()
+    lines = [" ".join(qs[i : i + 3]) for i in range(0, 399, 3)]
+    evals, train = lines[:40], lines[40:]
+    copied: list[int] = []
+    if copies:
+        rng = random.Random(1)
+        copied = [10, 11, 12, 13] + sorted(rng.sample([i for i in range(40) if not 9 <= i <= 14], 8))
+        for source, i in zip(rng.sample(range(len(train)), len(copied)), copied):
+            evals[i] = train[source]
+    tokenizer = train_tokenizer(train)
+    lengths = [len(ids) for ids in tokenizer([line + "\n" for line in evals])["input_ids"]]
+    flags = [i in copied for i, n in enumerate(lengths) for _ in range(n)]
+    shares = [sum(flags[64 * b : 64 * b + 64]) / 64 for b in range(len(flags) // 64)]
+    return tokenizer, _blocks(tokenizer, train), _blocks(tokenizer, evals), shares
+
+
+def test_eval_blocks_of_copied_lines_are_judged_by_their_training_spans(make_trainer: Any) -> None:
+    """Issue 43 item 6: eval lines copied from training into run_clm blocks. Every block at least 55% copied is
+    dirty (today some stayed partial), a block copied whole is judged 100% copied (today 65%: the 13-grams across its
+    line breaks never occur in training), no block without copied text is dirty, and one summary finding says how
+    many eval rows hold training spans of at least 32 tokens."""
+    tokenizer, train, evals, shares = _joined_lines(copies=True)
+    trainer = make_trainer(max_steps=-(-len(train) // 4), train_dataset=train, eval_dataset=evals, processing_class=tokenizer,
+                           model=build_tiny_llama(tokenizer, seed=0))
+    harness.attach(trainer)
+    trainer.train()
+    out = Path(trainer.args.output_dir)
+    summary = json.loads((out / "harness" / "contamination" / "summary.rank-0.json").read_text())
+    rows = {e["id"]: e for e in summary["examples"]}
+    dirty = {i for i, e in rows.items() if e["status"] == "dirty"}
+    assert {str(b) for b, share in enumerate(shares) if share >= 0.55} <= dirty, (shares, rows)
+    assert not {str(b) for b, share in enumerate(shares) if share == 0} & dirty
+    whole = [str(b) for b, share in enumerate(shares) if share == 1.0]
+    assert whole and all(rows[b]["matched_fraction"] >= 0.9 and rows[b]["boundary_ngrams"] > 0 for b in whole), whole
+    found = findings_of(out, "CONTAMINATION")
+    assert {f["evidence"]["example_id"] for f in found} == dirty
+    assert all(f["evidence"]["boundary_ngrams"] > 0 and "cross a line or document boundary" in f["message"] for f in found)
+    long_spans = sum(1 for e in rows.values() if e["longest_span"] >= 32)
+    (said,) = findings_of(out, "CONTAMINATION_SUMMARY")
+    assert long_spans and summary["long_spans"] == {"eval_dataset": long_spans}
+    assert f"{long_spans} of {len(evals)} eval rows hold training spans of at least 32 tokens" in said["message"], said["message"]
+    assert f"{len(dirty)} of {len(evals)} are dirty" in said["message"] and "contamination.eval_sets" in said["message"]
+    assert said["severity"] == "warning" and said["evidence"]["eval_sets"]["eval_dataset"]["dirty"] == len(dirty)
+
+
+def test_eval_blocks_of_clean_templated_lines_stay_silent(make_trainer: Any) -> None:
+    """The same long templated lines without copies: nothing is dirty, nothing is reported."""
+    tokenizer, train, evals, _ = _joined_lines(copies=False)
+    trainer = make_trainer(max_steps=-(-len(train) // 4), train_dataset=train, eval_dataset=evals, processing_class=tokenizer,
                            model=build_tiny_llama(tokenizer, seed=0))
     harness.attach(trainer)
     trainer.train()
     out = Path(trainer.args.output_dir)
     assert [f for f in findings_of(out) if f["code"] in CODES] == []
     summary = json.loads((out / "harness" / "contamination" / "summary.rank-0.json").read_text())
-    partial = [e for e in summary["examples"] if e["status"] == "partial"]
-    assert partial and all(0 < e["matched_fraction"] < 0.5 for e in partial)  # met in training, judged like harness scan
-    assert summary["eval_sets"]["eval_dataset"].get("dirty", 0) == 0
+    assert summary["eval_sets"]["eval_dataset"].get("dirty", 0) == 0 and summary["long_spans"] == {"eval_dataset": 0}
 
 
 def test_a_planted_eval_row_cut_across_two_training_rows_is_reported_once(make_trainer: Any) -> None:
-    """Planted eval lines straddle training rows: no single row holds half of an eval row's n-grams, the run does."""
+    """Planted eval lines straddle training rows: no single row holds 60% of an eval block, the run does.
+
+    An eval block holds four whole 13-token lines; the training row that holds the plant's start holds two of them
+    (a block judged by its lines is then half copied), the next row the rest: at ``dirty_fraction`` 0.6 only the two
+    rows together make a block dirty."""
     tokenizer, train, evals, planted_tokens = _templated(plant=12)
     covered = {str(b) for b in range(len(evals)) if 64 * b + 64 <= planted_tokens}
     assert covered
     steps = 2 * len(train) // 4 + 1  # two epochs: every planted row is trained twice
     trainer = make_trainer(max_steps=steps, train_dataset=train, eval_dataset=evals, processing_class=tokenizer,
                            model=build_tiny_llama(tokenizer, seed=0))
-    harness.attach(trainer)
+    harness.attach(trainer, config={"contamination": {"dirty_fraction": 0.6}})
     trainer.train()
     out = Path(trainer.args.output_dir)
     found = findings_of(out, "CONTAMINATION")
@@ -147,8 +219,8 @@ def test_a_planted_eval_row_cut_across_two_training_rows_is_reported_once(make_t
     for f in found:
         ev = f["evidence"]
         new = [s["new_ngrams"] for s in ev["sightings"]]
-        assert sum(new) == ev["matched_ngrams"] and ev["matched_fraction"] >= 0.5
-        assert len(new) >= 2 and max(new) < 0.5 * ev["ngrams"]  # no training row alone made it dirty
+        assert sum(new) == ev["matched_ngrams"] + ev["boundary_matched"] and ev["matched_fraction"] >= 0.6
+        assert len(new) >= 2  # no training row alone made it dirty
         assert f["step"] == ev["sightings"][-1]["step"] and f["step"] in ev["steps"]
         assert ev["agreed"] is True  # judged at a step end, not left for run end
 
@@ -201,6 +273,44 @@ def test_contamination_worker_failure_does_not_hang(make_trainer: Any, tokenizer
     assert "index lookup failed on purpose" in error["evidence"]["traceback"]
     summary = json.loads((out / "harness" / "contamination" / "summary.rank-0.json").read_text())
     assert summary["complete"] is False and summary["checked_tokens"] == 0
+
+
+def test_boundary_tokens_of_a_real_tokenizer() -> None:
+    """Line breaks end a line (a gap after the token), special tokens are seams on both sides."""
+    import numpy as np
+
+    from harness.plugins.contamination.boundaries import BoundaryTokens
+
+    tokenizer = train_tokenizer(["Question: What is 7 times 3? Answer: 21.", "one two three\nfour five"] * 20)
+    ids = tokenizer("one two\nthree four")["input_ids"] + [tokenizer.eos_token_id] + tokenizer("five")["input_ids"]
+    row = np.array(ids)
+    seams = BoundaryTokens.of(tokenizer, row)
+    gaps = seams.gaps(row).tolist()
+    newline = next(i for i, t in enumerate(ids) if "\n" in tokenizer.decode([t]))
+    eos = ids.index(tokenizer.eos_token_id)
+    assert newline + 1 in gaps and eos in gaps and eos + 1 in gaps
+    assert len(gaps) == len({newline + 1, eos, eos + 1} & set(range(1, len(ids))))
+
+
+def test_the_online_verdict_of_a_joined_row_follows_its_training_spans(monkeypatch: Any) -> None:
+    """Milliseconds: the step-end test that decides when a row becomes dirty (and is reported) agrees with judge.
+
+    A 2,000-token row of twenty 100-token lines holds one copied line: dirty by its span (5% of its n-grams); matches
+    only across its line breaks (template text there) are ruled out without judging."""
+    import numpy as np
+
+    from harness.lib.ngrams import EvalExample, NgramIndex
+    from harness.lib.overlap_ledger import bits_of
+    from harness.plugins.contamination import Contamination
+
+    units = np.concatenate([np.r_[np.arange(1, 100) + 1000 * i, 0] for i in range(20)])
+    plugin = Contamination()
+    plugin.index = NgramIndex.build([EvalExample("eval_dataset", "0", None, [units], [np.arange(100, 2000, 100)])], 13, 0, 1)
+    copied = bits_of(range(700, 788))  # every window inside line 7
+    assert plugin._is_dirty(0, {0: copied}) and plugin._judge(0, {0: copied})["dirty_by"] == "span"
+    assert not plugin._is_dirty(0, {0: bits_of(range(700, 715))})  # 27 tokens of it: partial
+    monkeypatch.setattr(Contamination, "_judge", lambda *a: pytest.fail("judged a row with no window inside a line"))
+    assert not plugin._is_dirty(0, {0: bits_of([*range(788, 800), *range(1788, 1800)])})
 
 
 def test_checkpoint_state_round_trips_the_agreed_windows_and_skips_what_changed() -> None:

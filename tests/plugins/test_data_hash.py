@@ -321,3 +321,51 @@ def test_the_ranks_datasets_are_compared_only_where_the_trainers_own_loader_shar
 
     bare = [cls.__new__(cls) for cls in (Trainer, Plain, SFTTrainer, OwnLoader)]
     assert [_trainer_shards_the_dataset(t) for t in bare] == [True, True, True, False]
+
+
+# -- DATA_REPEATED names the classic cause of repeats in runs of the loader's worker count (issue 43, item 7) ---------
+
+
+class _RowStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """The rows as a stream; ``sharded``: each DataLoader worker yields its own share (``get_worker_info()``)."""
+
+    def __init__(self, rows: Any, sharded: bool) -> None:
+        self.rows, self.sharded = rows, sharded
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info() if self.sharded else None
+        start, every = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(start, len(self.rows), every):
+            yield dict(self.rows[i])
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_an_iterable_dataset_read_by_two_unsharded_workers_is_named_as_the_cause(
+    make_trainer: Any, lm_rows: Any, sharded: bool
+) -> None:
+    """Two loader workers each read the whole stream and the loader takes a batch from each in turn: every batch comes
+    twice in a row. DATA_REPEATED said only "the loader is not covering its epoch once"; it names the unsharded
+    IterableDataset now (and a stream that shards by get_worker_info() is silent)."""
+    trainer = make_trainer(max_steps=4, train_dataset=_RowStream(lm_rows, sharded), dataloader_num_workers=2)
+    harness.attach(trainer, config={"only": ["data_hash"]})
+    trainer.train()
+    repeated = findings_of(trainer.args.output_dir, "DATA_REPEATED")
+    if sharded:
+        assert repeated == []
+        return
+    assert [f["step"] for f in repeated] == [2, 4]  # the second batch of each worker pair: every row of it
+    first = repeated[0]
+    assert first["evidence"]["rows"] == [0, 1, 2, 3] and first["evidence"]["cause"] == "unsharded_iterable_workers"
+    assert first["evidence"]["dataloader_num_workers"] == 2 and first["evidence"]["same_as_previous_micro_batches"] == 1
+    assert "IterableDataset (_RowStream) read by 2 DataLoader workers without torch.utils.data.get_worker_info()" in first["message"]
+
+
+def test_the_worker_cause_is_named_only_for_runs_within_the_worker_count_of_an_iterable_dataset() -> None:
+    from harness.plugins.data_hash import unsharded_workers_cause
+
+    assert unsharded_workers_cause(1, 2, "RowStream") is not None
+    assert unsharded_workers_cause(2, 3, "RowStream") is not None
+    assert unsharded_workers_cause(0, 2, "RowStream") is None  # an earlier batch came back, not the one just before
+    assert unsharded_workers_cause(2, 2, "RowStream") is None  # longer runs than the workers: another cause
+    assert unsharded_workers_cause(1, 0, "RowStream") is None and unsharded_workers_cause(1, 1, "RowStream") is None
+    assert unsharded_workers_cause(1, 2, None) is None  # a map-style dataset: the sampler gives each worker its own indices

@@ -71,6 +71,34 @@ def test_micro_batches_with_every_label_masked(make_trainer: Any, lm_rows: Any) 
     trainer.train()
     (finding,) = findings_of(trainer.args.output_dir, "ALL_LABELS_MASKED")
     assert finding["step"] == 3 and finding["evidence"]["micro_batches"] == [0]
+    # a plain Trainer with its own collator: the check is the collator's and the dataset's, not TRL's max_length
+    assert finding["evidence"]["trainer"] == "Trainer" and finding["evidence"]["max_length"] is None
+    assert "max_length" not in finding["message"] and "decode one of these micro-batches' rows" in finding["message"]
+
+
+def test_an_all_masked_batch_s_nan_loss_names_the_masked_batch_as_its_cause(make_trainer: Any, lm_rows: Any) -> None:
+    """The Trainer's per-token mean over no labelled token is 0/0: NONFINITE_LOSS says the batch is the cause, not a module."""
+    rows = lm_rows.select(range(16)).map(lambda row, i: {"labels": [-100] * len(row["labels"]) if 8 <= i < 12 else row["labels"]}, with_indices=True)
+    trainer = make_trainer(max_steps=4, train_sampling_strategy="sequential")
+    trainer.train_dataset = rows
+    harness.attach(trainer, config={"plugins": ["loss_baseline", "nan_guard"]})
+    trainer.train()
+    (nan,) = findings_of(trainer.args.output_dir, "NONFINITE_LOSS")
+    assert nan["step"] == 3 and nan["evidence"]["all_labels_masked"] == [0]
+    assert "the masked batch is the cause" in nan["message"] and "first_nonfinite_module" not in nan["evidence"]
+
+
+def test_trl_sft_s_masked_labels_check_names_max_length() -> None:
+    from trl import SFTConfig
+
+    from harness.plugins.loss_baseline import masked_labels_check
+
+    class SFTTrainer:  # the check reads the class name and its arguments only
+        args = SFTConfig(output_dir="unused", max_length=128, completion_only_loss=True, report_to="none", use_cpu=True, bf16=False)
+        data_collator = None
+
+    check = masked_labels_check(SFTTrainer())
+    assert check.max_length == 128 and "truncates at max_length=128" in check.check
 
 
 def _trainer(tmp_path: Any, tokenizer: Any, rows: Any, cls: Any = None, model: Any = None, **args: Any) -> Any:

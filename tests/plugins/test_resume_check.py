@@ -6,6 +6,7 @@ field, and resumes.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,62 @@ def test_a_resume_into_a_new_output_dir_is_checked_against_the_saving_run(make_t
     assert _resume_codes(tmp_path / "third") == [] and correct.state.global_step == 14
 
 
+def _as_two_ranks(out: Path) -> None:
+    """Rewrite a 1 x 4 run as the 2 x 2 run that trains the same samples at the same steps would have left it: each step's
+    4 samples split over ``rank-0`` and ``rank-1`` ledgers (the distributed loader gives rank r the r-th half), and the
+    checkpoint's state saved with 2 processes x 2 per device (the global batch, 4, is the same)."""
+    ledger = out / "harness" / "ledger"
+    ranks: dict[int, list[str]] = {0: [], 1: []}
+    for record in read_jsonl(ledger / "rank-0.jsonl"):
+        for rank, lines in ranks.items():
+            if record.get("event") == "start":
+                lines.append(json.dumps({**record, "world_size": 2}))
+                continue
+            half = len(record["sample_hashes"]) // 2
+            cut = slice(rank * half, (rank + 1) * half)
+            ids = record["sample_ids"][cut] if record["sample_ids"] else None
+            lines.append(json.dumps({**record, "sample_hashes": record["sample_hashes"][cut], "sample_ids": ids}))
+    for rank, lines in ranks.items():
+        (ledger / f"rank-{rank}.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    path = out / "checkpoint-10" / "harness_state" / "rank-0.json"
+    state = json.loads(path.read_text(encoding="utf-8"))
+    state["resume_check"]["world_size"] = 2
+    state["resume_check"]["config"]["per_device_train_batch_size"] = 2
+    path.write_text(json.dumps(state), encoding="utf-8")
+
+
+def test_a_resume_on_another_world_size_compares_each_step_as_one_set_over_all_ranks(make_trainer: Any, tmp_path: Path) -> None:
+    """Saved by 2 processes x 2 per device, resumed on 1 x 4 (the global batch kept, as RESUME_WORLD_SIZE_CHANGED's
+    playbook advises): step 11 trains exactly the 4 samples both ranks trained there. Rank 0's ledger alone was taken
+    for the whole step and RESUME_DATA_POSITION (error) stopped the run at its sample 2. Now the step's samples are one
+    set, the resume trains on, and the world-size change is said at info. A wrong resume, 1 x 2 (the global batch
+    halved), is still stopped, with the world-size change named as its cause."""
+    out = tmp_path / "run"
+    _interrupted(make_trainer, out)
+    _as_two_ranks(out)
+    before = len(findings_of(out))
+    trainer = _resume(make_trainer, out)
+    added = findings_of(out)[before:]
+    assert trainer.state.global_step == 14
+    assert [(f["code"], f["severity"]) for f in added if f["code"].startswith(("RESUME_", "DATA_"))] == [
+        ("RESUME_WORLD_SIZE_CHANGED", "info")], added  # no RESUME_CONFIG_CHANGED: the per-device batch keeps the global one
+    (changed,) = [f for f in added if f["code"] == "RESUME_WORLD_SIZE_CHANGED"]
+    assert changed["evidence"]["saved_global_batch"] == changed["evidence"]["global_batch"] == 4
+    assert "keeping the global batch" in changed["message"]
+
+    before = len(findings_of(out))
+    wrong = _resume(make_trainer, out, per_device_train_batch_size=2)
+    (position,) = [f for f in findings_of(out)[before:] if f["code"] == "RESUME_DATA_POSITION"]
+    assert position["step"] == 11 and position["action"] == "stop" and wrong.state.global_step == 11
+    assert position["evidence"]["interrupted_run_samples_at_step"] == 4 and position["evidence"]["interrupted_run_world_size"] == 2
+    assert position["evidence"]["cause"] == "world_size_changed"
+    assert (position["evidence"]["saved_global_batch"], position["evidence"]["global_batch"]) == (4, 2)
+    message = position["message"]
+    assert "The cause is the world-size change: 2 processes x 2 per device x 1 accumulation = global batch 4 then" in message
+    assert "the 10 steps before the checkpoint are 20 samples now and were 40" in message
+    assert "--per_device_train_batch_size 4 with --gradient_accumulation_steps 1" in message, message
+
+
 @pytest.mark.slow  # a long end-to-end run (subprocesses or hundreds of steps): CI runs it, the quick subset does not
 def test_a_long_ledger_over_five_epochs_reads_back_into_one_dataframe(make_trainer: Any, lm_rows: Any) -> None:
     """Five epochs of a 24-row set (the ledger's epochs and steps, not the step count, are what is checked)."""
@@ -330,13 +387,67 @@ def test_deepspeed_zero2_two_processes(tmp_path: Path) -> None:
             assert _resume_codes(out) == []
 
 
+def _per_device(n: int) -> list[str]:
+    return ["--per_device_train_batch_size", str(n)]
+
+
+def _step_sets(out: Path, attempt: int, steps: range) -> dict[int, list[str]]:
+    """step -> the samples every rank of ``attempt`` trained at it (sorted: a step is one set, whatever the world size)."""
+    ledger = read_ledger(out)
+    mine = ledger[(ledger["attempt"] == attempt) & ledger["step"].isin(list(steps))]
+    return {int(step): sorted(group["sample_hash"]) for step, group in mine.groupby("step")}
+
+
+def _serious(findings: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
+    return [(f["code"], f["step"], f["rank"]) for f in findings if f["severity"] in ("warning", "error", "critical")]
+
+
 @pytest.mark.slow
-def test_resumed_with_fewer_processes(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults"], "policy": {"RESUME_DATA_POSITION": "continue"}})
-    assert _wrapped(out, config, launcher=torchrun()).returncode == 0
-    shutil.rmtree(out / "checkpoint-14", ignore_errors=True)
-    resumed = _wrapped(out, config, "--resume_from_checkpoint", str(out / "checkpoint-10"))
+def test_resumes_across_a_world_size_change_through_wrap(tmp_path: Path) -> None:
+    """A run on 2 processes x 8 per device, resumed from checkpoint-10 on 1 x 16 (the global batch kept): its steps train
+    exactly the samples both ranks trained, and it trains on (RESUME_DATA_POSITION stopped it, wrap exited 75). The
+    reverse, that 1 x 16 attempt resumed from its checkpoint-15 on 2 x 8, trains every sample at the same steps (DATA_SKIPPED
+    counted rank 0's share only; rank 1 reported RESUME_UNCHECKED, and numbered its ledger attempt as an earlier one). A
+    wrong resume, 2 x 8 on 1 x 8 (the global batch halved), is still stopped, with the world-size change named as its cause."""
+    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults"]})
+    base = tmp_path / "2x8"
+    run = lambda out, *extra, launcher=None: wrapped_example(out, config, *extra, launcher=launcher, steps=20, save_steps=5)  # noqa: E731
+    first = run(base, *_per_device(8), launcher=torchrun())
+    assert first.returncode == 0, first.stderr[-3000:]
+    one, wrong = tmp_path / "1x16", tmp_path / "1x8"
+    for out in (one, wrong):
+        shutil.copytree(base, out)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two independent single-process resumes, one per core
+        resumed, stopped = pool.map(lambda job: run(job[0], *_per_device(job[1]), "--resume_from_checkpoint", str(job[0] / "checkpoint-10")),
+                                    [(one, 16), (wrong, 8)])
+
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    (changed,) = findings_of(out, "RESUME_WORLD_SIZE_CHANGED")
-    assert changed["evidence"] == {"saved": 2, "now": 1, "sharded": False, "optimizer_sharded": False}  # DDP: still compared
+    base_findings = len(findings_of(base))
+    added = findings_of(one)[base_findings:]
+    assert _serious(added) == [], added
+    assert [(f["code"], f["severity"], f["evidence"]["saved"], f["evidence"]["now"]) for f in added
+            if f["code"] == "RESUME_WORLD_SIZE_CHANGED"] == [("RESUME_WORLD_SIZE_CHANGED", "info", 2, 1)]
+    assert _step_sets(one, 2, range(11, 21)) == _step_sets(one, 1, range(11, 21))  # what both ranks trained, step by step
+    assert len(_step_sets(one, 2, range(11, 12))[11]) == 16
+
+    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
+    (position,) = findings_of(wrong, "RESUME_DATA_POSITION")
+    assert position["step"] == 11 and position["action"] == "stop" and position["evidence"]["cause"] == "world_size_changed"
+    assert "The cause is the world-size change: 2 processes x 8 per device" in position["message"], position["message"]
+    (changed,) = findings_of(wrong, "RESUME_WORLD_SIZE_CHANGED")  # DDP: the replicas' state is still compared
+    assert changed["severity"] == "warning" and changed["evidence"] == {
+        "saved": 2, "now": 1, "sharded": False, "optimizer_sharded": False, "saved_global_batch": 16, "global_batch": 8}
+
+    # the reverse: the 1 x 16 attempt (2) saved checkpoint-15 and trained up to 20; resumed from 15 on 2 x 8
+    before = len(findings_of(one))
+    grown = run(one, *_per_device(8), "--resume_from_checkpoint", str(one / "checkpoint-15"), launcher=torchrun())
+    assert grown.returncode == 0, grown.stderr[-3000:]
+    added = findings_of(one)[before:]
+    assert _serious(added) == [], added
+    assert [(f["code"], f["rank"], f["severity"]) for f in added if f["code"].startswith(("RESUME_", "DATA_"))] == [
+        ("RESUME_WORLD_SIZE_CHANGED", 0, "info")]
+    ledger = read_ledger(one)
+    assert sorted(set(zip(ledger["rank"], ledger["attempt"]))) == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 3)]  # the run's numbers
+    assert _step_sets(one, 3, range(16, 21)) == _step_sets(one, 2, range(16, 21))

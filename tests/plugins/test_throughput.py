@@ -45,12 +45,15 @@ def _train(make_trainer: Any, options: dict[str, Any], **args: Any) -> tuple[Any
 
 
 def test_a_sleeping_dataset_is_dataloader_bound_once_the_window_fills(make_trainer: Any, lm_rows: Any) -> None:
-    # 150 ms per row, 4 rows a step: the wait dwarfs the tiny model's step even on a loaded two-core machine (at 60 ms a
-    # CI run under full load once stalled a step of the window for seconds and the fraction dipped below 0.3 at step 8)
+    # 150 ms per row, 4 rows a step: the wait dwarfs the tiny model's step. Under full load a CI run once stalled one
+    # step of the window for seconds: the window's summed fraction dipped below 0.3 at step 8 and the finding came late.
+    # The bound is judged per step (most steps of the window waited), so one stalled step cannot move it.
     trainer, _ = _train(make_trainer, {}, train_dataset=SlowRows(lm_rows, 0.15), max_steps=10)
     (bound,) = findings_of(trainer.args.output_dir, "DATALOADER_BOUND")
     assert bound["step"] == 3 + 5  # skip_first 3, then a window of 5 steps
-    assert bound["evidence"]["wait_fraction"] > bound["evidence"]["threshold"] and bound["evidence"]["median_wait_s"] >= 4 * 0.15
+    ev = bound["evidence"]
+    assert ev["steps_waiting"] >= 3 and ev["window_steps"] == 5 and ev["median_wait_s"] >= 4 * 0.15
+    assert ev["device"] == "cpu" and "the training loop waits on data" in bound["message"] and "accelerator" not in bound["message"]
 
 
 def test_a_clean_run_logs_tokens_per_second_and_mfu_and_finds_nothing(make_trainer: Any) -> None:
@@ -71,31 +74,71 @@ def test_memory_past_the_threshold_is_reported_with_the_numbers(make_trainer: An
     assert near["evidence"]["peak_bytes"] > 50e6 and near["evidence"]["limit_bytes"] > near["evidence"]["peak_bytes"]
 
 
-def test_the_bound_is_found_at_the_first_step_whose_exact_window_crosses_it_whatever_the_running_sums_drift() -> None:
-    """The plugin keeps running sums as a cheap first test and decides on the window's exact sums: the finding must
-    come at the step a plain recomputation finds, after a long run of steps of very different sizes."""
-    import random
-    from collections import deque
+def _drive(times: list[tuple[float, float]], window: int = 20, skip_first: int = 0, device: str = "cpu") -> list[tuple[int, str, dict[str, Any]]]:
+    """The plugin's step logic on controlled (step seconds, data-wait seconds): no training, no clock. Returns its reports."""
     from types import SimpleNamespace
 
     from harness.plugins.throughput import Throughput
 
-    rng = random.Random(3)
-    times = [(rng.choice([1e-3, 0.02, 5.0, 300.0]), 0.0) for _ in range(5000)]  # huge and tiny steps: cancellation in the sums
-    times += [(0.02, rng.uniform(0.0, 0.004)) for _ in range(100)] + [(0.02, 0.0065 + 0.0001 * i) for i in range(60)]
-    reports: list[int] = []
+    reports: list[tuple[int, str, dict[str, Any]]] = []
     plugin = Throughput()
-    plugin.options = plugin.Options(window=20, skip_first=0, log_every=10**9, dataloader_bound_fraction=0.3, check_memory_every=10**9)
+    plugin.options = plugin.Options(window=window, skip_first=skip_first, log_every=10**9, dataloader_bound_fraction=0.3,
+                                    check_memory_every=10**9, peak_tflops=1.0)
     ctx = SimpleNamespace(world_size=1, rank=0, log_metrics=lambda *a, **k: None,
-                          report=lambda code, message, step=None, **k: reports.append(step))
+                          report=lambda code, message, step=None, evidence=None, **k: reports.append((step, message, evidence)))
     plugin.__dict__["ctx"] = ctx
-    plugin.on_run_start(trainer=SimpleNamespace(model=torch.nn.Linear(2, 2), args=SimpleNamespace(device=torch.device("cpu"))))
+    plugin.on_run_start(trainer=SimpleNamespace(model=torch.nn.Linear(2, 2), args=SimpleNamespace(device=torch.device(device))))
     plugin._memory_reported = True
+    for step, (seconds, wait) in enumerate(times, 1):
+        plugin.on_step_end(ctx=ctx, step=step, metrics={"step_time": seconds, "data_time": wait, "tokens": 8})
+    return reports
+
+
+def test_host_stalls_in_the_data_fetch_of_a_clean_10ms_run_are_not_dataloader_bound() -> None:
+    """Issue 43 item 7: a clean CPU run of 10 ms steps waits about 0.6 ms a step for its batch, but a garbage collection
+    or the scheduler of a loaded machine stalls a fetch now and then for tens of milliseconds (seen here: up to 29 ms in
+    150 steps). Two 40 ms stalls in a 20-step window were 32% of the window's summed time: DATALOADER_BOUND at step 38,
+    "the accelerator idles", on a run with no accelerator. The loop waited in at most 3 steps of 20: not bound."""
+    times = [(0.0106, 0.0006)] * 200
+    for stalled in (30, 37, 44, 130, 141):  # up to three stalls in one window
+        times[stalled] = (0.0106 + 0.040, 0.0006 + 0.040)
+    assert _drive(times) == []
+
+
+def test_a_loop_that_waits_in_most_steps_is_bound_at_once_even_with_a_stalled_step() -> None:
+    """Every step waits 6 ms of 16: bound as soon as the window fills (step 20), although one step of the window
+    stalled for 2 s in its compute (summed over the window the wait was 5%: today's rule missed it until that step left
+    the window)."""
+    times = [(0.016, 0.006)] * 60
+    times[4] = (2.016, 0.006)
+    ((step, message, evidence),) = _drive(times)
+    assert step == 20 and evidence["steps_waiting"] == 19 and evidence["window_steps"] == 20 and evidence["wait_fraction"] < 0.3
+    assert "in 19 of them" in message and "the training loop waits on data" in message
+
+
+def test_the_bound_says_the_accelerator_idles_only_on_an_accelerator() -> None:
+    times = [(0.016, 0.008)] * 25
+    ((_, message, evidence),) = _drive(times, device="cuda")
+    assert "the accelerator idles" in message and evidence["device"] == "cuda"
+    ((_, message, evidence),) = _drive(times, device="cpu")
+    assert "accelerator" not in message and "the training loop waits on data" in message and evidence["device"] == "cpu"
+
+
+def test_the_bound_is_found_at_the_first_step_whose_window_has_most_steps_waiting_after_a_long_run() -> None:
+    """The count of waiting steps is kept as steps enter and leave the window: after 5,000 steps of very different
+    sizes the finding comes at the step a plain recount finds."""
+    import random
+    from collections import deque
+
+    rng = random.Random(3)
+    times = [(rng.choice([1e-3, 0.02, 5.0, 300.0]), 0.0) for _ in range(5000)]
+    times += [(0.02, rng.uniform(0.0, 0.004)) for _ in range(100)] + [(0.02, 0.0065 + 0.0001 * i) for i in range(60)]
+    times += [(0.02, 0.03 if i % 3 == 0 else 0.0) for i in range(30)]  # a third of the steps: never most
     window: deque[tuple[float, float]] = deque(maxlen=20)
     expected = None
     for step, (seconds, wait) in enumerate(times, 1):
         window.append((seconds, wait))
-        if expected is None and len(window) == 20 and sum(w for _, w in window) / sum(s for s, _ in window) > 0.3:
+        if expected is None and len(window) == 20 and 2 * sum(w > 0.3 * s for s, w in window) > 20:
             expected = step
-        plugin.on_step_end(ctx=ctx, step=step, metrics={"step_time": seconds, "data_time": wait, "tokens": 8})
-    assert expected is not None and expected > 5100 and reports == [expected]
+    assert expected == 5100 + 11
+    assert [step for step, _, _ in _drive(times)] == [expected]

@@ -75,7 +75,7 @@ def test_report_is_written_at_run_end_with_verdict_findings_plots_and_card(resum
     row = next(line for line in markdown.splitlines() if line.startswith("| [NONFINITE_LOSS]"))
     assert "(report/playbooks/numeric-health.md#nonfinite_loss)" in row and "| 4 |" in row and "skip_step" in row
     assert "[capture](captures/step-4/capture.rank-0.json)" in row
-    assert "**NONFINITE_LOSS** (step 4): Read `evidence.first_nonfinite_module` in the `NONFINITE_LOSS` line of `" + str(resumed_run) + "/harness/findings.jsonl`" in markdown
+    assert "**NONFINITE_LOSS** (step 4): Read the `NONFINITE_LOSS` line of `" + str(resumed_run) + "/harness/findings.jsonl`" in markdown
     # plots exist, and the steps file holds the replayed steps 6-8 twice (the resume is a new segment)
     assert {p.name for p in (run_dir / "report" / "plots").glob("*.png")} == {"loss.png", "grad_norm.png", "lr.png", "throughput.png"}
     steps = [r["step"] for r in read_jsonl(run_dir / "steps.jsonl")]
@@ -171,7 +171,7 @@ def test_explain_prints_the_verdict_and_a_next_step_per_finding(resumed_run: Pat
     for code in codes:
         block = out[out.index(f"] {code} x"):]
         assert "\n  next: " in block.split("\n\n")[0] and f"harness playbook {code}" in block.split("\n\n")[0], code
-    assert f"next: Read `evidence.first_nonfinite_module` in the `NONFINITE_LOSS` line of `{resumed_run}/harness/findings.jsonl`" in " ".join(out.split())  # filled in
+    assert f"next: Read the `NONFINITE_LOSS` line of `{resumed_run}/harness/findings.jsonl`" in " ".join(out.split())  # filled in
 
 
 def test_explain_and_report_name_the_fix_for_a_folder_without_a_run(tmp_path: Path) -> None:

@@ -50,6 +50,13 @@ def test_demo_names_each_injected_fault(tmp_path: Path, capsys: Any, monkeypatch
     assert replayed.returncode == 0 and "reproduced: every per-sample loss" in replayed.stdout, replayed.stdout[-2000:]
     (divergence,) = findings_of(out, "LOSS_DIVERGENCE")
     assert divergence["evidence"]["since_step"] == 47
+    # the spike of step 47 names the LR the harness found at 46 before the resume 17 steps earlier; the loss then went over
+    # ln(vocab), where the run started, and never came back
+    lr_spike = findings_of(out, "LOSS_SPIKE")[3]
+    assert [c["code"] for c in lr_spike["evidence"]["earlier_findings"]] == ["LR_SCHEDULE_MISMATCH"] and lr_spike["evidence"]["after_resume"]
+    assert "suspect the checkpoint restore first" not in lr_spike["message"]
+    assert [f["step"] for f in findings_of(out, "LOSS_ABOVE_START")] == [48]
+    assert [f["step"] for f in findings_of(out, "LOSS_NOT_RECOVERED")] == [60]
     # the skipped steps of the killed process were carried through the checkpoint into the run-end summary
     (summary,) = findings_of(out, "SKIPPED_STEPS")
     assert summary["evidence"]["skipped_steps"] == [8, 11, 14] and summary["evidence"]["scheduler_advanced"] == [11]

@@ -13,7 +13,7 @@ import pytest
 from cli_in_process import harness_in_process
 from handmade_runs import T2, proven_checkpoint, rolled_back_run, saved_at, write_run_json
 from harness.lib.checkpoints import linked_checkpoints, list_checkpoints, resolve_last
-from harness.lib.proven import FORMAT, MARKER, newest_proven, newest_proven_noting, read_marker, rotate
+from harness.lib.proven import CHECKED, CHECKED_FORMAT, FORMAT, MARKER, file_manifest, newest_proven, newest_proven_noting, read_marker, rotate
 
 
 def _resume_point(capsys: Any, monkeypatch: pytest.MonkeyPatch, run: Path) -> Any:
@@ -179,3 +179,63 @@ def test_only_abandoned_checkpoints_name_none_and_say_why(tmp_path: Path, capsys
     assert "no proven checkpoint in" in result.stderr and "of the history the run's last train() call continues" in result.stderr
     found = resolve_last(run)
     assert found.chosen is None and found.skipped == [] and [p.name for p, _ in found.abandoned] == ["checkpoint-50"]
+
+
+# -- no proof could be made: complete and finite (harness_checked) -----------------------------------------------------
+# A model above max_model_mb, a model with no batch it accepts, names of a format no layout fits: the checkpoint is complete
+# and its weights load with finite values, but nothing is proven. resume-point names it (exit 0) and says why it is not
+# proven; a proven one is still preferred, and a checkpoint with no marker (found corrupt, or never checked) never named.
+
+NOT_PROVEN = "the reference loss: the model is 9000 MiB in fp32, above max_model_mb (4096); raise it or set check_loss: false"
+
+
+def checked_checkpoint(folder: Path, step: int) -> Path:
+    """A checkpoint marked harness_checked (the proof could not be made), as the checking thread writes it."""
+    proven_checkpoint(folder, step)
+    (folder / MARKER).unlink()
+    record = {"format": CHECKED_FORMAT, "step": step, "checks": ["complete", "weights_finite", "shapes"], "not_proven": NOT_PROVEN,
+              "files": file_manifest(folder)}
+    (folder / CHECKED).write_text(json.dumps(record), encoding="utf-8")
+    return folder
+
+
+def test_with_nothing_proven_the_newest_complete_and_finite_checkpoint_is_named_with_why(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    checked_checkpoint(run / "checkpoint-90", 90)
+    checked_checkpoint(run / "checkpoint-100", 100)
+    result = _resume_point(capsys, monkeypatch, run)
+    assert (result.returncode, result.stdout.strip()) == (0, str(run / "checkpoint-100")), result
+    assert result.stderr == (f"harness resume-point: checkpoint-100 is not proven ({NOT_PROVEN}); checks passed: complete, "
+                             "weights_finite, shapes; named because it is complete and its weights load with finite values, and no "
+                             "checkpoint is proven.\n"), result.stderr
+    assert newest_proven(run) is None  # never taken for proven (rotation keeps only proven ones)
+
+
+def test_a_proven_checkpoint_is_preferred_to_a_newer_one_only_checked(tmp_path: Path, capsys: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    proven_checkpoint(run / "checkpoint-90", 90)
+    checked_checkpoint(run / "checkpoint-100", 100)
+    result = _resume_point(capsys, monkeypatch, run)
+    assert (result.returncode, result.stdout.strip()) == (0, str(run / "checkpoint-90")), result
+    assert result.stderr == (f"harness resume-point: passed over checkpoint-100 for the proven checkpoint-90: checkpoint-100 is not "
+                             f"proven ({NOT_PROVEN}); checks passed: complete, weights_finite, shapes.\n"), result.stderr
+
+
+def test_a_checkpoint_without_a_marker_is_never_the_fallback_and_a_changed_one_is_passed_over(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    checked_checkpoint(run / "checkpoint-80", 80)
+    changed = checked_checkpoint(run / "checkpoint-90", 90)
+    (changed / "optimizer.pt").write_bytes(b"o" * 3)  # cut short after it was checked
+    (proven_checkpoint(run / "checkpoint-100", 100) / MARKER).unlink()  # found corrupt (or never checked): no marker at all
+    result = _resume_point(capsys, monkeypatch, run)
+    assert (result.returncode, result.stdout.strip()) == (0, str(run / "checkpoint-80")), result
+    lines = result.stderr.splitlines()
+    assert lines[0] == "harness resume-point: passed over checkpoint-90: it changed since it was checked: optimizer.pt is 3 bytes, 8 when proven."
+    assert lines[1].startswith("harness resume-point: checkpoint-80 is not proven (") and len(lines) == 2, lines
+    (run / "checkpoint-80" / CHECKED).write_text("{broken", encoding="utf-8")
+    result = _resume_point(capsys, monkeypatch, run)
+    assert result.returncode == 1 and result.stdout == "" and "no proven checkpoint" in result.stderr
+    assert f"passed over checkpoint-80: its marker {CHECKED} could not be read (not JSON" in result.stderr

@@ -36,15 +36,21 @@ def loss_context(j: Judgement | None, spiked: bool, elevated: bool, min_rise: fl
     return f"with the loss within its usual range ({change})", False, {**evidence, "loss_moved": False}
 
 
-def loss_spike_notes(rise: dict[str, Any], grad: Judgement | None, resume: dict[str, Any]) -> list[str]:
-    """What came with a loss spike: a grad norm rising before it or jumping with it, a resume shortly before."""
+def loss_spike_notes(rise: dict[str, Any], grad: Judgement | None, resume: dict[str, Any], causes: Sequence[str] = ()) -> list[str]:
+    """What came with a loss spike, most telling first: the run's own earlier findings that can cause it (``causes``,
+    worded), then a grad norm rising before it or jumping with it, then a resume shortly before (the first suspect only
+    when the run found nothing else)."""
     notes = []
+    if causes:
+        notes.append(f"the run found {', '.join(causes)} just before it: suspect that first")
     if rise["grad_norm_rose_before"]:
         notes.append("the grad norm was already rising before it (suspect the optimizer or LR, not only the batch)")
     if grad is not None:
         notes.append(f"the grad norm jumped with it ({grad.value / grad.median if grad.median > 0 else math.inf:.1f}x its median)")
     if resume["after_resume"]:
-        notes.append(f"it came {counted(resume['steps_since_resume'], 'steps')} after a resume (suspect the checkpoint restore first)")
+        since = counted(resume["steps_since_resume"], "steps")
+        notes.append(f"it also came {since} after a resume" if causes or rise["grad_norm_rose_before"] else
+                     f"it came {since} after a resume (suspect the checkpoint restore first)")
     return notes
 
 

@@ -1,4 +1,4 @@
-"""spike_capture: loss and grad-norm spikes against a robust running baseline, with the offending batch captured.
+"""spike_capture's hooks: loss and grad-norm spikes against a robust running baseline, with the offending batch captured.
 
 The baseline is the median and MAD of the last ``window`` normal steps,
 robust from the first step: every step is tested against what the window
@@ -12,6 +12,16 @@ recomputed on the very weights that produced it, and a policy may still skip
 that update. A loss that stays
 elevated for ``divergence_patience`` steps is a divergence, not a spike.
 
+The running baseline alone calls a run that is ruined from its first steps
+healthy (it forms on the ruined level), so every loss is also held against
+an anchor that does not move (:mod:`.anchor`): above the untrained level or
+several times the run's first losses is ``LOSS_ABOVE_START`` within two
+steps, such losses never enter the baseline, and a run that never comes back
+to its start says so at its end (``LOSS_NOT_RECOVERED``). Evaluations are
+watched for an eval loss that climbs (``EVAL_LOSS_RISING``, :mod:`.evals`), and
+a spike names the run's own earlier findings as its first suspects
+(:mod:`.causes`).
+
 Per micro-batch it keeps the batch by reference and queues its loss with
 ``defer``; the step guard reads those with every plugin's tensors in one
 transfer and hands over the step loss and grad norm as host floats.
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import deque
 from typing import Any
 
@@ -32,8 +43,14 @@ from harness.core.plugin import Plugin
 from harness.lib.capture import CaptureResult, write_capture
 from harness.lib.layer_history import describe, surged_before
 from harness.lib.robust import Baseline, Judgement
+from harness.lib.model_state import weights_state
 from harness.lib.trainer_kind import token_loss
-from harness.lib.spike_notes import earlier_micro_batches, grad_rise, loss_context, loss_spike_notes, step_dataset_indices
+from .notes import earlier_micro_batches, grad_rise, loss_context, loss_spike_notes, step_dataset_indices
+from harness.lib.untrained_loss import UntrainedLoss, none, settled_by_labels, untrained_loss
+
+from .anchor import Breach, LossAnchor, loss_terms
+from .causes import EarlierFindings
+from .evals import EvalRise, EvalTrend
 
 LOSS_SPIKE = FindingCode(
     "LOSS_SPIKE", Severity.WARNING, "The step loss jumped far above its running baseline; the batch was captured.", "numeric-health#loss_spike"
@@ -46,6 +63,25 @@ GRAD_NORM_SPIKE = FindingCode(
 )
 LOSS_DIVERGENCE = FindingCode(
     "LOSS_DIVERGENCE", Severity.ERROR, "The loss stayed far above its baseline for a whole patience window.", "numeric-health#loss_divergence"
+)
+LOSS_ABOVE_START = FindingCode(
+    "LOSS_ABOVE_START",
+    Severity.WARNING,
+    "The loss rose above where the run started: over what an untrained model scores (ln(vocab), ln(labels)) or several "
+    "times the run's first losses. The run has lost what it learned.",
+    "numeric-health#loss_above_start",
+)
+LOSS_NOT_RECOVERED = FindingCode(
+    "LOSS_NOT_RECOVERED",
+    Severity.WARNING,
+    "At the end of the run the loss had not come back to where the run started (after rising above it, or in a fine-tune).",
+    "numeric-health#loss_not_recovered",
+)
+EVAL_LOSS_RISING = FindingCode(
+    "EVAL_LOSS_RISING",
+    Severity.WARNING,
+    "The eval loss rose at consecutive evaluations and stands above its best (overfitting, or a run losing what it learned).",
+    "numeric-health#eval_loss_rising",
 )
 log = logging.getLogger("harness.spike_capture")
 
@@ -82,6 +118,47 @@ class SpikeCaptureOptions(BaseModel):
     max_captures: int = Field(20, ge=0, description="Captures written per run at most (findings go on after that, without a capture).")
     resume_window: int = Field(200, ge=0, description="A spike within this many steps after a resume is flagged as following it.")
     recompute_loss: bool = Field(True, description="Recompute per-sample losses with one extra forward pass on the captured batch.")
+    anchor: bool = Field(
+        True, description="Hold every loss against an anchor that does not move with the run (LOSS_ABOVE_START, LOSS_NOT_RECOVERED): "
+        "the untrained level (ln(vocab) for a token loss, ln(num_labels) for a classifier) and the run's first losses.",
+    )
+    anchor_margin: float = Field(
+        0.1, ge=0, description="The ceiling is (1 + anchor_margin) times the higher of the untrained level and the run's first loss.")
+    anchor_start_ratio: float = Field(
+        3.0, gt=1, description="... and at most this many times the run's start (the median of its healthy first three losses): a "
+        "fine-tune that starts far under the untrained level.")
+    anchor_confirm_steps: int = Field(
+        2, ge=1, description="LOSS_ABOVE_START when this many steps in a row are over the ceiling, or one step is 1.5 times over it.")
+    recover_margin: float = Field(
+        0.1, ge=0, description="LOSS_NOT_RECOVERED when, at the end of a run that rose over its ceiling (or of a fine-tune of at "
+        "least 2 * level_steps steps), the median of the last level_steps losses is more than this fraction above the run's start.")
+    anchor_terms: int = Field(
+        64, ge=1, description="The anchor judges the mean of the last steps that together hold this many loss terms (labelled "
+        "tokens, or rows for a classifier, contrastive or regression loss): one step of a language model, 16 steps of a "
+        "classifier with batch 4, whose single steps are noisy; for such a loss the margin is at least 3/sqrt(terms of the mean).")
+    spike_min_terms: int = Field(
+        32, ge=1, description="A step loss over fewer loss terms than this (a classifier's rows with a small batch) is too noisy "
+        "for one step to be a spike: no LOSS_SPIKE, and a GRAD_NORM_SPIKE stays information (one misfit row moves a small batch's "
+        "gradient 20-40x on healthy runs); the anchor and "
+        "LOSS_DIVERGENCE still judge it.")
+    eval_rises: int = Field(2, ge=1, description="EVAL_LOSS_RISING when an eval loss rose at this many evaluations in a row ...")
+    eval_min_rise: float = Field(0.05, ge=0, description="... and stands at least this fraction above its best evaluation.")
+
+
+def eval_examples(trainer: Any) -> dict[str, int]:
+    """Per eval-loss metric key, its eval set's number of examples (``eval_loss``, or ``eval_<name>_loss`` for a dict of
+    sets); sets without a length are left out."""
+    sets = getattr(trainer, "eval_dataset", None)
+    named = sets.items() if isinstance(sets, dict) else [(None, sets)]
+    found: dict[str, int] = {}
+    for name, dataset in named:
+        try:
+            n = len(dataset) if dataset is not None else 0
+        except TypeError:
+            continue  # an IterableDataset
+        if n > 0:
+            found["eval_loss" if name is None else f"eval_{name}_loss"] = n
+    return found
 
 
 def _detach(batch: dict[str, Any], copy: bool) -> dict[str, Any]:
@@ -110,7 +187,7 @@ class SpikeCapture(Plugin):
 
     name = "spike_capture"
     Options = SpikeCaptureOptions
-    CODES = (LOSS_SPIKE, GRAD_NORM_SPIKE, LOSS_DIVERGENCE)
+    CODES = (LOSS_SPIKE, GRAD_NORM_SPIKE, LOSS_DIVERGENCE, LOSS_ABOVE_START, LOSS_NOT_RECOVERED, EVAL_LOSS_RISING)
     options: SpikeCaptureOptions
 
     def __init__(self) -> None:
@@ -133,6 +210,13 @@ class SpikeCapture(Plugin):
         self._ring: deque[tuple[int, int, dict[str, Any]]] = deque(maxlen=o.ring_size)
         self._grad_pending: tuple[int, list[Micro], CaptureResult | None] | None = None
         self._judge_loss = True  # a token loss (on_run_start asks the trainer)
+        self.anchor = LossAnchor(margin=o.anchor_margin, start_ratio=o.anchor_start_ratio, confirm_steps=o.anchor_confirm_steps,
+                                 anchor_terms=o.anchor_terms)
+        self._few_terms = False  # each step's loss averages fewer than spike_min_terms terms: no single-step spike
+        self._level: UntrainedLoss = none("not started")
+        self._finetune = False  # the weights were trained before this run (its loss must fall below its start)
+        self.evals = EvalTrend(rises=o.eval_rises, min_rise=o.eval_min_rise)
+        self.causes = EarlierFindings()
         self._loss_seen: tuple[int, Judgement | None, bool, bool] | None = None  # (step, judgement, spike, elevated) of the last loss
 
     def setup(self, ctx: Any) -> None:
@@ -147,6 +231,10 @@ class SpikeCapture(Plugin):
         if not self._judge_loss:
             log.info("spike_capture: %s optimises no token loss: its loss is not judged for spikes or divergence, its "
                      "grad norm is", type(getattr(ctx, "trainer", None)).__name__)
+        trainer = getattr(ctx, "trainer", None)
+        self._level = untrained_loss(trainer) if self._judge_loss else none("not a token loss")
+        self._set_untrained(self._level)
+        self._finetune = self._judge_loss and self.options.anchor and weights_state(getattr(trainer, "model", None)) == "trained"
         self.idle_hooks("on_loss", idle=not self.options.copy_batches)  # by reference, the loop's ctx.step_batches serve
 
     # -- state across checkpoints ------------------------------------------------------------------
@@ -161,6 +249,9 @@ class SpikeCapture(Plugin):
             "elevated_run": self.elevated_run,
             "divergence_reported": self.divergence_reported,
             "captures": self.captures,
+            "anchor": self.anchor.state(),
+            "finetune": self._finetune,
+            "evals": self.evals.state(),
         }
 
     @hookimpl
@@ -175,6 +266,9 @@ class SpikeCapture(Plugin):
         self.elevated_run = int(state.get("elevated_run", 0))
         self.divergence_reported = bool(state.get("divergence_reported", False))
         self.captures = int(state.get("captures", 0))
+        self.anchor.restore(state.get("anchor"))
+        self._finetune = bool(state.get("finetune", self._finetune))
+        self.evals.restore(state.get("evals"))
 
     # -- per micro-batch: references, and the loss queued for the guard's one read ---------------------
 
@@ -216,13 +310,20 @@ class SpikeCapture(Plugin):
             return  # nan_guard's finding; a non-finite value must not poison the baseline
         self.steps_seen += 1
         ready = self.loss_base.ready and self.steps_seen > o.warmup_steps
+        if self._level.kind == "pending" and kept:  # a classifier whose loss transformers picks from the labels' dtype
+            self._set_untrained(settled_by_labels(self._level, kept[0][1].get("labels") if hasattr(kept[0][1], "get") else None))
+        if self.anchor.terms is None and kept:  # once: how many terms a step's loss averages (tensor shapes, no device read)
+            self._set_terms(ctx, loss_terms([b for _, b in kept], token=self._level.kind == "token"))
+        # the anchor first: a loss over the run's ceiling never enters the baseline (it would form on a ruined level)
+        breach = self.anchor.observe(step, loss) if self._judge_loss and o.anchor else None
+        ruined = self._judge_loss and o.anchor and self.anchor.above_run > 0
         # against what is there, from the first steps: outliers never enter. A loss under (1 + loss_min_rise) times the
         # lowest level the window can give is no outlier whatever its spread: judged later only if a report needs it
-        normal = not self._judge_loss or self.loss_base.under_level(loss, 1.0 + o.loss_min_rise)
+        normal = not self._judge_loss or (not ruined and self.loss_base.under_level(loss, 1.0 + o.loss_min_rise))
         j = None if normal else self.loss_base.judge(loss)
         rise = j is not None and j.value - j.median > o.loss_min_rise * abs(j.median)
-        outlier = rise and j is not None and j.z > min(o.divergence_z, o.loss_z)
-        spike = ready and rise and j is not None and j.z > o.loss_z
+        outlier = ruined or (rise and j is not None and j.z > min(o.divergence_z, o.loss_z))
+        spike = ready and rise and j is not None and j.z > o.loss_z and not self._few_terms
         self._loss_seen = (step, _ADMITTED if normal else j, spike, outlier)
         episode_started = self.elevated_run == 0
         self.elevated_run = self.elevated_run + 1 if outlier else 0
@@ -235,13 +336,20 @@ class SpikeCapture(Plugin):
             current = _micros(kept, losses)
             capture = self._capture(ctx, step, LOSS_SPIKE.code, f"loss {loss:.4f} vs running level {j.median:.4f}", current)
             self._report_loss_spike(ctx, step, j, grad, capture, current)
-        if self.elevated_run >= o.divergence_patience and not self.divergence_reported and j is not None:
+        if breach is not None and not self.anchor.in_breach:
+            self.anchor.in_breach = True  # once per run of steps over the ceiling
+            if capture is None:
+                capture = self._capture(ctx, step, LOSS_ABOVE_START.code, f"loss {loss:.4f} over the run's ceiling {breach.ceiling:.4f}",
+                                        _micros(kept, losses))
+            self._report_above_start(ctx, breach, grad, capture)
+        if self.elevated_run >= o.divergence_patience and not self.divergence_reported and (j is not None or ruined):
             self.divergence_reported = True
-            if ready:
+            if ready or ruined:
                 self._report_divergence(ctx, step, j)
             else:  # the level moved before the baseline was complete: start again from the new level, without a finding
                 log.info("spike_capture: the loss moved to a new level before its baseline filled; rebuilding it from step %s", step)
-            self.loss_base.clear()  # reported once; from here the new level is the baseline (min_history steps to rebuild)
+            if not ruined:  # a ruined level never becomes the baseline: the healthy one stays until the loss comes back
+                self.loss_base.clear()  # reported once; from here the new level is the baseline (min_history steps to rebuild)
         if norm is None:
             self._grad_pending = (step, _micros(kept, losses), capture)
         elif grad is not None:
@@ -287,7 +395,8 @@ class SpikeCapture(Plugin):
         self.grad_in_spike = True
         ratio = j.value / j.median if j.median > 0 else math.inf
         context, with_loss_spike, loss_moved, loss_evidence = self._loss_context(step)
-        serious = with_loss_spike or ratio >= o.grad_warn_ratio or bool(loss_evidence.get("loss_elevated"))
+        # a step of few rows: one row the model misfits moves its gradient 20-40x on a healthy run (the loss checks remain)
+        serious = not self._few_terms and (with_loss_spike or ratio >= o.grad_warn_ratio or bool(loss_evidence.get("loss_elevated")))
         if capture is None and serious:
             why = f"grad norm {j.value:.4f} vs running median {j.median:.4f}"
             capture = self._capture(ctx, step, GRAD_NORM_SPIKE.code, why, current, weights_moved=weights_moved)
@@ -327,7 +436,8 @@ class SpikeCapture(Plugin):
         self, ctx: Any, step: int, j: Judgement, grad: Judgement | None, capture: CaptureResult | None, current: list[Micro]
     ) -> None:
         rise, resume = self._grad_rise(grad), self._resume_evidence(step)
-        notes = loss_spike_notes(rise, grad, resume)
+        causes = self.causes.before(step)
+        notes = loss_spike_notes(rise, grad, resume, [c.words(step) for c in causes])
         surged = _surged(ctx, step)
         if surged:
             notes.append(f"layers surged first: {describe(surged)}")
@@ -343,6 +453,7 @@ class SpikeCapture(Plugin):
                 **rise,
                 "grad_norm_jumped_with_it": grad is not None,
                 "layers_surged_first": [s.as_dict() for s in surged],
+                "earlier_findings": [c.as_dict() for c in causes],
                 **resume,
                 "dataset_indices": step_dataset_indices([b for _, b, _ in current]),
                 "capture": str(capture.json_path) if capture else None,
@@ -350,16 +461,25 @@ class SpikeCapture(Plugin):
             },
         )
 
-    def _report_divergence(self, ctx: Any, step: int, j: Judgement) -> None:
+    def _report_divergence(self, ctx: Any, step: int, j: Judgement | None) -> None:
         o = self.options
         recent = [h[1] for h in self.history if h[1] is not None and math.isfinite(h[1])][-o.divergence_patience:]
+        ceiling = self.anchor.ceiling() if o.anchor and self._judge_loss else None
+        ruined = self.anchor.above_run >= self.elevated_run and ceiling is not None
+        against = (f"baseline median {j.median:.4f}, {j.z:.1f} robust SDs" if j is not None else "no baseline formed before it")
+        anchored = (f"; every one of them over the run's ceiling {ceiling:.4f} (above where it started: "
+                    f"{self.anchor.start() or 0:.4f} at its first steps{self._untrained_words()})" if ruined else "")
+        value = recent[-1] if recent else math.nan
         self.report(
             LOSS_DIVERGENCE.code,
-            f"the loss has stayed above its baseline for {self.elevated_run} steps in a row (step {step}: {j.value:.4f}, "
-            f"baseline median {j.median:.4f}, {j.z:.1f} robust SDs); training is diverging rather than spiking once.",
+            f"the loss has stayed above its baseline for {self.elevated_run} steps in a row (step {step}: {value:.4f}, "
+            f"{against}{anchored}); training is diverging rather than spiking once.",
             step=step,
             evidence={
-                **j.evidence("loss"),
+                **(j.evidence("loss") if j is not None else {"loss": value}),
+                "ceiling": ceiling,
+                "over_ceiling": ruined,
+                "start": self.anchor.start(),
                 "elevated_steps": self.elevated_run,
                 "since_step": step - self.elevated_run + 1,
                 "recent_losses": recent,
@@ -367,6 +487,108 @@ class SpikeCapture(Plugin):
                 **self._resume_evidence(step),
             },
         )
+
+    def _set_untrained(self, level: UntrainedLoss) -> None:
+        """The anchor's untrained level (None for a loss without one, or a classifier whose labels are not seen yet)."""
+        self._level = level
+        known = level.kind in ("token", "classification")
+        self.anchor.untrained, self.anchor.basis = (level.level, level.basis) if known else (None, None)
+
+    def _set_terms(self, ctx: Any, terms: int | None) -> None:
+        self.anchor.terms = terms
+        few = terms is not None and terms < self.options.spike_min_terms and self._judge_loss
+        if few and not self._few_terms and getattr(ctx, "is_main", True):
+            log.info("spike_capture: each step's loss averages %d terms (fewer than spike_min_terms=%d): single-step loss spikes "
+                     "are not reported; the anchor judges the mean of the last %d steps", terms, self.options.spike_min_terms,
+                     self.anchor.window)
+        self._few_terms = few
+
+    def _untrained_words(self) -> str:
+        a = self.anchor
+        return f"; an untrained model scores {a.basis}={a.untrained:.3f}" if a.untrained is not None and a.basis else ""
+
+    def _report_above_start(self, ctx: Any, breach: Breach, grad: Judgement | None, capture: CaptureResult | None) -> None:
+        causes = self.causes.before(breach.step)
+        first = f"steps {breach.first_above}-{breach.step}" if breach.steps_above > 1 else f"step {breach.step}"
+        suspects = (f"the run found {', '.join(c.words(breach.step) for c in causes)} just before: suspect that first" if causes else
+                    "suspect the learning rate (too high for this model and batch, or no warm-up), then the optimizer state "
+                    "(a restore that lost its moments), then the data")
+        self.report(
+            LOSS_ABOVE_START.code,
+            f"{breach.what()} {breach.step} on rank {ctx.rank}, {breach.loss:.4f}, is {breach.describe()}: over the run's ceiling "
+            f"{breach.ceiling:.4f} at {first}. The run has lost what it learned; no running baseline forms on this level. "
+            f"{suspects[0].upper()}{suspects[1:]}."
+            + (f" Top suspects in the batch: {capture.describe()}." if capture else ""),
+            step=breach.step,
+            evidence={
+                **breach.evidence(),
+                "grad_norm_jumped_with_it": grad is not None,
+                "earlier_findings": [c.as_dict() for c in causes],
+                **self._resume_evidence(breach.step),
+                "capture": str(capture.json_path) if capture else None,
+            },
+            limit=5,
+        )
+
+    @hookimpl
+    def on_finding(self, finding: Any) -> None:
+        self.causes.note(finding)  # a few host operations, only when a finding is made
+
+    @hookimpl
+    def on_evaluate(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
+        if not ctx.is_main:
+            return  # every rank evaluates the same set: judged once, on rank 0
+        recent = list(self.anchor.recent) or [h[1] for h in self.history if h[1] is not None and math.isfinite(h[1])]
+        train = self.anchor.level(recent, self.options.level_steps)
+        examples = None if self._level.kind == "token" else eval_examples(getattr(ctx, "trainer", None))
+        for rise in self.evals.observe(step, metrics, train, examples):
+            self._report_eval_rise(ctx, rise)
+
+    def _report_eval_rise(self, ctx: Any, rise: EvalRise) -> None:
+        exploded = self._judge_loss and self.options.anchor and rise.train_now is not None and self.anchor.above(rise.train_now)
+        path = ", ".join(f"{v:.4f}" + (f" (step {s})" if i in (0, len(rise.rises) - 1) else "") for i, (s, v) in enumerate(rise.rises))
+        self.report(
+            EVAL_LOSS_RISING.code,
+            f"{rise.key} rose at {self.options.eval_rises} evaluations in a row, {path}: {rise.rise * 100:+.0f}% above its best, "
+            f"{rise.training_words(exploded)}. Keep the checkpoint of step {rise.best_step} (load_best_model_at_end with "
+            "metric_for_best_model) and look at the learning rate and the number of epochs.",
+            step=rise.step,
+            evidence={**rise.evidence(), "training_loss_exploded": exploded},
+            limit=5,
+        )
+
+    @hookimpl
+    def on_run_end(self, ctx: Any, status: str) -> None:
+        o = self.options
+        if not ctx.is_main or not self._judge_loss or not o.anchor or status not in ("completed", "stopped"):
+            return
+        losses = list(self.anchor.recent)
+        long_enough = self.steps_seen >= 2 * max(o.level_steps, self.anchor.window) and len(losses) >= 3
+        level = self.anchor.level(losses, o.level_steps)
+        if level is None or not (self.anchor.breached or (self._finetune and long_enough)):
+            return
+        if not self.anchor.not_recovered(level, o.recover_margin):
+            return
+        start = self.anchor.start() or math.nan
+        why = ("after it rose over its ceiling" if self.anchor.breached else
+               "in a fine-tune (the weights were trained before this run): the loss on its own data should fall below where it started")
+        self.report(
+            LOSS_NOT_RECOVERED.code,
+            f"the run ended with its loss at {level:.4f} ({self._level_words(len(losses))}), {level / start:.2f}x where it "
+            f"started ({start:.4f}, its first losses){self._untrained_words()}: it never came back, {why}. The weights at the end "
+            "are worse than at the start: keep the last checkpoint from before the rise, and lower the learning rate (or add "
+            "warm-up) before training again.",
+            step=ctx.step,
+            evidence={"level": level, "start": self.anchor.start(), "first_losses": list(self.anchor.first), "breached": self.anchor.breached,
+                      "finetune": self._finetune, "last_losses": losses[-max(o.level_steps, self.anchor.window):], "untrained_level": self.anchor.untrained,
+                      "untrained_basis": self.anchor.basis},
+        )
+
+    def _level_words(self, available: int) -> str:
+        o = self.options
+        if self.anchor.window == 1:
+            return f"the median of its last {min(available, o.level_steps)} steps"
+        return f"the mean of its last {min(available, max(o.level_steps, self.anchor.window))} steps"
 
     def _capture(
         self, ctx: Any, step: int, code: str, why: str, current: list[Micro], weights_moved: bool = False

@@ -1,0 +1,171 @@
+"""Spans of training text in an eval row: runs of matched n-grams, with the n-grams across a line or document boundary set apart.
+
+An eval row may join several lines or documents (``run_clm.py`` cuts the
+concatenated validation text into 64-token blocks). A line copied into
+training on its own matches only the n-grams inside it: the ones that cross
+into the next line never occur in training, so counting them (as a plain
+matched fraction does) makes a block of copied lines look two-thirds clean.
+Here a row's boundaries are gaps between units (gap ``g`` lies between unit
+``g - 1`` and unit ``g``); a window with a gap strictly inside it crosses a
+boundary and counts neither for nor against the row. A run of consecutive
+matched windows is one stretch of text seen in training: a span of
+``run + n - 1`` units (two runs that abut are one span that a training block
+boundary cut). A span counts as training text only when it holds a window
+inside one line: a run made of boundary-crossing windows alone is template
+text around a line break (``Answer: 21.\\nQuestion: What is``), not a copy.
+Rows without boundaries (one eval example per line) are judged on all their
+windows, as before.
+
+A joined row is judged on the larger of its n-gram share and its copied
+share (units inside training spans of more than two n-grams, of the units a
+window could cover): a copied line that a training block cut in two keeps
+its tokens but loses the n-grams across the cut. A single example keeps the
+n-gram share alone, where a few n-grams of a shared template would otherwise
+cover many of its units.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def crossing_windows(units: int, window: int, cuts: np.ndarray | None) -> np.ndarray:
+    """Per window offset (``units - window + 1`` of them): whether a boundary gap falls strictly inside it."""
+    count = units - window + 1
+    if count <= 0:
+        return np.zeros(0, dtype=np.bool_)
+    if cuts is None or not len(cuts):
+        return np.zeros(count, dtype=np.bool_)
+    starts = np.arange(count, dtype=np.int64)
+    # window o holds the gaps o+1 .. o+window-1: some cut there iff fewer cuts lie at or before o than at or before o+window-1
+    return np.searchsorted(cuts, starts, side="right") < np.searchsorted(cuts, starts + (window - 1), side="right")
+
+
+@dataclass
+class CopiedSpans:
+    """What training matched of one unit sequence (one tokenisation variant of an eval row)."""
+
+    window: int = 0
+    units: int = 0
+    matched: int = 0  # matched windows inside one line or document (what the n-gram fraction counts)
+    windows: int = 0  # windows inside one line or document (all windows when no line holds a whole one)
+    crossing_matched: int = 0  # matched windows across a boundary (counted neither way)
+    crossing: int = 0  # windows across a boundary
+    segments: int = 0  # lines or documents that hold a whole window
+    edges: set[int] = field(default_factory=set)  # where lines or documents start and end (the row's ends included)
+    coverable: int = 0  # units inside some counted window (a line shorter than n cannot be matched at all)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # training spans, [start, end) in units, ascending
+
+    @property
+    def fraction(self) -> float:
+        """The share of the counted n-grams seen in training."""
+        return self.matched / self.windows if self.windows else 0.0
+
+    @property
+    def joined(self) -> bool:
+        """The sequence joins lines or documents: more than one of them holds a whole window."""
+        return self.segments > 1
+
+    @property
+    def covered(self) -> int:
+        """Units inside training spans (two runs a few windows apart overlap: their union)."""
+        covered, reach = 0, 0
+        for start, end in self.spans:  # ascending starts
+            covered += max(0, end - max(start, reach))
+            reach = max(reach, end)
+        return covered
+
+    @property
+    def copied(self) -> int:
+        """Units inside training spans longer than two n-grams or holding a whole line (one or two matched n-grams
+        inside a longer line are as likely a phrase of a template as a copy)."""
+        copied, reach = 0, 0
+        for start, end in self.spans:
+            if end - start >= self.window + 2 or (start in self.edges and end in self.edges):
+                copied += max(0, end - max(start, reach))
+                reach = max(reach, end)
+        return copied
+
+    @property
+    def copied_fraction(self) -> float:
+        """The share of the coverable units inside training spans: a copied line that a training block cut in two is
+        copied whole, although the n-grams across training's cut were never seen."""
+        return min(1.0, self.copied / self.coverable) if self.coverable else 0.0
+
+    @property
+    def judged_fraction(self) -> float:
+        """What the status is judged on: a joined row's larger share (its n-grams undercount the copied lines that
+        training cut), a single example's n-gram share (a few template n-grams may cover many of its units)."""
+        return max(self.fraction, self.copied_fraction) if self.joined else self.fraction
+
+    @property
+    def longest(self) -> int:
+        return max((end - start for start, end in self.spans), default=0)
+
+
+def copied_spans(offsets: list[int] | np.ndarray, units: int, window: int, crossing: np.ndarray,
+                 cuts: np.ndarray | None = None) -> CopiedSpans:
+    """Spans and counted fractions of a sequence of ``units`` whose matched window starts are ``offsets``.
+
+    ``crossing`` (from :func:`crossing_windows` with ``cuts``) marks the windows across a boundary. When every window
+    crosses one (no line holds ``window`` units), all windows count, as in a row without boundaries.
+
+    Two runs that abut (the second starts where the first's last window ends) are one copy that a training block
+    boundary cut: the ``window - 1`` windows across that cut were never seen, and those inside one line count as seen
+    for the span (a window across a line break is never filled in: it would join two lines copied apart). A span
+    goes on across a line break only when every window across the break was seen (lines copied together); otherwise
+    the windows across it that matched are the template text lines start and end with, and the span stops there. A
+    span runs from its first window inside one line to its last.
+    """
+    out = CopiedSpans(window=window, units=units)
+    total = len(crossing)
+    if not total:
+        return out
+    across = crossing if not crossing.all() else np.zeros(total, dtype=np.bool_)
+    out.crossing = int(across.sum())
+    out.windows = total - out.crossing
+    cuts = np.asarray(cuts if cuts is not None and out.crossing else [], dtype=np.int64)
+    counted = np.flatnonzero(~across) if len(cuts) else None
+    if counted is not None and len(counted):  # lines holding a counted window: ids ascend with the windows
+        out.segments = int(np.count_nonzero(np.diff(np.searchsorted(cuts, counted, side="right")))) + 1
+    else:
+        out.segments = 1 if out.windows else 0
+    if not len(offsets):
+        return out  # nothing matched (most rows): the counts are all a clean row needs
+    starts = np.unique(np.asarray(offsets, dtype=np.int64))
+    starts = starts[(starts >= 0) & (starts < total)]
+    if not len(starts):
+        return out
+    if counted is None:
+        counted = np.flatnonzero(~across)
+    # windows of one length, ascending: each covers up to the next one's start, the last one whole
+    out.coverable = int(np.minimum(np.diff(counted), window).sum()) + window if len(counted) else 0
+    out.edges = {0, units, *cuts.tolist()}
+    inside = ~across[starts]
+    out.matched = int(inside.sum())
+    out.crossing_matched = len(starts) - out.matched
+    seen = np.zeros(total, dtype=np.bool_)
+    seen[starts] = True
+    breaks = np.flatnonzero(np.diff(starts) != 1) + 1  # runs of consecutive offsets
+    for last, first in zip(starts[breaks - 1].tolist(), starts[breaks].tolist()):
+        if first == last + window:  # abutting runs: a training block boundary cut the copy there (not a line break)
+            seen[last + 1 : first] |= ~across[last + 1 : first]
+    for gap in cuts.tolist():
+        lo, hi = max(0, gap - window + 1), min(total, gap)  # the windows across this break
+        if lo < hi and not seen[lo:hi].all():
+            seen[lo:hi] = False
+    kept = np.flatnonzero(seen)
+    if len(kept):
+        pieces = np.split(kept, np.flatnonzero(np.diff(kept) != 1) + 1)
+        for piece in pieces:
+            inner = piece[~across[piece]]
+            if len(inner):
+                out.spans.append((int(inner[0]), int(inner[-1]) + window))
+    return out
+
+
+def inner_bits(crossing: np.ndarray) -> int:
+    """The counted windows as a bitset (bit i: window i lies inside one line), for a cheap first test on matched bits."""
+    counted = ~crossing if len(crossing) and not crossing.all() else np.ones(len(crossing), dtype=np.bool_)
+    return int.from_bytes(np.packbits(counted, bitorder="little").tobytes(), "little")

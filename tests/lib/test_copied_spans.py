@@ -1,0 +1,98 @@
+"""Issue 43 item 6, in milliseconds: eval rows that join lines are judged by the spans of training text they hold.
+
+A run_clm-style eval block joins lines; a line copied into training on its own matches only the n-grams inside it,
+and a training block boundary through a copied line hides the n-grams across that cut. Neither may make a copied
+block look clean, and template text around a line break may not make a clean block look copied.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from harness.lib.copied_spans import copied_spans, crossing_windows, inner_bits
+from harness.lib.ngrams import EvalExample, NgramIndex
+from harness.lib.overlap import ScanOptions, Tally, judge
+
+N = 13
+NL = 0  # the line-break token of these made-up rows
+
+
+def _line(seed: int, length: int) -> list[int]:
+    """A line of ``length`` tokens ending in the line break; its other ids are its own (no n-gram shared by chance)."""
+    return [1000 * seed + k + 1 for k in range(length - 1)] + [NL]
+
+
+def _row(lines: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    units = np.array([t for line in lines for t in line], dtype=np.int64)
+    return units, np.flatnonzero(units == NL)[:-1] + 1 if units[-1] == NL else np.flatnonzero(units == NL) + 1
+
+
+def _verdict(units: np.ndarray, cuts: np.ndarray | None, training: list[np.ndarray], **options: int | float) -> dict:
+    index = NgramIndex.build([EvalExample("eval", "0", None, [units], None if cuts is None else [cuts])], N, 0, 1)
+    tally = Tally()
+    for row in training:
+        for hit in index.query(row):
+            tally.matched.setdefault(hit.variant, set()).add(hit.offset)
+    return judge(index, 0, tally, ScanOptions(n=N, **options))
+
+
+def test_a_block_of_lines_each_copied_alone_is_wholly_copied() -> None:
+    """Four 16-token lines, each copied into training between other lines: every n-gram inside a line matches, and
+    of those across a line break only the 3 that start at the shared line-break token. On all its windows (today's
+    judging) the block is 19 of 52 = 37% matched, partial; judged by its lines it is wholly copied."""
+    lines = [_line(i, 16) for i in range(1, 5)]
+    units, cuts = _row(lines)
+    training = [np.array(_line(50 + i, 15) + line + _line(60 + i, 15)) for i, line in enumerate(lines)]
+    plain = _verdict(units, None, training)
+    assert plain["matched_fraction"] == round(19 / 52, 6) and plain["status"] == "partial" and not plain["joined"]
+    row = _verdict(units, cuts, training)
+    assert row["joined"] and row["matched_ngrams"] == row["ngrams"] == 4 * 4 and row["boundary_ngrams"] == 36
+    assert row["boundary_matched"] == 3 and row["copied_fraction"] == 1.0 and row["longest_span"] == 16
+    assert row["matched_fraction"] == 1.0 and row["status"] == "dirty" and row["dirty_by"] == "fraction"
+
+
+def test_a_copied_line_cut_by_a_training_block_keeps_its_tokens() -> None:
+    """A 40-token line copied into training, where a block boundary falls 20 tokens in: the 12 n-grams across the cut
+    never occur, but the two runs abut, so the line is one training span of 40 tokens (the copied share counts it)."""
+    copied, clean = _line(1, 40), _line(2, 40)
+    units, cuts = _row([copied, clean])
+    training = [np.array(_line(50, 30) + copied[:20]), np.array(copied[20:] + _line(51, 30))]
+    row = _verdict(units, cuts, training, dirty_span=0)
+    assert row["matched_ngrams"] == 16 and row["ngrams"] == 56 and row["ngram_fraction"] == round(16 / 56, 6)
+    assert row["longest_span"] == 40 and row["copied_fraction"] == 0.5 and row["status"] == "dirty"
+    assert _verdict(units, cuts, training, dirty_span=0, dirty_fraction=0.6)["status"] == "partial"
+
+
+def test_a_long_training_span_makes_a_joined_row_dirty_whatever_its_fraction() -> None:
+    """A 2,000-token eval row (a packed block) holding one copied 100-token document: 5% of it, dirty by its span;
+    the same text as a single example keeps the fraction rule (a long template its few siblings share stays partial)."""
+    lines = [_line(i, 100) for i in range(1, 21)]
+    units, cuts = _row(lines)
+    training = [np.array(_line(90, 30) + lines[7] + _line(91, 30))]
+    row = _verdict(units, cuts, training)
+    assert row["status"] == "dirty" and row["dirty_by"] == "span" and row["longest_span"] == 100 and row["matched_fraction"] < 0.06
+    assert _verdict(units, cuts, training, dirty_span=0)["status"] == "partial"
+    single = _verdict(units, None, training)
+    assert single["status"] == "partial" and single["longest_span"] >= 100  # a single example: the fraction decides
+
+
+def test_template_text_around_line_breaks_is_not_training_text() -> None:
+    """Every line ends and starts with the same template tokens, so n-grams across the breaks match training, while
+    no line is copied: the row holds no training span and stays clean (today: partial, some n-grams 'matched')."""
+    template_end, template_start = [7, 8, 9, 10, 11, 12, NL], [13, 14, 15, 16, 17, 18]
+    def line(seed: int) -> list[int]:
+        return template_start + [1000 * seed + k for k in range(1, 12)] + template_end
+    units, cuts = _row([line(i) for i in range(1, 5)])
+    training = [np.array(line(50) + line(51) + line(52))]
+    assert _verdict(units, None, training)["status"] == "partial"
+    row = _verdict(units, cuts, training)
+    assert row["status"] == "clean" and row["boundary_matched"] > 0 and row["longest_span"] == 0 and row["matched_ngrams"] == 0
+
+
+def test_crossing_windows_and_inner_bits() -> None:
+    crossing = crossing_windows(10, 4, np.array([3, 7]))
+    # windows 0..6 of 4 units; gap 3 inside windows 0-2, gap 7 inside windows 4-6; window 3 ([3, 7)) holds neither
+    assert crossing.tolist() == [True, True, True, False, True, True, True]
+    assert inner_bits(crossing) == 0b0001000 and inner_bits(np.ones(3, dtype=bool)) == 0b111  # no whole line: all count
+    assert crossing_windows(10, 4, None).tolist() == [False] * 7 and len(crossing_windows(3, 4, None)) == 0
+    spans = copied_spans([0, 1, 2, 3, 4, 5, 6], 10, 4, crossing, np.array([3, 7]))
+    assert spans.spans == [(3, 7)] and spans.matched == 1 and spans.crossing_matched == 6 and not spans.joined
