@@ -91,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab_size", type=int, default=512, help="size of the BPE tokenizer trained on the corpus")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logging_steps", type=int, default=1)
+    p.add_argument(
+        "--average_tokens_across_devices", default="true", choices=("true", "false"),
+        help="the TrainingArguments option of that name (transformers' default: true)",
+    )
     p.add_argument("--report_to", default="none", help="the Trainer's report_to: none, or a comma-separated list (tensorboard,mlflow)")
     p.add_argument(
         "--stop_after_step", type=int, default=0,
@@ -234,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_steps=args.eval_steps if args.eval_steps > 0 else None,
         logging_steps=args.logging_steps,
         report_to=args.report_to.split(","),
+        average_tokens_across_devices=args.average_tokens_across_devices == "true",
         use_cpu=True,
         dataloader_num_workers=0,
     )

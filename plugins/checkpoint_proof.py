@@ -9,7 +9,7 @@ queues the checkpoint for a background thread, which checks that the folder
 is complete, that the weights load on the CPU with finite values and fit the
 model's names and shapes (in memory, or transformers' saved format: a MoE's
 experts per expert), and that a copy of the model rebuilt from its config
-through transformers' own loading gives the reference batch the same value.
+through transformers' own key conversion gives the reference batch the same value.
 The batch is any micro-batch the model's ``forward`` accepts (token labels,
 a classifier's labels, seq2seq targets; the value is the loss, or the output's
 mean square without labels). A SentenceTransformer is proven through the

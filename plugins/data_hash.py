@@ -62,6 +62,12 @@ RESUME_DATA_CHANGED = FindingCode(
     "The training data's content fingerprint differs from the one stored with the checkpoint.",
     "data#resume_data_changed",
 )
+DATA_SKIPPED_UNCHECKED = FindingCode(
+    "DATA_SKIPPED_UNCHECKED",
+    Severity.INFO,
+    "After a resume, DATA_SKIPPED was not judged: not every rank's samples of the steps after the checkpoint were known.",
+    "data#data_skipped_unchecked",
+)
 RANK_DATASETS_DIFFER = FindingCode(
     "RANK_DATASETS_DIFFER",
     Severity.ERROR,
@@ -207,7 +213,8 @@ class DataHash(Plugin):
 
     name = "data_hash"
     Options = DataHashOptions
-    CODES = (DATA_REPEATED, DATA_SKIPPED, DUPLICATE_SAMPLES, RANK_DATA_OVERLAP, RESUME_DATA_CHANGED, RANK_DATASETS_DIFFER)
+    CODES = (DATA_REPEATED, DATA_SKIPPED, DATA_SKIPPED_UNCHECKED, DUPLICATE_SAMPLES, RANK_DATA_OVERLAP, RESUME_DATA_CHANGED,
+             RANK_DATASETS_DIFFER)
 
     def __init__(self) -> None:
         self.options = DataHashOptions()
@@ -242,9 +249,14 @@ class DataHash(Plugin):
         # rank 0 of several: the resumed run's samples of every rank reach it in the step's exchange, so it alone judges
         # DATA_SKIPPED, with the interrupted run's samples of every rank (a step is one set, whatever the world size)
         self._skips_of_all_ranks = False
-        self._unseen_steps: list[int] = []  # steps after the resume whose exchange did not carry every rank's samples
-        self._skip_note: str | None = None  # why DATA_SKIPPED is not judged on this rank (logged once)
+        # steps after the resume, up to the interrupted run's last, whose exchange did not carry every rank's samples: a
+        # count (a run whose micro-batches hold more rows than the slot has one at every step), and the ranks cut or absent
+        self._unseen_steps = 0
+        self._unseen_cut: set[int] = set()
+        self._unseen_absent: set[int] = set()
+        self._skip_note: str | None = None  # why DATA_SKIPPED is not judged for this resume (said once, at the run end)
         self._interrupted_epoch = 0  # the last epoch of _interrupted
+        self._interrupted_last = 0  # the last step of _interrupted
         self._num_workers = 0  # the training loader's worker processes (dataloader_num_workers)
         self._iterable: str | None = None  # the training dataset's class when it is an IterableDataset
         self._previous: list[int] | None = None  # the hashes of the micro-batch checked last
@@ -288,7 +300,7 @@ class DataHash(Plugin):
         self._position, self._padding = 0, self._epoch_padding(ctx, trainer)
         self._resume_step, self._interrupted, self._since_resume = None, {}, set()
         self._skips_of_all_ranks = ctx.world_size > 1 and bool(self._capacity) and ctx.is_main
-        self._unseen_steps, self._skip_note = [], None
+        self._unseen_steps, self._unseen_cut, self._unseen_absent, self._skip_note = 0, set(), set(), None
         args = getattr(trainer, "args", None)
         self._num_workers = int(getattr(args, "dataloader_num_workers", 0) or 0)
         dataset = getattr(trainer, "train_dataset", None)
@@ -409,8 +421,12 @@ class DataHash(Plugin):
 
     def _note_resumed_samples(self, ctx: Any, step: int, gathered: list[list[int] | None] | None) -> None:
         """Rank 0 of several: the samples every rank trained at ``step`` that the interrupted run trained after the checkpoint."""
-        if gathered is None or any(g is None for g in gathered) or ctx.shared_cut("hashes", owner=self.name) or self._cut:
-            self._unseen_steps.append(step)  # not every rank's samples of this step are known here
+        cut = ctx.shared_cut("hashes", owner=self.name) if gathered is not None else []
+        if gathered is None or any(g is None for g in gathered) or cut or self._cut:
+            if step <= self._interrupted_last:  # later steps hold none of the interrupted run's steps: nothing to count
+                self._unseen_steps += 1  # not every rank's samples of this step are known here
+                self._unseen_cut.update(cut or ([ctx.rank] if self._cut else []))
+                self._unseen_absent.update(r for r, g in enumerate(gathered or [None] * ctx.world_size) if g is None)
             return
         epoch = self._step_epoch
         if epoch > self._interrupted_epoch:
@@ -615,12 +631,10 @@ class DataHash(Plugin):
     def _check_skipped(self, ctx: Any) -> None:
         """At the run end: DATA_SKIPPED for samples the interrupted run trained, up to the step reached, that no rank trained again."""
         reached = ctx.step
-        unseen = set(self._unseen_steps)
-        missing = {key: s for key, s in self._interrupted.items()
-                   if s <= reached and s not in unseen and key not in self._since_resume}
-        if unseen:
-            log.info("data_hash: %d step(s) after the resume did not bring every rank's samples to rank 0 (%s...); the samples "
-                     "the interrupted run trained at those steps are not judged for DATA_SKIPPED", len(unseen), sorted(unseen)[:5])
+        if self._unseen_steps:
+            self._report_unseen(ctx, reached)
+            return
+        missing = {key: s for key, s in self._interrupted.items() if s <= reached and key not in self._since_resume}
         if not missing:
             return
         steps = sorted(set(missing.values()))
@@ -637,6 +651,35 @@ class DataHash(Plugin):
             limit=self.options.max_reports,
         )
 
+    def _report_unseen(self, ctx: Any, reached: int) -> None:
+        """DATA_SKIPPED_UNCHECKED (rank 0): steps after the resume did not bring every rank's samples, so none is judged.
+
+        A sample the interrupted run trained may have been trained again at any
+        of those steps (the order may differ: that is what DATA_SKIPPED looks
+        for), so judging the rest would report samples as skipped that were not.
+        """
+        steps = sorted({s for s in self._interrupted.values() if s <= reached})
+        why = []
+        if self._unseen_cut:
+            why.append(f"rank(s) {sorted(self._unseen_cut)} had more rows in a step than the exchange's slot of {self._capacity} "
+                       "per rank (per_device_train_batch_size x gradient_accumulation_steps): packed, paired (DPO) or otherwise "
+                       "multiplied rows; only the first ones arrive")
+        if self._unseen_absent:
+            why.append(f"rank(s) {sorted(self._unseen_absent)} shared no hashes (lost to an error on that rank, or the step "
+                       "never reached its exchange)")
+        span = f"steps {steps[0]}-{steps[-1]}" if steps else "the steps after it"
+        self.report(
+            DATA_SKIPPED_UNCHECKED.code,
+            f"DATA_SKIPPED was not judged for the resume from step {self._resume_step}: at {self._unseen_steps} of the "
+            f"{len(steps)} steps the interrupted run trained after the checkpoint ({span}), rank 0 did not get every rank's "
+            f"samples from the step exchange: {'; '.join(why) or 'unknown'}. The first steps' data position was still checked "
+            "rank by rank (RESUME_DATA_POSITION); the ledger holds every rank's samples for a comparison by hand "
+            "(read_ledger).",
+            step=reached,
+            evidence={"unseen_steps": self._unseen_steps, "interrupted_steps": len(steps), "ranks_cut": sorted(self._unseen_cut),
+                      "ranks_absent": sorted(self._unseen_absent), "slot_per_rank": self._capacity, "resume_step": self._resume_step},
+        )
+
     def _restore_epoch_from_ledger(self, ctx: Any) -> None:
         """What this epoch already trained before the checkpoint, and what the interrupted run trained after it."""
         before, _ = around_resume(ctx.run_dir, ctx.rank, ctx.step)
@@ -650,6 +693,7 @@ class DataHash(Plugin):
             for h in record["sample_hashes"]:
                 self._interrupted.setdefault((record["epoch"], from_hex64(h)), record["step"])
         self._interrupted_epoch = max((epoch for epoch, _ in self._interrupted), default=0)
+        self._interrupted_last = max(self._interrupted.values(), default=0)
 
     def _interrupted_records(self, ctx: Any) -> list[dict[str, Any]]:
         """The interrupted run's records after the checkpoint that this rank judges DATA_SKIPPED against.
@@ -668,7 +712,9 @@ class DataHash(Plugin):
         if found.world_size not in (None, ctx.world_size):
             self._skip_note = (
                 f"the interrupted run trained with {found.world_size} processes and this one with {ctx.world_size}, and "
-                "check_rank_overlap is off (no step exchange of the samples): DATA_SKIPPED is not judged for this resume"
+                "data_hash.check_rank_overlap is off (no step exchange of the samples), so no rank's ledger share of a step "
+                "matches its share of the interrupted run's. Fix: leave check_rank_overlap on (rank 0 then judges every "
+                "rank's samples)"
             )
             return []
         return [record for record in found.records if record["rank"] == ctx.rank]
@@ -677,8 +723,9 @@ class DataHash(Plugin):
     def on_run_end(self, ctx: Any) -> None:
         try:
             self._check_unchecked(ctx)
-            if self._skip_note is not None:
-                log.info("data_hash: %s.", self._skip_note)
+            if self._skip_note is not None and ctx.is_main:  # alike on every rank: said once
+                self.report(DATA_SKIPPED_UNCHECKED.code, f"DATA_SKIPPED was not judged: {self._skip_note}.", step=ctx.step,
+                            evidence={"resume_step": self._resume_step, "cause": "world_size_changed_without_exchange"})
             if self._interrupted and self._resume_step is not None:
                 self._check_skipped(ctx)
         finally:  # the ledger is closed (trimmed, and its lock released for the next train() call) whatever failed above

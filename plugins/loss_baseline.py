@@ -12,11 +12,19 @@ is trivially repetitive. A model with trained weights (loaded, or trained
 before) legitimately starts low: it is not judged against ln(V) from below,
 only by a leak test that needs no ln(V) (targets equal to the input token at
 the same position). Before any of that, a step loss GA times its own
-micro-batch mean (a ``compute_loss`` that ignores ``num_items_in_batch``) is
+micro-batch mean (a loss that ignores ``num_items_in_batch``: a
+``compute_loss`` override, or a head such as BERT's classifiers) is
 ``GA_LOSS_SCALING``, and the first loss is judged with the factor taken out.
 Cost of that check: one forward pass without gradients over the first
 micro-batch of the first step of each ``train()`` call, only with
-gradient_accumulation_steps > 1, and nothing afterwards. A micro-batch whose
+gradient_accumulation_steps > 1, and nothing afterwards. With several ranks
+averaging tokens the Trainer multiplies the loss by the world size, right
+only for a loss normalised by ``num_items_in_batch``: the bridge recomputes
+the first micro-batch's own mean on every rank for its per-rank loss record
+(:mod:`harness.hf.loss_probe`) and hands the judgement to ``on_step_end``,
+where a loss that was its own mean times the world size is
+``LOSS_SCALED_BY_WORLD_SIZE`` (the record, and so the first loss judged
+here, hold the rank's own mean already). A micro-batch whose
 labels are all masked (-100) trains on nothing and shows up as loss 0 in
 TRL, or NaN with a per-token mean.
 """
@@ -33,10 +41,11 @@ from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.lib.capture import IGNORE_INDEX, can_recompute
-from harness.lib.ga_scaling import GaScaling, judge_ga_scaling, micro_batch_mean_loss
+from harness.lib.ga_scaling import GaScaling, judge_ga_scaling
 from harness.lib.model_state import loaded_from, weights_state
 from harness.lib.trainer_kind import token_loss
 from harness.lib.untrained_loss import UntrainedLoss, none, settled_by_labels, untrained_loss
+from harness.lib.world_scaling import WORLD_SCALING_KEY, WorldScaling, loss_source, own_mean_loss, world_loss_scale
 
 INITIAL_LOSS_ANOMALY = FindingCode(
     "INITIAL_LOSS_ANOMALY",
@@ -49,6 +58,13 @@ GA_LOSS_SCALING = FindingCode(
     Severity.WARNING,
     "The step loss is gradient_accumulation_steps times its micro-batches' own mean (or 1/GA): loss and gradients are scaled.",
     "numeric-health#ga_loss_scaling",
+)
+LOSS_SCALED_BY_WORLD_SIZE = FindingCode(
+    "LOSS_SCALED_BY_WORLD_SIZE",
+    Severity.WARNING,
+    "The Trainer multiplied a loss that ignores num_items_in_batch by the world size (average_tokens_across_devices): "
+    "the logged loss and every gradient are world-size times too large.",
+    "numeric-health#loss_scaled_by_world_size",
 )
 LOSS_UNANCHORED = FindingCode(
     "LOSS_UNANCHORED",
@@ -83,6 +99,12 @@ class LossBaselineOptions(BaseModel):
         True, description="With gradient accumulation, recompute the first micro-batch's mean loss once (one forward pass without "
         "gradients) and report a step loss scaled by the accumulation factor (GA_LOSS_SCALING).",
     )
+    check_world_scaling: bool = Field(
+        True, description="With several ranks averaging tokens (average_tokens_across_devices), report a loss the Trainer "
+        "multiplied by the world size though it ignores num_items_in_batch (LOSS_SCALED_BY_WORLD_SIZE), judged from the "
+        "first micro-batch's own mean that the harness recomputes once per train() call on every rank for its per-rank loss "
+        "record (one forward pass without gradients).",
+    )
     copy_fraction: float = Field(
         0.5, gt=0, le=1, description="A model with trained weights whose first loss is far below ln(V) is reported only when at least "
         "this fraction of the first micro-batch's targets equal the input token at the same position (labels leaking).",
@@ -94,7 +116,7 @@ class LossBaseline(Plugin):
 
     name = "loss_baseline"
     Options = LossBaselineOptions
-    CODES = (INITIAL_LOSS_ANOMALY, GA_LOSS_SCALING, ALL_LABELS_MASKED, LOSS_UNANCHORED)
+    CODES = (INITIAL_LOSS_ANOMALY, GA_LOSS_SCALING, LOSS_SCALED_BY_WORLD_SIZE, ALL_LABELS_MASKED, LOSS_UNANCHORED)
     options: LossBaselineOptions
 
     def __init__(self) -> None:
@@ -106,15 +128,24 @@ class LossBaseline(Plugin):
         self._loaded_from: str | None = None
         self._ga_step: int | None = None  # the step whose first micro-batch was recomputed (once per train() call)
         self._ga: GaScaling | None = None
+        self._world = 1  # what the Trainer multiplies the loss by across ranks (1: it does not)
+        self._world_pending = False  # the first step's world-scaling judgement is still to read
+        self._world_scaling: WorldScaling | None = None  # the loss was the world size times its own mean
+        self._world_told = False  # the recomputation told whether the loss ignores num_items_in_batch
         self._copy: float | None = None
         self._said_unanchored = False
 
     @hookimpl
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         self._level = untrained_loss(trainer)
-        self._trainer, self._ga_step, self._ga, self._copy = trainer, None, None, None
+        self._trainer, self._ga_step, self._ga, self._copy, self._world_scaling = trainer, None, None, None, None
+        self._world_told = False
+        self._world = world_loss_scale(trainer)
+        # with several ranks averaging tokens the bridge recomputes the first micro-batch's own mean (every rank, for its
+        # loss record) and hands it to on_step_end: both checks read it there, nothing is recomputed here
+        self._world_pending = self._world > 1 and (self.options.check_world_scaling or self.options.check_ga_scaling)
         # the accumulation check looks at one micro-batch per train() call: no per-micro-batch call before or after it
-        self.idle_hooks("on_loss", idle=not self.options.check_ga_scaling or _accumulation(trainer) < 2)
+        self.idle_hooks("on_loss", idle=not self.options.check_ga_scaling or _accumulation(trainer) < 2 or self._world > 1)
         model = getattr(trainer, "model", None)
         self._weights, self._loaded_from = weights_state(model), loaded_from(model)
         # a resumed run is past its first steps; a loss with no untrained level (a preference or policy loss, regression,
@@ -122,7 +153,7 @@ class LossBaseline(Plugin):
         self._first_done = ctx.resumed_from is not None or self._level.kind == "none"
         if self._level.kind == "none" and ctx.resumed_from is None:
             self._unanchored(ctx)
-        self.idle_hooks("on_step_end", idle=self._first_done)  # the first step's check is its only work
+        self.idle_hooks("on_step_end", idle=self._first_done and not self._world_pending)  # the first step's checks are its only work
 
     @hookimpl
     def inspect_batch(self, ctx: Any, batch: dict[str, Any], micro_step: int) -> None:
@@ -154,7 +185,7 @@ class LossBaseline(Plugin):
             return  # the job's loss code is the same on every rank: one forward pass and one finding, on rank 0
         if can_recompute(self._trainer) is not None:
             return  # sharded parameters: a forward pass on one rank alone would hang
-        mean = micro_batch_mean_loss(self._trainer.model, batch)
+        mean = own_mean_loss(self._trainer, batch)
         if mean is not None:
             self.defer("ga/micro", loss)
             self.defer("ga/recomputed", mean)
@@ -183,7 +214,16 @@ class LossBaseline(Plugin):
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
-        if self._first_done or metrics.get("loss") is None:
+        if self._world_pending:
+            self._world_pending = False  # the bridge recomputes at the train() call's first step only
+            scaling = metrics.get(WORLD_SCALING_KEY)
+            if scaling is not None and ctx.is_main and metrics.get("loss") is not None:
+                self._world_told = scaling.own_mean is not None
+                self._check_world(ctx, step, scaling, float(metrics["loss"]))
+        if self._first_done:
+            self.idle_hooks("on_step_end")  # done for this train() call
+            return
+        if metrics.get("loss") is None:
             return
         self._first_done = True
         self.idle_hooks("on_step_end")  # done for this train() call
@@ -206,6 +246,44 @@ class LossBaseline(Plugin):
                       "trainer": type(self._trainer).__name__},
         )
 
+    def _check_world(self, ctx: Any, step: int, scaling: WorldScaling, step_loss: float) -> None:
+        """The first micro-batch the bridge recomputed: a loss the Trainer scaled by the world size; the accumulation trap.
+
+        ``step_loss`` is rank 0's own mean as the bridge records it (the
+        world factor taken out when the head ignores num_items_in_batch), so
+        the accumulation check compares it with the recomputed mean alike.
+        """
+        if self.options.check_ga_scaling and _accumulation(self._trainer) >= 2:
+            self._check_ga(ctx, step, step_loss, scaling.micro_loss / scaling.scale, scaling.recomputed)
+        if not scaling.own_mean:
+            return
+        self._world_scaling = scaling
+        if not self.options.check_world_scaling:
+            return
+        args = getattr(self._trainer, "args", None)
+        clip = getattr(args, "max_grad_norm", None)
+        w = scaling.scale
+        clipping = (f"gradient clipping at max_grad_norm={clip:g} acts as {clip / w:g} would on the true gradients"
+                    if isinstance(clip, (int, float)) and clip > 0 else "no clipping (max_grad_norm is off)")
+        self.report(
+            LOSS_SCALED_BY_WORLD_SIZE.code,
+            f"the loss of micro-batch 0 at step {step} on rank 0, {scaling.micro_loss:.4f}, is {scaling.factor:.2f}x its own mean "
+            f"{scaling.recomputed:.4f} (recomputed without num_items_in_batch) with {ctx.world_size} processes: "
+            f"{scaling.loss_source} ignores num_items_in_batch and returns its micro-batch's own mean, and the Trainer "
+            f"(average_tokens_across_devices=True) multiplies every rank's loss by the number of processes ({w}) as if it were "
+            f"the rank's label sum over all ranks' labels (num_items_in_batch={scaling.global_items:g}). The loss the Trainer "
+            f"logs and every gradient are {w}x too large: {clipping}, and a plain SGD update is {w}x too large (an Adam "
+            f"update changes through the clipping and its epsilon only). The harness's own records (steps.jsonl, the loss "
+            f"checks) hold each rank's own mean ({step_loss:.4f} at step {step}). Fix: "
+            "TrainingArguments(average_tokens_across_devices=False), or a compute_loss (compute_loss_func) that sums the loss "
+            "and divides it by num_items_in_batch.",
+            step=step,
+            evidence={**scaling.evidence(), "world_size": ctx.world_size, "recorded_loss": step_loss, "max_grad_norm": clip,
+                      "average_tokens_across_devices": getattr(args, "average_tokens_across_devices", None),
+                      "model": type(getattr(self._trainer, "model", None)).__name__, "trainer": type(self._trainer).__name__,
+                      "model_accepts_loss_kwargs": getattr(self._trainer, "model_accepts_loss_kwargs", None)},
+        )
+
     def _check_ga(self, ctx: Any, step: int, step_loss: float, micro: float, recomputed: float) -> None:
         found = judge_ga_scaling(step_loss, micro, recomputed, _accumulation(self._trainer))
         if found is None:
@@ -213,23 +291,25 @@ class LossBaseline(Plugin):
         self._ga = found
         ga = found.accumulation
         if found.factor > 1:
-            cause = (f"compute_loss returned micro-batch 0's own mean ({micro:.4f}; recomputed {recomputed:.4f}) and the Trainer, which "
-                     "passes num_items_in_batch and so takes the loss as already normalised over the step, did not divide it by "
-                     f"gradient_accumulation_steps={ga}" if micro > 0 and abs(math.log(micro / recomputed)) < math.log(ga) / 2 else
+            source = loss_source(self._trainer)  # the model's head, a compute_loss_func or a Trainer subclass's compute_loss
+            cause = (f"{source} returned micro-batch 0's own mean ({micro:.4f}; recomputed {recomputed:.4f}), ignoring "
+                     "num_items_in_batch, and the Trainer, which passes num_items_in_batch and so takes the loss as already "
+                     f"normalised over the step, did not divide it by gradient_accumulation_steps={ga}"
+                     if micro > 0 and abs(math.log(micro / recomputed)) < math.log(ga) / 2 else
                      f"compute_loss returned {micro:.4f} for micro-batch 0 (its own mean is {recomputed:.4f})")
             effect = f"the logged loss and every gradient are {ga}x too large (measured {found.factor:.2f}x; expected 1x)"
-            fix = ("use num_items_in_batch in compute_loss (summed token loss / num_items_in_batch), or set loss_is_scaled_for_ga = False "
-                   "on the Trainer subclass so that the Trainer divides by gradient_accumulation_steps")
+            fix = ("use num_items_in_batch in compute_loss (summed loss / num_items_in_batch) or in a compute_loss_func, or set "
+                   "loss_is_scaled_for_ga = False on the Trainer subclass so that the Trainer divides by gradient_accumulation_steps")
         else:
             cause = f"compute_loss returned {micro:.4f} for micro-batch 0 (its own mean is {recomputed:.4f}) and the loss was divided again"
             effect = f"the logged loss and every gradient are 1/{ga} of what they should be (measured {found.factor:.2f}x; expected 1x)"
             fix = "do not divide a loss normalised by num_items_in_batch again (drop loss_is_scaled_for_ga = False or the extra division)"
         self.report(
             GA_LOSS_SCALING.code,
-            f"the loss of step {step}, {step_loss:.4f}, is {found.factor:.2f}x its first micro-batch's own per-token mean "
+            f"the loss of step {step}, {step_loss:.4f}, is {found.factor:.2f}x its first micro-batch's own mean "
             f"{recomputed:.4f} with gradient_accumulation_steps={ga}: {cause}; {effect}. Fix: {fix}.",
             step=step,
-            evidence={**found.evidence(), "trainer": type(self._trainer).__name__,
+            evidence={**found.evidence(), "trainer": type(self._trainer).__name__, "loss_source": loss_source(self._trainer),
                       "model_accepts_loss_kwargs": getattr(self._trainer, "model_accepts_loss_kwargs", None),
                       "loss_is_scaled_for_ga": getattr(self._trainer, "loss_is_scaled_for_ga", None)},
         )
@@ -249,12 +329,17 @@ class LossBaseline(Plugin):
                                     "weights": self._weights, "loaded_from": self._loaded_from, "copy_fraction": self._copy}
         if self._ga is not None:
             evidence.update(logged_first_loss=logged, ga_scale_removed=self._ga.scale)
+        if self._world_scaling is not None:  # the bridge's record holds rank 0's own mean: the world factor is out already
+            evidence.update(world_scale_removed=self._world_scaling.scale)
         o = self.options
         if ratio > o.high_ratio:
             removed = f" (logged {logged:.3f}; the GA_LOSS_SCALING factor taken out)" if self._ga is not None else ""
             suspects = ("the weights are trained: suspect a tokenizer from another model, weights that did not load (missing keys) or "
                         "mis-shifted labels" if self._weights == "trained" else
                         "suspect the initialisation scale, a vocabulary/label mismatch or mis-shifted labels")
+            if self._world > 1 and not self._world_told:  # the recomputation could not tell (sharded weights, no labels)
+                suspects += (f", or a loss that ignores num_items_in_batch, which the Trainer multiplies by the {self._world} "
+                             "processes (average_tokens_across_devices=False shows the loss unscaled)")
             self.report(
                 INITIAL_LOSS_ANOMALY.code,
                 f"first loss {loss:.3f}{removed} is {ratio:.2f}x {basis}={expected:.3f}: far above an untrained "

@@ -8,9 +8,11 @@ The row rides that step's one exchange; rank 0 judges the rows of all ranks:
 
 * ``RNG_IDENTICAL_ACROSS_RANKS`` (warning): ranks whose dropout stream
   (torch CPU for a CPU model, CUDA for a CUDA one) is bit-identical while
-  the model has dropout > 0: every rank draws the same masks. It is HF's
-  default (the Trainer calls ``set_seed(args.seed)`` on every rank), which
-  is why it is a warning; the fix is one line.
+  the model draws dropout in training (:mod:`harness.lib.dropout`: what
+  its modules run, not every config key named "dropout"): every rank draws
+  the same masks. It is HF's default (the Trainer calls
+  ``set_seed(args.seed)`` on every rank), which is why it is a warning; the
+  fix is one line.
 * ``SAMPLER_SEED_MISMATCH`` (error): ranks whose sharded sampler shuffles
   with different seeds: accelerate's ``BatchSamplerShard`` (and torch's
   ``DistributedSampler``) give each rank a slice of *one* shuffled order, so
@@ -63,8 +65,9 @@ class RankRngOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dropout_only: bool = Field(
-        True, description="Report ranks sharing their dropout RNG stream only when the model has dropout > 0 (config *dropout*/*pdrop* "
-        "values or nn.Dropout modules); false: whenever they share it (a model that draws its own noise).")
+        True, description="Report ranks sharing their dropout RNG stream only when the model draws dropout in training (nn.Dropout "
+        "modules with p > 0, probabilities a module applies itself such as an attention's attention_dropout; not config keys no "
+        "module reads); false: whenever they share it (a model that draws its own noise).")
     check_sampler_seed: bool = Field(True, description="Compare the train sampler's seed across ranks (SAMPLER_SEED_MISMATCH).")
 
 

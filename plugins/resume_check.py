@@ -5,10 +5,14 @@ a fingerprint of what a resume must bring back: the weights, the optimizer
 state, the scheduler, the RNG streams, the world size and the training
 arguments that shape the schedule, the recent losses and the loss of a small
 fixed reference batch. After the Trainer has restored a checkpoint it
-recomputes each and compares; the first batches after the resume are
+recomputes each and compares; the first steps after the resume are
 compared with what the interrupted run trained next (from the data ledgers
-of all its ranks: a step's samples are one set, so a resume on another
-number of processes that keeps the global batch trains on).
+of all its ranks): each rank's samples must be among the step's samples of
+every rank of the interrupted run, checked as its micro-batches arrive
+(before the first update), and the step's samples of all ranks together
+must be that set, checked once they meet in the step's exchange (so a
+resume on another number of processes that keeps the global batch trains
+on, and one that trains part of the step twice or leaves part out does not).
 Mismatches of weights, optimizer or data position stop training before its
 first update by default; the rest warn. The data position is read from
 ``data_hash``'s ledger and the interrupted run's losses from
@@ -123,6 +127,7 @@ class ResumeCheck(Plugin):
         self._interrupted_world: int | None = None  # the interrupted run's processes (its ledger's start lines)
         self._trained_at: dict[str, int] = {}  # sample hash -> the step after the checkpoint the interrupted run trained it at
         self._seen_in_step: dict[int, Counter[str]] = {}  # step -> the samples of it this rank has trained so far
+        self._exchange_step: int | None = None  # the step whose exchange (data_hash's samples of every rank) is the last one
         self._source_run_dir: Path | None = None  # the harness folder of the run that saved the checkpoint resumed from
         self._position_reported = False
         self._band_checked = 0
@@ -137,7 +142,7 @@ class ResumeCheck(Plugin):
     def on_run_start(self, ctx: Any) -> None:
         self._losses.clear()
         self._resume_step, self._saved, self._expected, self._wanted, self._interrupted_world = None, None, None, {}, None
-        self._trained_at, self._seen_in_step, self._source_run_dir = {}, {}, None
+        self._trained_at, self._seen_in_step, self._source_run_dir, self._exchange_step = {}, {}, None, None
         self._earlier_losses: dict[int, float] | None = None
         self._pending_rng, self._position_reported, self._band_checked = False, False, 0
         self._config_changed = None
@@ -169,7 +174,12 @@ class ResumeCheck(Plugin):
         self._take_reference()
         if self._config_changed is not None:
             self._report_config_changed(ctx, optimizer, step)
-        if self._reference is not None and not self._reference_pending and self._config_changed is None:
+        checking = self._resume_step is not None and step <= self._resume_step + self.options.first_steps
+        if checking:
+            self._exchange_step = step  # the guard's exchange after this hook carries this step's samples
+            if ctx.world_size == 1 and step in self._seen_in_step:  # every sample of the step is here: before its update
+                self._check_step_set(ctx, step, [self._seen_in_step[step]])
+        if self._reference is not None and not self._reference_pending and self._config_changed is None and not checking:
             self.idle_hooks("on_before_optimizer_step")
 
     @hookimpl
@@ -191,6 +201,9 @@ class ResumeCheck(Plugin):
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
         self._take_reference()  # a step whose optimizer never ran: the step end read the deferred values
+        if self._exchange_step == step and ctx.world_size > 1 and ctx.is_main:
+            self._exchange_step = None
+            self._check_exchanged_step(ctx, step)
         loss = metrics.get("loss")  # a host float: the guard read it in the step's one transfer
         if loss is None:
             return
@@ -449,9 +462,12 @@ class ResumeCheck(Plugin):
             return  # the interrupted run did not get this far: nothing to compare with
         mask = batch.get("attention_mask")
         got = hex64_all(device_row_hashes(batch["input_ids"], mask if torch.is_tensor(mask) else None).tolist())
-        # a step's samples are one set over all ranks, whatever the world size or the micro-batches of either run: a resume
-        # on 1 process x 16 of a run on 2 x 8 trains, at each step, the 16 samples both ranks trained there (its summed
-        # gradient is the same); each rank's samples must be among them, no more often than the interrupted run had them
+        # a step's samples are compared with the interrupted run's samples of that step over all its ranks, whatever the
+        # world size or the micro-batches of either run: a resume on 1 process x 16 of a run on 2 x 8 trains, at each step,
+        # the 16 samples both ranks trained there (its summed gradient is the same). Here, as the micro-batches arrive
+        # (before the step's update), each rank's samples must be among them, no more often than the interrupted run had
+        # them; that all ranks' samples together are that set is checked when they meet in the step's exchange
+        # (``_check_step_set``)
         wanted = self._wanted.setdefault(step, Counter(want))
         seen = self._seen_in_step.setdefault(step, Counter())
         offset = sum(seen.values())
@@ -477,13 +493,65 @@ class ResumeCheck(Plugin):
         self.report(
             RESUME_DATA_POSITION.code,
             f"micro-batch {micro} of step {step}, the first after resuming from step {self._resume_step}, holds samples the "
-            f"interrupted run did not train at that step (the {len(want)} samples it trained there{over}, compared as one set "
-            f"with this run's samples {offset}-{offset + len(got) - 1} of the step on rank {ctx.rank}): {what}. The data loader "
-            "did not resume at the saved position." + cause,
+            f"interrupted run did not train at that step (this run's samples {offset}-{offset + len(got) - 1} of the step on "
+            f"rank {ctx.rank} must be among the {len(want)} samples it trained there{over}): {what}. The data loader did not "
+            "resume at the saved position." + cause,
             step=step,
             evidence={"sample_hashes": got[:16], "interrupted_run_sample_hashes": want[:16], "first_different": first,
                       "interrupted_run_step_of_first_different": where, "resume_step": self._resume_step,
                       "interrupted_run_samples_at_step": len(want), "interrupted_run_world_size": world, **cause_evidence},
+        )
+
+    def _check_exchanged_step(self, ctx: Any, step: int) -> None:
+        """Rank 0 of several: the step's samples of every rank, from data_hash's slot of the step's exchange (no collective
+        of its own), compared as one set; not judged when a rank's samples did not all arrive (RANK_DATA_OVERLAP and, at
+        the run end, DATA_SKIPPED or DATA_SKIPPED_UNCHECKED say the rest)."""
+        gathered = ctx.shared(DATA_HASH_SLOT, owner=DATA_HASH)
+        if gathered is None or any(g is None for g in gathered) or ctx.shared_cut(DATA_HASH_SLOT, owner=DATA_HASH):
+            return
+        self._check_step_set(ctx, step, [Counter(hex64_all(g or [])) for g in gathered])
+
+    def _check_step_set(self, ctx: Any, step: int, per_rank: list[Counter[str]]) -> None:
+        """RESUME_DATA_POSITION when the step's samples of all ranks together are not the set the interrupted run trained
+        at that step: some trained by no rank, or some on several ranks more often than the interrupted run had them.
+
+        A rank whose own samples are not among the set reported at its micro-batch already (``_check_after_resume``)."""
+        if self._position_reported or getattr(ctx, "data_edit", None) or step not in self._seen_in_step:
+            return
+        want = self._expected_samples(ctx).get(step)
+        if want is None:
+            return
+        wanted = self._wanted.setdefault(step, Counter(want))
+        if any(any(n > wanted.get(h, 0) for h, n in samples.items()) for samples in per_rank):
+            return  # that rank's own check said it, at its micro-batch
+        together: Counter[str] = sum(per_rank, Counter())
+        # a sample the interrupted run had twice at the step (the distributed sampler's padding of an epoch's last round,
+        # which a resume on fewer processes does not repeat) counts as trained once it came once
+        missing, extra = Counter({h: n for h, n in wanted.items() if not together.get(h)}), together - wanted
+        if not missing and not extra:
+            return
+        self._position_reported = True
+        world = self._interrupted_world
+        over = f" over its {world} ranks" if world and world > 1 else ""
+        parts = []
+        if missing:
+            parts.append(f"{sum(missing.values())} of them no rank trained")
+        if extra:
+            parts.append(f"{sum(extra.values())} came on more than one rank, more often than the interrupted run had them")
+        when = ("training stops before the next update (this step's was applied: the ranks' samples meet only in the "
+                "step's exchange)" if ctx.world_size > 1 else "training stops before this step's update")
+        cause, cause_evidence = self._world_size_cause(ctx)
+        self.report(
+            RESUME_DATA_POSITION.code,
+            f"step {step}, {step - (self._resume_step or 0)} step(s) after resuming from step {self._resume_step}, trained "
+            f"{sum(together.values())} samples on {_processes(ctx.world_size)} where the interrupted run trained {len(want)}"
+            f"{over}; compared as one set, {' and '.join(parts)}. The data loader did not resume at the saved position; "
+            f"{when}." + cause,
+            step=step,
+            evidence={"step_samples": sum(together.values()), "interrupted_run_samples_at_step": len(want),
+                      "missing": sum(missing.values()), "extra": sum(extra.values()), "missing_hashes": list(missing)[:16],
+                      "extra_hashes": list(extra)[:16], "resume_step": self._resume_step, "compared": "one set over all ranks",
+                      "interrupted_run_world_size": world, **cause_evidence},
         )
 
     def _world_size_cause(self, ctx: Any) -> tuple[str, dict[str, Any]]:
@@ -533,10 +601,14 @@ class ResumeCheck(Plugin):
             if not found.records and source is not None and source.resolve() != ctx.run_dir.resolve() and not source.is_symlink():
                 found = continuation(source, self._resume_step or 0, running_here=False)
             self._interrupted_world = found.world_size
+            ranks_at: dict[int, set[int]] = {}
             for record in found.records:
+                ranks_at.setdefault(record["step"], set()).add(record["rank"])
                 for sample in record.get("sample_hashes") or []:
                     self._trained_at.setdefault(str(sample), record["step"])
-            self._expected = {step: samples for step, samples in found.steps().items() if step <= last}
+            ranks = set().union(*ranks_at.values()) if ranks_at else set()
+            # a step that only some ranks wrote is the kill's (the others died before their line): its set is not whole
+            self._expected = {step: samples for step, samples in found.steps().items() if step <= last and ranks_at[step] == ranks}
         return self._expected
 
     def _check_loss_band(self, ctx: Any, step: int, loss: float) -> None:
@@ -562,6 +634,9 @@ class ResumeCheck(Plugin):
 
 
 BATCH_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps")
+# the step exchange's slot in which data_hash (a required plugin) shares every rank's sample hashes of the step, read here
+# by name: the one-set comparison needs no collective of its own
+DATA_HASH, DATA_HASH_SLOT = "data_hash", "hashes"
 STATE_BYTES = 64 << 20  # a received checkpoint is data: a larger state file is not read
 
 

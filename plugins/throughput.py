@@ -7,19 +7,24 @@ shapes: no device sync), and over a sliding window of steps it computes
 tokens/s (this rank, and all ranks assuming equal batches), MFU = 6 N x
 tokens/s / (devices x peak) when the device's peak is known (a small table,
 or the ``peak_tflops`` option), and the data-wait fraction. It logs them as
-``throughput/*`` metrics, reports ``DATALOADER_BOUND`` when most steps of
-the window waited for data more than a threshold share of their time, and
-``MEMORY_NEAR_LIMIT`` when the peak
+``throughput/*`` metrics, reports ``DATALOADER_BOUND`` when at least half
+the steps of the window waited for data more than a threshold share of their
+time, or when the window's wait share without its longest waits is over that
+threshold, and ``MEMORY_NEAR_LIMIT`` when the peak
 memory (CUDA's reserved peak, or the process's peak RSS on CPU) nears the
 device's. Per-rank stragglers are ``grad_sync``'s ``STRAGGLER_RANK``.
 
-The bound is judged step by step, not on the window's summed times: with
-10 ms steps one host stall inside the data fetch (a garbage collection, the
-scheduler of a loaded machine: tens of milliseconds) outweighed the rest of
-a 20-step window and made a clean CPU run "data-loader bound", while one
-stalled compute step hid a loader that made every other step wait. A loop
-that waits on data waits in most of its steps; the count of such steps is
-exact and kept as steps enter and leave the window.
+Neither rule is the window's plain summed share: with 10 ms steps one or
+two host stalls inside the data fetch (a garbage collection, the scheduler
+of a loaded machine: tens of milliseconds) outweighed the rest of a 20-step
+window and made a clean CPU run "data-loader bound", while one stalled
+compute step hid a loader that made every other step wait. A loop that waits
+on data either waits in half its steps or more (counted step by step, the
+count kept as steps enter and leave the window), or stalls in fewer steps
+for long: a loader that waits 1 s every fourth step spends most of the
+window waiting, and still does once the longest-waiting tenth of the
+window's steps (2 of 20) is left out with their step times, which is what
+leaves a clean run's few stalls out.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import os
 import resource
 import statistics
 from collections import deque
+from operator import itemgetter
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,6 +49,7 @@ DATALOADER_BOUND = FindingCode(
 MEMORY_NEAR_LIMIT = FindingCode(
     "MEMORY_NEAR_LIMIT", Severity.WARNING, "peak memory is close to the device's capacity", "performance#memory_near_limit"
 )
+STEP, WAIT = itemgetter(0), itemgetter(1)  # of a window entry (step seconds, data-wait seconds, tokens)
 
 
 class ThroughputOptions(BaseModel):
@@ -54,7 +61,9 @@ class ThroughputOptions(BaseModel):
     skip_first: int = Field(3, ge=0, description="Steps left out at the start of each train() call (compilation, warm caches, first batches).")
     log_every: int = Field(10, ge=1, description="Log throughput/* metrics every this many steps.")
     dataloader_bound_fraction: float = Field(
-        0.3, gt=0, lt=1, description="DATALOADER_BOUND when in most steps of the window the data-loader wait exceeds this share of the step time.")
+        0.3, gt=0, lt=1, description="DATALOADER_BOUND when in half the steps of the window or more the data-loader wait exceeds this share "
+                                     "of the step time, or when it exceeds this share of the window's time without the longest-waiting "
+                                     "tenth of its steps.")
     peak_tflops: float | None = Field(
         None, gt=0, description="Dense 16-bit peak per device in TFLOPS for MFU (default: from the CUDA device name; none on CPU).")
     memory_fraction: float = Field(
@@ -111,7 +120,10 @@ class Throughput(Plugin):
         if len(window) < self.options.window:
             return
         logging = self._seen % self.options.log_every == 0
-        bound = not self._bound_reported and 2 * self._waiting > len(window)  # most steps of the window waited on data
+        trimmed = None
+        if not self._bound_reported and self._waiting:  # no step waited: no share without the longest waits can be over
+            trimmed = self._trimmed_share()
+        bound = trimmed is not None and (2 * self._waiting >= len(window) or trimmed > self.options.dataloader_bound_fraction)
         if not (logging or bound):
             return
         seconds = sum(w[0] for w in window)
@@ -119,15 +131,27 @@ class Throughput(Plugin):
         if logging:
             ctx.log_metrics(self.rates(ctx.world_size) | {"throughput/data_wait_fraction": wait}, step=step)
         if bound:
+            assert trimmed is not None
             self._bound_reported = True
-            self._report_bound(ctx, step, wait)
+            self._report_bound(ctx, step, wait, trimmed)
 
     def _waits(self, entry: tuple[float, float, int]) -> int:
         """1 when this step waited for data more than ``dataloader_bound_fraction`` of its time."""
         return int(entry[1] > self.options.dataloader_bound_fraction * entry[0])
 
-    def _report_bound(self, ctx: Any, step: int, wait: float) -> None:
-        window = self._window
+    def _trimmed(self) -> int:
+        """How many of the window's longest waits the trimmed share leaves out: a tenth of its steps, at least one."""
+        return max(1, round(len(self._window) / 10))
+
+    def _trimmed_share(self) -> float:
+        """The window's data-wait share without its longest waits and their steps' times (a clean run's host stalls in
+        the fetch are rare: they go; a loader that stalls every few steps keeps most of its stalls)."""
+        kept = sorted(self._window, key=WAIT)[: len(self._window) - self._trimmed()]
+        seconds = sum(map(STEP, kept))
+        return sum(map(WAIT, kept)) / seconds if seconds > 0 else 0.0
+
+    def _report_bound(self, ctx: Any, step: int, wait: float, trimmed: float) -> None:
+        window, threshold = self._window, self.options.dataloader_bound_fraction
         median_wait, median_step = statistics.median(w[1] for w in window), statistics.median(w[0] for w in window)
         on_cpu = getattr(self._device, "type", "cpu") == "cpu"
         effect = ("the training loop waits on data while batches are made (on CPU the loader and the model share the cores)"
@@ -135,12 +159,14 @@ class Throughput(Plugin):
         self.report(
             DATALOADER_BOUND.code,
             f"over the {len(window)} steps to step {step}, rank {ctx.rank} waited for the data loader for more than "
-            f"{self.options.dataloader_bound_fraction:.0%} of the step in {self._waiting} of them ({wait:.0%} of the window's "
-            f"time; median wait {median_wait * 1000:.1f} ms of a median step of {median_step * 1000:.1f} ms): {effect}.",
+            f"{threshold:.0%} of the step in {self._waiting} of them, {wait:.0%} of the window's time ({trimmed:.0%} "
+            f"without its {self._trimmed()} longest waits; median wait {median_wait * 1000:.1f} ms of a median step of "
+            f"{median_step * 1000:.1f} ms): {effect}.",
             step=step,
-            evidence={"wait_fraction": round(wait, 4), "steps_waiting": self._waiting, "window_steps": len(window),
+            evidence={"wait_fraction": round(wait, 4), "trimmed_wait_fraction": round(trimmed, 4), "trimmed_steps": self._trimmed(),
+                      "steps_waiting": self._waiting, "window_steps": len(window),
                       "median_wait_s": median_wait, "median_step_s": median_step,
-                      "threshold": self.options.dataloader_bound_fraction, "device": str(getattr(self._device, "type", "cpu"))},
+                      "threshold": threshold, "device": str(getattr(self._device, "type", "cpu"))},
         )
 
     def rates(self, world_size: int) -> dict[str, float]:

@@ -281,6 +281,12 @@ def on_step_end(ctx: "PluginContext", step: int, metrics: "dict[str, Any]") -> N
     fast ranks wait for slow ones there, so ``data_time`` is usually the part
     that is each rank's own (not with accelerate's ``dispatch_batches``,
     where rank 0 loads for everyone, nor at an epoch's first batch).
+    With several ranks averaging tokens, ``loss`` is this rank's own mean
+    (the Trainer's cross-rank scaling taken out), and the first step of a
+    ``train()`` call whose first micro-batch the bridge recomputed also holds
+    ``world_scaling`` (a ``harness.lib.world_scaling.WorldScaling``: that
+    micro-batch's loss beside its own mean, and whether the loss ignored
+    ``num_items_in_batch``).
     The dict is new every step and shared by every plugin: read it, do not
     change it (``metrics_log`` keeps it by reference until its next write).
     """

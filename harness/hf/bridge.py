@@ -110,6 +110,7 @@ class Bridge:
         ctx.step = trainer.state.global_step
         self._last_step_end = time.perf_counter()
         ctx.micro_step = 0  # ctx.step is the last completed step until the first micro-batch arrives
+        self.tap.begin_train()
         self.lifecycle.begin()
         self.checkpoint_state.dispatch_resume()
 

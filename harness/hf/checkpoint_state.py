@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from harness.core.codes import CHECKPOINT_INCOMPLETE
 from harness.core.context import RunContext
 from harness.core.errors import NoCompleteCheckpointError
 from harness.lib import checkpoints
+from harness.lib.safe_paths import UnsafePathError
 
 log = logging.getLogger("harness")
 STATE_DIR = checkpoints.STATE_DIR
@@ -57,19 +57,17 @@ class CheckpointState:
         # written even when empty: with the marker below it tells a finished harness save from an interrupted one
         target = checkpoint_dir / STATE_DIR / f"rank-{ctx.rank}.json"
         written = False
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_suffix(".tmp")
-            tmp.write_text("{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in states.items()) + "}", encoding="utf-8")
-            os.replace(tmp, target)
+        text = "{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in states.items()) + "}"
+        try:  # never through a link: a harness_state that is one would carry the write outside the run directory
+            checkpoints.write_state_file(checkpoint_dir, target.name, text)
             written = True
-        except OSError as exc:
+        except (OSError, UnsafePathError) as exc:
             log.error("harness: could not write plugin state to %s: %s", target, exc)
         manager.hooks.on_checkpoint_save(ctx, step, checkpoint_dir)
         if written:  # last: a checkpoint is complete for the harness only with every rank's marker
             try:
                 checkpoints.write_marker(checkpoint_dir, ctx.rank, ctx.world_size, step)
-            except OSError as exc:
+            except (OSError, UnsafePathError) as exc:
                 log.error("harness: could not mark %s complete: %s", checkpoint_dir, exc)
 
     # -- resume ----------------------------------------------------------------------------------------

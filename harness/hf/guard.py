@@ -91,6 +91,9 @@ class StepGuard:
             reads.defer(HARNESS, "local_items", local_items)
             if hasattr(record.global_items, "detach"):
                 reads.defer(HARNESS, "global_items", record.global_items)
+        probe = record.probe  # once per train() call: a micro-batch's loss beside its own mean (harness.hf.loss_probe)
+        if probe is not None:
+            reads.defer(HARNESS, "probe", probe.values())
         ctx.read_deferred()
         values = reads.values
         step_loss_read = values(HARNESS, "step_loss")
@@ -107,12 +110,18 @@ class StepGuard:
                 record.step_loss = record.logged_loss  # a training_step that never called compute_loss
         elif record.step_loss is not None:
             record.logged_loss = record.step_loss  # the Trainer's own rule makes them equal (see harness.hf.tap)
-        if local_items is not None:
+        if probe is not None:
+            read = values(HARNESS, "probe")
+            own_mean = probe.settle([float(v) for v in read[-1]]).own_mean if read else None
+            if own_mean is not None:  # judged before the record is corrected: this step is right already
+                record.loss_is_own_mean = own_mean
+        if local_items is not None or record.loss_is_own_mean:
             self._to_rank_mean(record, values(HARNESS, "local_items"), values(HARNESS, "global_items"))
 
     @staticmethod
     def _to_rank_mean(record: StepRecord, local_read: list[Any], global_read: list[Any]) -> None:
-        """This rank's mean loss from the Trainer's scaled share: ``value * global_items / (scale * local_items)``.
+        """This rank's mean loss from the Trainer's scaled share: ``value * global_items / (scale * local_items)``, or
+        ``value / scale`` for a head whose loss ignores ``num_items_in_batch`` (its own mean, scaled all the same).
 
         The Trainer's logged loss (the mean over ranks) is the true loss; one
         rank's own value is its label sum over every rank's label count times
@@ -120,11 +129,14 @@ class StepGuard:
         lower loss and one with more a higher one (a clean run with uneven
         label masks then looks spiky). A rank without a label keeps its value.
         """
-        local = _host(local_read, record.local_items)
-        total = _host(global_read, record.global_items)
-        if not local or not total or local <= 0:
-            return
-        factor = total / (record.items_scale * local)
+        if record.loss_is_own_mean:
+            factor = 1.0 / record.items_scale
+        else:
+            local = _host(local_read, record.local_items)
+            total = _host(global_read, record.global_items)
+            if not local or not total or local <= 0:
+                return
+            factor = total / (record.items_scale * local)
         # each micro-batch's loss becomes its share of this rank's step mean, as in one process under accumulation
         record.micro_losses = [m * factor if isinstance(m, float) else m for m in record.micro_losses]
         if record.step_loss is not None:

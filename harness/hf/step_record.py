@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.core.actions import Action
+from harness.lib.world_scaling import WORLD_SCALING_KEY
 
 
 @dataclass
@@ -37,6 +38,10 @@ class StepRecord:
     local_items: Any = None
     global_items: Any = None  # the Trainer's num_items_in_batch: every rank's label count of the step
     items_scale: int = 1  # what the Trainer multiplied the loss by
+    # the loss is each micro-batch's own mean times items_scale (a head that ignores num_items_in_batch): this rank's mean
+    # is the loss over items_scale, no label count needed
+    loss_is_own_mean: bool = False
+    probe: Any = None  # a LossProbe: the micro-batch whose own mean was recomputed at this step (once per train() call)
     guard_time: float = 0.0  # seconds in the step guard outside training_step
 
     def add_micro_batch_loss(self, loss: Any) -> None:
@@ -54,10 +59,14 @@ class StepRecord:
         self.local_items = count if self.local_items is None else self.local_items + count
         self.global_items, self.items_scale = global_items, scale
 
+    def add_own_mean_share(self, scale: int) -> None:
+        """A micro-batch whose loss is its own mean times ``scale`` (the head ignores ``num_items_in_batch``)."""
+        self.loss_is_own_mean, self.items_scale = True, scale
+
     def metrics(self, step_time: float | None) -> dict[str, Any]:
         """The ``on_step_end`` metrics; loss and grad norm are host floats once ``values_read``."""
         agreed = self.agreed
-        return {
+        metrics = {
             "loss": self.logged_loss if self.logged_loss is not None else self.step_loss,
             "grad_norm": self.grad_norm,
             "lr": self.lr,
@@ -70,3 +79,6 @@ class StepRecord:
             "data_time": self.data_time,
             "model_time": self.model_time + self.guard_time,
         }
+        if self.probe is not None and self.probe.judged is not None:  # how the recomputed micro-batch's loss stood to its mean
+            metrics[WORLD_SCALING_KEY] = self.probe.judged
+        return metrics

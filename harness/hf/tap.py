@@ -27,10 +27,12 @@ from typing import Any, Callable
 
 from harness.core.context import RunContext
 from harness.hf.dataset_index import DatasetIndexFeed, batch_rows
+from harness.hf.loss_probe import LossProbe
 from harness.hf.step_record import StepRecord
 from harness.lib.sample_rows import DATASET_INDEX_KEY, DATASET_INDEX_NOTE_KEY, NUM_ITEMS_KEY
 from harness.lib.sharding import replicated_local
 from harness.lib.tokens import token_positions
+from harness.lib.world_scaling import label_count, loss_source, own_mean_loss, world_loss_scale
 
 
 class MicroBatchTap:
@@ -45,6 +47,9 @@ class MicroBatchTap:
         self.indices = DatasetIndexFeed(trainer)
         self._batch_indices: list[int] | None = None  # of the micro-batch in training_step now
         self._items_scale: tuple[int, bool] | None = None  # (the Trainer's loss scale across ranks, labels shifted), once known
+        self._probed = False  # this train() call's micro-batch whose own mean tells the head's normalisation was taken
+        self._probe: LossProbe | None = None  # that micro-batch, until the guard judged it
+        self._own_mean = False  # the scaled loss is the micro-batch's own mean (the head ignores num_items_in_batch)
 
     def install(self, trainer: Any) -> None:
         trainer.training_step = self._wrap_training_step(trainer.training_step)
@@ -102,6 +107,7 @@ class MicroBatchTap:
         def harness_compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             seen = dict(inputs) if isinstance(inputs, Mapping) else inputs  # compute_loss may pop "labels"
             num_items = kwargs.get("num_items_in_batch")
+            probe: LossProbe | None = None
             if isinstance(seen, dict) and self.in_training_step:
                 if self._batch_indices is not None:
                     seen[DATASET_INDEX_KEY] = self._batch_indices
@@ -110,15 +116,16 @@ class MicroBatchTap:
                 if num_items is not None:  # a reference, not read: the rerun plugin normalises alike
                     seen[NUM_ITEMS_KEY] = num_items
                     scale, shifts = self._items_scale if self._items_scale is not None else self._learn_items_scale()
-                    if scale > 1:  # several ranks averaging tokens: this rank's label count, to undo the Trainer's scaling
-                        count = local_label_count(seen, shifts)
-                        if count is not None:
-                            self._record().add_local_items(count, num_items, scale)
+                    if scale > 1:  # several ranks averaging tokens: what undoes the Trainer's scaling for this rank
+                        probe = self._share_of_rank(seen, num_items, scale, shifts)
             result = compute_loss(model, inputs, *args, **kwargs)
             if self.in_training_step:
                 loss = (result[0] if isinstance(result, tuple) else result).detach()
                 if loss.dim() > 0:
                     loss = loss.mean()  # DataParallel over several GPUs: one loss per replica, as the Trainer averages
+                if probe is not None:
+                    probe.loss = loss
+                    self._record().probe = probe
                 ga_steps = self._ga_steps()  # one micro-batch per step: the part is the loss itself (x / 1 == x), no tensor op
                 part = loss if ga_steps == 1 or self._loss_scaled_for_ga(num_items) else loss / ga_steps
                 self._record().add_step_loss_part(part, loss)
@@ -127,6 +134,33 @@ class MicroBatchTap:
             return result
 
         return harness_compute_loss
+
+    def begin_train(self) -> None:
+        """A train() call begins: its first micro-batch asks the head's normalisation again (the model may be another)."""
+        self._probed = False
+
+    def _share_of_rank(self, seen: dict[str, Any], num_items: Any, scale: int, shifts: bool) -> LossProbe | None:
+        """Record what turns this micro-batch's scaled loss back into this rank's own mean; the train() call's first
+        micro-batch also recomputes its own mean (a :class:`LossProbe`, judged at the guard) and is returned."""
+        probe = None
+        if not self._probed:
+            self._probed = True
+            mean = own_mean_loss(self.trainer, seen)
+            count = local_label_count(seen, shifts)
+            if mean is not None and count is not None:
+                probe = self._probe = LossProbe(mean, count, num_items, scale, loss_source(self.trainer))
+        elif self._probe is not None and self._probe.judged is not None:  # the guard judged it: its verdict holds from now
+            if self._probe.judged.own_mean is not None:
+                self._own_mean = self._probe.judged.own_mean
+            self._probe = None
+        record = self._record()
+        if self._own_mean:  # the head ignores num_items_in_batch: its loss over the scale is this rank's own mean
+            record.add_own_mean_share(scale)
+        if not self._own_mean or self._probe is not None:  # while a probe awaits its verdict, counted for either answer
+            count = probe.local_items if probe is not None else local_label_count(seen, shifts)
+            if count is not None:
+                record.add_local_items(count, num_items, scale)
+        return probe
 
     def _loss_scaled_for_ga(self, num_items_in_batch: Any) -> bool:
         """Whether the Trainer treats this loss as already normalised over the whole step (its own rule)."""
@@ -149,21 +183,8 @@ class MicroBatchTap:
         that factor, which swings with the ranks' share of labels.
         """
         trainer = self.trainer
-        self._items_scale = (self._scale_of(trainer), bool(getattr(trainer, "_loss_shifts_labels", False)))
+        self._items_scale = (world_loss_scale(trainer), bool(getattr(trainer, "_loss_shifts_labels", False)))
         return self._items_scale
-
-    @staticmethod
-    def _scale_of(trainer: Any) -> int:
-        args = trainer.args
-        if not getattr(args, "average_tokens_across_devices", False) or int(getattr(args, "world_size", 1) or 1) <= 1:
-            return 1
-        if not (getattr(trainer, "model_accepts_loss_kwargs", False) or getattr(trainer, "compute_loss_func", None) is not None):
-            return 1
-        if int(getattr(args, "n_gpu", 1) or 1) > 1:
-            return int(args.n_gpu)
-        processes = int(getattr(getattr(trainer, "accelerator", None), "num_processes", args.world_size) or 1)
-        tp_size = getattr(trainer, "get_tp_size", None)
-        return max(1, processes // max(1, int(tp_size() if callable(tp_size) else 1)))
 
     def _ga_steps(self) -> int:
         trainer = self.trainer
@@ -197,17 +218,7 @@ class MicroBatchTap:
         return harness_get_grad_norm
 
 
-def local_label_count(batch: dict[str, Any], shifts_labels: bool) -> Any:
-    """This rank's label tokens in one micro-batch, counted as the Trainer counts ``num_items_in_batch`` (a device
-    tensor, not read); None without labels."""
-    labels = batch.get("shift_labels")
-    if labels is None:
-        labels = batch.get("labels")
-        if labels is not None and shifts_labels and hasattr(labels, "dim") and labels.dim() > 0:
-            labels = labels[..., 1:]
-    if labels is None or not hasattr(labels, "ne"):
-        return None
-    return labels.ne(-100).sum()
+local_label_count = label_count  # this rank's labels in one micro-batch, counted as the Trainer counts num_items_in_batch
 
 
 class _TimedIterator:

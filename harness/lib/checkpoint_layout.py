@@ -12,12 +12,14 @@ no draw from the training's RNG) and runs the same two steps
 with each layout it may be in (the names in memory, the saved format) and
 judges it by the one it fits best: a tensor the model needs that the file
 lacks, or one of the wrong shape, is a problem naming it; a file that fits
-no layout (names of another model or format) is not comparable, never
-corrupt.
+no layout is not comparable, and the caller says what that means: with every
+layout the model is saved in known (its names and its saved format), the
+names of another model (``proof_worker``: corrupt); without its saved
+format (a model that does not build on the meta device), possibly a format
+not known here (not proven, not corrupt).
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +42,7 @@ def memory_layout(expected: dict[str, tuple[tuple[int, ...], int]]) -> NameLayou
 def saved_layout(model_class: Any, config: Any) -> NameLayout | None:
     """The names and shapes transformers' ``save_pretrained`` writes for this model; None where this transformers has no
     saved format (4.x) or the model does not build from its config on the meta device."""
-    import torch
+    from harness.lib.meta_model import build_on_meta
 
     try:
         from transformers.core_model_loading import revert_weight_conversion
@@ -48,8 +50,7 @@ def saved_layout(model_class: Any, config: Any) -> NameLayout | None:
     except ImportError:
         return None
     try:
-        with torch.device("meta"):  # a thread-local mode: the training thread is not affected
-            model = model_class(copy.deepcopy(config))
+        model = build_on_meta(model_class, config)  # a mode of this thread only: the training thread is not affected
         saved = revert_weight_conversion(model, remove_tied_weights_from_state_dict(model.state_dict(), model))
     except Exception:  # noqa: BLE001 - a model this cannot build: judged by its names in memory alone
         return None

@@ -4,7 +4,7 @@ Readable, finite tensors of the right shapes can still be the wrong weights
 (another run's file, a stale shard, a save of the wrong module). One small
 fixed batch, run at save time with the model in memory and again on a copy
 rebuilt from the weights on disk (:mod:`harness.lib.checkpoint_rebuild`:
-transformers' own loading), says whether the file IS the model that was
+transformers' own key conversion), says whether the file IS the model that was
 training. The batch is any micro-batch the model accepts, cut to a few rows
 and tokens and to the inputs its ``forward`` takes: a causal or masked LM's
 token labels, a classifier's one label per row, a seq2seq model's target

@@ -44,8 +44,11 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from harness.lib.safe_paths import safe_mkdir, safe_write_text
 
 STATE_DIR = "harness_state"
 TRAINER_STATE = "trainer_state.json"
@@ -65,13 +68,21 @@ def state_name(rank: int) -> str:
     return f"rank-{rank}.json"
 
 
+def write_state_file(checkpoint_dir: Path, name: str, text: str) -> Path:
+    """Write ``<checkpoint>/harness_state/<name>`` atomically, never through a link.
+
+    A ``harness_state`` (or a file in it) that is a symbolic link would carry
+    the write outside the run directory: ``harness.lib.safe_paths.UnsafePathError`` instead.
+    """
+    root = Path(checkpoint_dir)
+    target = root / STATE_DIR / name
+    safe_mkdir(root, target.parent)
+    return safe_write_text(root, target, text)
+
+
 def write_marker(checkpoint_dir: Path, rank: int, world_size: int, step: int) -> None:
-    """The last file of a harness save on this rank: written under a temp name, then renamed."""
-    target = Path(checkpoint_dir) / STATE_DIR / marker_name(rank)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "rank": rank, "world_size": world_size}), encoding="utf-8")
-    os.replace(tmp, target)
+    """The last file of a harness save on this rank: written under a temp name, then renamed (never through a link)."""
+    write_state_file(checkpoint_dir, marker_name(rank), json.dumps({"step": step, "rank": rank, "world_size": world_size}))
 
 
 def drop_other_ranks(checkpoint_dir: Path, world_size: int) -> list[str]:
@@ -81,24 +92,37 @@ def drop_other_ranks(checkpoint_dir: Path, world_size: int) -> list[str]:
     clearing it: after a resume on fewer processes re-saves a step, a
     ``rank-1.json`` of the earlier, wider run would be read as this save's.
     Only the harness's own files, by exact name (a link is removed, never
-    followed); the Trainer's files are the Trainer's. Returns the names removed.
+    followed); the Trainer's files are the Trainer's. A ``harness_state`` that
+    is a link is left alone: listing through it and unlinking there would
+    delete files outside the run directory. Returns the names removed.
     """
     folder = Path(checkpoint_dir) / STATE_DIR
     pattern = re.compile(r"^(?:complete\.rank-|rank-)(\d+)(?:\.json)?$")
     removed: list[str] = []
     try:
-        names = [entry.name for entry in os.scandir(folder) if not entry.is_dir(follow_symlinks=False)]
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):
+            return removed  # a link (never followed) or a file: nothing of the harness's to remove
+        # the folder opened without following a link, then listed and unlinked through that handle: swapping it for a
+        # link after the check above changes nothing
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return removed  # no state folder yet: a first save
-    for name in names:
-        match = pattern.match(name)
-        if match is None or int(match.group(1)) < world_size:
-            continue
-        try:
-            os.unlink(folder / name)
-            removed.append(name)
-        except OSError:
-            pass
+    try:
+        with os.scandir(fd) as entries:
+            names = [entry.name for entry in entries if entry.is_symlink() or entry.is_file(follow_symlinks=False)]
+        for name in names:
+            match = pattern.match(name)
+            if match is None or int(match.group(1)) < world_size:
+                continue
+            try:
+                os.unlink(name, dir_fd=fd)
+                removed.append(name)
+            except OSError:
+                pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
     return removed
 
 

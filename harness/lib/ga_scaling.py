@@ -8,20 +8,19 @@ as "already scaled for GA": ``loss_is_scaled_for_ga`` when set, else
 passes ``num_items_in_batch`` (the label tokens of the whole step) and
 does NOT divide: a ``compute_loss`` override that ignores it and returns its
 micro-batch's own mean makes the step loss, and every gradient, GA times too
-large. The check compares the step loss with one micro-batch's own per-token
-mean, recomputed once by a forward pass without gradients at the start of
-training: the ratio is about 1 when the loss is right, about GA in the trap
-(1/GA for the mirror: a loss normalised twice).
+large; so does a head whose own loss ignores it (BERT's classifiers, T5's
+conditional generation: see :mod:`harness.lib.world_scaling`). The check
+compares the step loss with one micro-batch's own mean
+(:func:`harness.lib.world_scaling.own_mean_loss`), recomputed once by a
+forward pass without gradients at the start of training: the ratio is about
+1 when the loss is right, about GA in the trap (1/GA for the mirror: a loss
+normalised twice).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Any
-
-import torch
-
-from harness.lib.capture import IGNORE_INDEX, per_sample_loss
 
 
 @dataclass(frozen=True)
@@ -57,24 +56,3 @@ def judge_ga_scaling(step_loss: float, micro_loss: float, recomputed: float, acc
     if abs(math.log(ratio)) <= math.log(accumulation) / 2:
         return None
     return GaScaling(ratio, accumulation, step_loss, micro_loss, recomputed)
-
-
-def micro_batch_mean_loss(model: Any, batch: dict[str, Any]) -> torch.Tensor | None:
-    """The micro-batch's per-token mean loss (device tensor, not read), by a forward pass without gradients in eval mode.
-
-    Eval mode: no dropout, so no random numbers are drawn and training's RNG
-    streams stay as they were.
-    """
-    labels = batch.get("labels") if hasattr(batch, "get") else None
-    if not torch.is_tensor(labels) or labels.dim() != 2:
-        return None
-    was_training = model.training
-    model.eval()
-    try:
-        rows = per_sample_loss(model, batch)
-    finally:
-        model.train(was_training)
-    if rows is None:
-        return None
-    counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).to(rows.device, rows.dtype)
-    return (torch.nan_to_num(rows) * counts).sum() / counts.sum().clamp_min(1)

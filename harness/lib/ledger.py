@@ -18,6 +18,7 @@ ranks (a step's samples are one set, whatever the world size).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -310,6 +311,140 @@ class Continuation:
 
 
 _CONTINUATIONS: dict[tuple[Any, ...], Continuation] = {}  # the last few reads, keyed by the files' sizes and times
+BACK_BLOCK = 1 << 16  # bytes read at a time from the end of a ledger
+
+
+class _LinesFromEnd:
+    """The lines of a ledger, the last first, each with its newline, read backwards in blocks of ``BACK_BLOCK``.
+
+    The NUL bytes of a writer's mapped window (open, or killed) end no line and
+    are skipped; a last line without a newline (cut by a kill) is yielded as
+    it is, and a reader leaves it out. The read stops where the caller stops
+    asking (a file's early steps are never read for a resume from a late one)
+    and goes on from there at the next ``lines`` call, on the file opened again.
+    """
+
+    def __init__(self) -> None:
+        self.pos: int | None = None  # the file's bytes before ``pos`` are not read yet
+        self.buf, self.right = b"", 0  # buf[:right] is not yielded yet; its first line may begin before ``pos``
+
+    def lines(self, handle: Any) -> Iterator[bytes]:
+        if self.pos is None:
+            pos = handle.seek(0, os.SEEK_END)
+            while pos > 0 and not self.buf:  # the end of the written lines: before the unwritten rest of a mapped window
+                start = max(0, pos - BACK_BLOCK)
+                handle.seek(start)
+                self.buf = handle.read(pos - start).rstrip(b"\0")
+                pos = start
+            self.pos, self.right = pos, len(self.buf)
+        while True:
+            cut = self.buf.rfind(b"\n", 0, self.right - 1) if self.right > 0 else -1
+            if cut >= 0:
+                line, self.right = self.buf[cut + 1:self.right], cut + 1
+                yield line
+                continue
+            if self.pos == 0:
+                if self.right:
+                    line, self.right = self.buf[:self.right], 0
+                    yield line
+                return
+            start = max(0, self.pos - BACK_BLOCK)
+            handle.seek(start)
+            self.buf = handle.read(self.pos - start) + self.buf[:self.right]
+            self.right, self.pos = len(self.buf), start
+
+
+def _head(line: bytes) -> tuple[int, Any, dict[str, Any] | None] | None:
+    """(attempt, step, the start line's record or None) of a ledger line; None for a line that is none (torn, damaged).
+
+    Record lines are matched by their first bytes, not parsed."""
+    head = _RECORD_HEAD.match(line)
+    if head is not None:
+        return int(head.group(1)), int(head.group(2)), None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    if record.get("event") == "start":
+        return _attempt_of(record), record.get("step"), record
+    return _attempt_of(record), record.get("step"), None
+
+
+@dataclass
+class _Found:
+    """What the backward reads of a continuation found so far, over every rank's file."""
+
+    resume_step: int
+    running: int | None
+    writers: set[int] = field(default_factory=set)  # attempts with a record at the resume step
+    wrote: set[tuple[int, int]] = field(default_factory=set)  # (attempt, rank) of those records
+    after: dict[int, list[tuple[int, bytes | dict[str, Any]]]] = field(default_factory=dict)  # attempt -> (rank, line)
+    worlds: dict[int, int] = field(default_factory=dict)  # attempt -> its world size, from the start lines read
+
+
+class _Backward:
+    """One rank's ledger read from its end, down to the checkpoint's step (further only where an older attempt may matter).
+
+    Attempt numbers only grow along a file and steps within an attempt, so
+    reading from the end meets the attempts newest first. The read stops at the
+    first record of the checkpoint's step (the attempt that saved it: what
+    came before is older), at any record older than the newest such attempt
+    found in any file, or, first time round, at a record before the checkpoint's
+    step (``hold``: read on only when no file showed the attempt that saved it,
+    e.g. a later attempt that went back to an older checkpoint came in between).
+    """
+
+    def __init__(self, rank: int, path: Path) -> None:
+        self.rank, self.path = rank, path
+        self.source = _LinesFromEnd()
+        self.held: bytes | None = None
+        self.done = False
+
+    def read(self, found: _Found, hold: bool) -> None:
+        """Read on from where the last call stopped (the file is open only during a call: no handle per rank is kept)."""
+        if self.done:
+            return
+        try:
+            with open(self.path, "rb") as handle:
+                self._read(handle, found, hold)
+        except OSError:
+            self.done = True
+
+    def _read(self, handle: Any, found: _Found, hold: bool) -> None:
+        pending, self.held = ([self.held] if self.held is not None else []), None
+        for line in itertools.chain(pending, self.source.lines(handle)):
+            if not line.endswith(b"\n"):
+                continue  # the last line of a killed process may be incomplete
+            head = _head(line)
+            if head is None:
+                continue
+            attempt, step, start = head
+            if found.running is not None and attempt >= found.running:
+                continue  # the attempt this process writes now (and the other ranks' lines of it)
+            newest = max(found.writers) if found.writers else None
+            if newest is not None and attempt < newest:
+                break  # older than the attempt that saved the checkpoint: nothing before it counts
+            if start is not None:
+                if isinstance(start.get("world_size"), int):
+                    found.worlds.setdefault(attempt, start["world_size"])
+                continue
+            if not isinstance(step, int):
+                continue
+            if step == found.resume_step:
+                found.writers.add(attempt)
+                found.wrote.add((attempt, self.rank))
+                break
+            if step > found.resume_step:
+                found.after.setdefault(attempt, []).append((self.rank, line))
+                continue
+            if newest is not None and attempt == newest:
+                break  # the saving attempt's steps before the checkpoint
+            if hold and newest is None:
+                self.held = line  # judged again once every file was read down to the checkpoint's step
+                return
+        self.done = True
 
 
 def continuation(run_dir: Path, resume_step: int, running_here: bool = True, ranks: set[int] | None = None) -> Continuation:
@@ -320,9 +455,12 @@ def continuation(run_dir: Path, resume_step: int, running_here: bool = True, ran
     resumed from the same checkpoint and may have been wrong; without one, the
     newest earlier attempt that trained past it. With ``running_here`` the
     attempt this process writes now is left out (with False: the ledger of
-    another run directory, every attempt is earlier). Lines at or before the
-    checkpoint are matched by their first bytes, not parsed; this rank's own
-    file is not read again when its writer's pass for the resume still holds.
+    another run directory, every attempt is earlier). Each file is read from
+    its end down to the checkpoint's step (:class:`_Backward`), not whole:
+    at a resume every rank reads every rank's file, on the training thread,
+    so the cost is the steps after the checkpoint, not the run's length. Lines
+    are matched by their first bytes, not parsed; this rank's own file is not
+    read again when its writer's pass for the resume still holds.
     """
     files = ledger_files(run_dir)
     if ranks is not None:
@@ -338,54 +476,28 @@ def continuation(run_dir: Path, resume_step: int, running_here: bool = True, ran
     key = tuple(signature)
     if key in _CONTINUATIONS:
         return _CONTINUATIONS[key]
-    writers: set[int] = set()
-    after: dict[int, list[tuple[int, bytes | dict[str, Any]]]] = {}  # attempt -> (rank, its line or its record)
-    worlds: dict[int, int] = {}
+    found = _Found(resume_step, running)
+    readers: list[_Backward] = []
     for rank, path in files.items():
         scan = _SCANS.get(_key(path)) if running_here else None
         if scan is not None and scan.resume_step == resume_step and scan.still_valid(path):
             # this process's own writer read the file for this resume already (every attempt in it is an earlier one)
             for attempt, world in scan.worlds.items():
-                worlds.setdefault(attempt, world)
-            writers.update(a for a in scan.writers if running is None or a < running)
+                found.worlds.setdefault(attempt, world)
+            earlier = {a for a in scan.writers if running is None or a < running}
+            found.writers.update(earlier)
+            found.wrote.update((a, rank) for a in earlier)
             for attempt, trained in scan.trained_after.items():
                 if running is None or attempt < running:
-                    after.setdefault(attempt, []).extend((rank, record) for record in trained)
+                    found.after.setdefault(attempt, []).extend((rank, record) for record in trained)
             continue
-        try:
-            handle = open(path, "rb")
-        except OSError:
-            continue
-        with handle:
-            for line in handle:
-                if not line.endswith(b"\n"):
-                    break  # the last line of a killed process may be incomplete
-                head = _RECORD_HEAD.match(line)
-                if head is not None:
-                    attempt, step = int(head.group(1)), int(head.group(2))
-                else:
-                    try:
-                        record = json.loads(line)
-                    except ValueError:
-                        continue
-                    if not isinstance(record, dict):
-                        continue
-                    attempt, step = _attempt_of(record), record.get("step")
-                    if record.get("event") == "start":
-                        if isinstance(record.get("world_size"), int):
-                            worlds[attempt] = record["world_size"]
-                        continue
-                    if not isinstance(step, int):
-                        continue
-                if running is not None and attempt >= running:
-                    continue
-                if step == resume_step:
-                    writers.add(attempt)
-                elif step > resume_step:
-                    after.setdefault(attempt, []).append((rank, line))
-    chosen = max(writers) if writers else max(after, default=None)
+        readers.append(_Backward(rank, path))
+    for hold in (True, False):  # every file down to the checkpoint's step first, then on where no file showed its saver
+        for reader in readers:
+            reader.read(found, hold)
+    chosen = max(found.writers) if found.writers else max(found.after, default=None)
     records = []
-    for rank, item in after.get(chosen, []) if chosen is not None else []:
+    for rank, item in found.after.get(chosen, []) if chosen is not None else []:
         try:
             record = item if isinstance(item, dict) else json.loads(item)
         except ValueError:
@@ -393,14 +505,15 @@ def continuation(run_dir: Path, resume_step: int, running_here: bool = True, ran
         if isinstance(record, dict) and isinstance(record.get("micro_batch"), int):
             records.append({**record, "rank": rank})
     records.sort(key=lambda r: (r["step"], r["rank"], r["micro_batch"]))
-    world = worlds.get(chosen) if chosen is not None else None
-    if world is None and records:
-        world = len({r["rank"] for r in records})
-    found = Continuation(chosen, world, records)
-    _CONTINUATIONS[key] = found
+    world = found.worlds.get(chosen) if chosen is not None else None
+    if world is None and chosen is not None:  # its start lines lie before the checkpoint's step (not read): its ranks
+        trained = {r["rank"] for r in records} | {rank for attempt, rank in found.wrote if attempt == chosen}
+        world = len(trained) or None
+    result = Continuation(chosen, world, records)
+    _CONTINUATIONS[key] = result
     while len(_CONTINUATIONS) > _MAX_SCANS:
         _CONTINUATIONS.pop(next(iter(_CONTINUATIONS)))
-    return found
+    return result
 
 
 class LedgerWriter:

@@ -17,9 +17,12 @@ rebuilt through transformers' loading; a PEFT adapter's file by the names
 PEFT saves and by its tensors, equal to the adapter's at the save. A
 checkpoint that passes every check gets ``harness_proven``; one whose proof
 cannot be made (no batch the model accepts, a model above ``max_model_mb``,
-names of a format no layout fits) but which is complete with readable,
-finite weights gets ``harness_checked`` with the reason, which
-``harness resume-point`` falls back to when nothing is proven.
+a model whose saved format cannot be built, so that names fitting no layout
+may be a format not known here) but which is complete with readable, finite
+weights gets ``harness_checked`` with the reason, which
+``harness resume-point`` falls back to when nothing is proven. Names that fit
+neither the model's own nor its saved format, both known, are another
+model's weights: corrupt, never marked.
 """
 from __future__ import annotations
 
@@ -156,16 +159,19 @@ def _unprefixed(weights: Weights, prefix: str) -> tuple[dict[str, tuple[int, ...
     return {k[cut:]: v for k, v in weights.shapes.items()}, {k[cut:]: v for k, v in weights.tensors.items()}
 
 
-def _layouts(job: Job, target: Target | None) -> list[NameLayout]:
+def _layouts(job: Job, target: Target | None) -> tuple[list[NameLayout], bool]:
+    """The layouts the weights file may be in, and whether they are all it can be in (a PEFT adapter's names; a
+    transformers model's own names and its saved format, built from its config): a file fitting none of them then
+    holds another model's weights."""
     assert job.expected is not None
     if target is not None and target.kind == "adapter":
-        return [NameLayout("the adapter's names as PEFT saves them", dict(job.expected))]
+        return [NameLayout("the adapter's names as PEFT saves them", dict(job.expected))], True
     layouts = [memory_layout(job.expected)]
     if target is not None and target.model_class is not None:
         saved = saved_layout(target.model_class, target.config)
         if saved is not None:
-            layouts.append(saved)
-    return layouts
+            return [*layouts, saved], True
+    return layouts, False
 
 
 def _check_weights(job: Job, out: Outcome) -> None:
@@ -181,9 +187,14 @@ def _check_weights(job: Job, out: Outcome) -> None:
     file = weights.files[0] if len(weights.files) == 1 else "weights"
     shapes, tensors = _unprefixed(weights, target.prefix if target is not None else "")
     if job.expected is not None:
-        problems, not_comparable = layout_problems(shapes, _layouts(job, target), file)
+        layouts, every_layout = _layouts(job, target)
+        problems, not_comparable = layout_problems(shapes, layouts, file)
         out.problems.extend(problems)
-        if not_comparable:
+        if not_comparable and every_layout:  # not a format unknown here: the weights of another model
+            what = target.name if target is not None else "the model"
+            out.problems.append(Problem(file, f"{not_comparable}: another model's weights, not those of {what}"))
+            return
+        if not_comparable:  # the saved format could not be built: possibly a format not known here (harness_checked)
             out.unverified.append(not_comparable)
             return
         if problems:

@@ -16,7 +16,8 @@ checkpoint known to be good is never the one deleted.
 ``harness_checked`` (the same record, with ``not_proven``: why) marks a
 checkpoint whose proof could not be made but which is complete with
 readable, finite weights (a model above ``max_model_mb``, no batch the model
-accepts, names no layout fits). It is never taken as proven; with no proven
+accepts, a model whose saved format cannot be built from its config; never a
+file of another model's names, which is corrupt). It is never taken as proven; with no proven
 checkpoint, ``resume_candidate`` falls back to the newest such one and says
 so in a note: a checkpoint the Trainer would resume is named, never refused
 for what the harness could not check.

@@ -89,7 +89,8 @@ class FaultOptions(BaseModel):
         None, description="The step during which every forward pass on nan_forward_on_rank yields NaN, a rerun's included (a bad device)."
     )
     corrupt_at_steps: list[int] = Field(
-        default_factory=list, description="Steps whose first micro-batch gets random tokens in the rows of corrupt_rows (a loss spike)."
+        default_factory=list, description="Steps whose first micro-batch gets random tokens in the rows of corrupt_rows (a loss spike); a classifier's "
+        "labels of those rows become another class."
     )
     corrupt_rows: list[int] | None = Field(None, description="Rows to corrupt (default: every row).")
     lr_scale: float = Field(100.0, gt=0, description="Factor applied to the learning rate at lr_scale_at_steps / from lr_scale_from_step.")
@@ -207,6 +208,8 @@ def corrupt_batch(batch: dict[str, Any], rows: list[int] | None, seed: int) -> l
         labels = batch.get("labels")
         if torch.is_tensor(labels) and labels.shape == ids.shape:
             labels[r].copy_(torch.where(labels[r] == -100, labels[r], noise))
+        elif torch.is_tensor(labels) and labels.dim() == 1 and not labels.is_floating_point():  # a classifier's: a wrong class
+            labels[r] = (labels[r] + 1) % max(2, int(labels.max()) + 1)
     return chosen
 
 

@@ -7,7 +7,8 @@ still there and unchanged since the proof (every file it held, by size), is prin
 ``--resume_from_checkpoint "$(harness resume-point out)"``. With none proven,
 the newest checkpoint marked ``harness_checked`` is printed instead (exit 0):
 its proof could not be made (a model above ``max_model_mb``, no batch the
-model accepts, a format no layout fits) but it is complete and its weights
+model accepts, a model whose saved format cannot be built; never another
+model's weights, which are corrupt) but it is complete and its weights
 load with finite values, and a line on stderr says so and why. With neither,
 one line on stderr says so and what the newer folders are (exit 1): a
 checkpoint found corrupt is never named.

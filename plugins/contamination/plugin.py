@@ -11,12 +11,12 @@ from harness.core.findings import read_run_findings
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.lib.capture import sample_ids
-from harness.lib.copied_spans import copied_spans, crossing_windows, inner_bits
 from harness.lib.documents import ScanError
 from harness.lib.hashing import dataset_hashes
 from harness.lib.ngrams import EvalExample, NgramIndex
 from harness.lib.overlap import FrontEnd, ScanOptions, Tally, judge
 from harness.lib.overlap_ledger import Bits, MatchLedger, example_keys, tally_from_bits
+from harness.lib.span_bounds import RowShape, may_be_dirty
 
 from .checker import Checker, Found, Job, JobBuffer
 from .options import CONTAMINATION, CONTAMINATION_SUMMARY, CONTAMINATION_UNCHECKED, EVAL_SPLIT_OVERLAP, ContaminationOptions
@@ -55,7 +55,8 @@ class Contamination(Plugin):
         self._shared = False  # this run agrees over ranks through the step exchange (else: alone, at step end)
         self._exchanged: int | None = None  # the step whose guard carried this plugin's slot
         self._max_steps = 0
-        self._shapes: dict[tuple[int, int], tuple[int, bool]] = {}  # (example, variant) -> (counted windows, joins lines)
+        self._shapes: dict[tuple[int, int], RowShape] = {}  # (example, variant) -> what the bounds on its matches need
+        self._verdicts: dict[int, tuple[Bits, dict[str, Any]]] = {}  # dirty verdicts of this settle, for their reports
 
     @property
     def checked_tokens(self) -> int:
@@ -67,7 +68,7 @@ class Contamination(Plugin):
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         self.index, self.checker, self.ledger, self._buffer = None, None, None, None  # a second train() call starts from nothing
         self._tallies, self._sightings, self._exchanged, self._worker_error_reported = {}, {}, None, False
-        self._shapes = {}
+        self._shapes, self._verdicts = {}, {}
         self._max_steps = int(getattr(getattr(trainer, "state", None), "max_steps", 0) or 0)
         watching = bool(self.options.eval_sets) or (self.options.trainer_eval and getattr(trainer, "eval_dataset", None) is not None)
         self._shared = ctx.world_size > 1 and watching
@@ -115,29 +116,35 @@ class Contamination(Plugin):
         return judge(self.index, example, tally_from_bits(bits, self._tallies.get(example)), self._scan_options)
 
     def _is_dirty(self, example: int, bits: Bits) -> bool:
-        """judge's verdict, after cheap first tests on the bits (no near duplicates online): most calls end there."""
-        assert self.index is not None
-        may = False
-        for variant, matched in bits.items():
-            inner, joined = self._shape(example, variant)
-            inside = matched & inner
-            if joined:
-                may = may or bool(inside)  # only windows across a line boundary (template text there): nothing copied
-            else:
-                may = may or inside.bit_count() >= self.options.dirty_fraction * max(inner.bit_count(), 1)
-        return may and self._judge(example, bits)["status"] == "dirty"
+        """judge's verdict, called only when cheap bounds on the bits say some variant may be dirty (no near duplicates
+        online): a joined row's full verdict takes about 140 us, and most matched rows are far from dirty."""
+        o = self.options
+        if not any(may_be_dirty(self._shape(example, variant), matched, o.dirty_fraction, o.dirty_span)
+                   for variant, matched in bits.items()):
+            return False
+        verdict = self._judge(example, bits)
+        if verdict["status"] != "dirty":
+            return False
+        self._verdicts[example] = (dict(bits), verdict)  # its report, next, judges the same bits: not twice
+        return True
 
-    def _shape(self, example: int, variant: int) -> tuple[int, bool]:
-        """A variant's counted windows (inside one line or document) as a bitset, and whether it joins lines; once."""
+    def _verdict(self, example: int) -> dict[str, Any]:
+        """judge's row for what this rank knows of the example; the one ``_is_dirty`` just made when the bits are the same."""
+        assert self.ledger is not None
+        bits = self.ledger.combined(example)
+        judged = self._verdicts.pop(example, None)
+        return judged[1] if judged is not None and judged[0] == bits else self._judge(example, bits)
+
+    def _shape(self, example: int, variant: int) -> RowShape:
+        """A variant's counted windows, line breaks and coverable units, as the bounds need them; once per variant."""
         assert self.index is not None
         key = (example, variant)
-        if key not in self._shapes:
+        shape = self._shapes.get(key)
+        if shape is None:
             x = self.index.examples[example]
             units, cuts = x.variants[variant], x.cuts_of(variant)
-            window = min(self.index.n, len(units))
-            crossing = crossing_windows(len(units), window, cuts)
-            self._shapes[key] = (inner_bits(crossing), copied_spans([], len(units), window, crossing, cuts).joined)
-        return self._shapes[key]
+            shape = self._shapes[key] = RowShape.of(len(units), min(self.index.n, len(units)), cuts)
+        return shape
 
     # -- per micro-batch: a host copy, the lookup in the background ------------------------------------------------
 
@@ -258,13 +265,14 @@ class Contamination(Plugin):
         for dirty in self.ledger.agree(per_rank, self._is_dirty):
             if dirty.reporter == ctx.rank:
                 self._report(dirty.example, dirty.ranks, agreed=True)
+        self._verdicts.clear()
 
     def _report(self, example: int, ranks: tuple[int, ...], agreed: bool) -> None:
         assert self.index is not None and self.ledger is not None
         kept = self._sightings.get(example)
         if not kept:
             return
-        verdict = self._judge(example, self.ledger.combined(example))
+        verdict = self._verdict(example)
         message, step, evidence = finding(self.index.examples[example], verdict, self.index.n, kept, ranks, self._snippet,
                                           self.options.dirty_span)
         evidence["agreed"] = agreed  # False: judged at run end on this rank's late matches alone (no exchange is left)
@@ -324,6 +332,7 @@ class Contamination(Plugin):
         self._drain()
         for example in self.ledger.dirty_here_only(self._is_dirty):  # matched after the last exchange: no collective now
             self._report(example, tuple(sorted(self.ledger.contributors.get(example, set()) | {ctx.rank})), agreed=False)
+        self._verdicts.clear()
         rows = [self._judge(e, self.ledger.combined(e)) for e in range(len(self.index.examples))]
         out = ctx.path("contamination", f"summary.rank-{ctx.rank}.json").parent
         per_set = write_summary(out, ctx.rank, rows, self.checked_tokens, finished, self.options.dirty_span)

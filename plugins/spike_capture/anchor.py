@@ -54,11 +54,12 @@ class Breach:
         if self.untrained is not None and self.basis:
             parts.append(f"{self.loss / self.untrained:.2f}x {self.basis}={self.untrained:.3f}, what an untrained model scores")
         if self.start:
-            parts.append(f"{self.loss / self.start:.2f}x the run's start {self.start:.4f} (its first losses)")
+            parts.append(f"{self.loss / self.start:.2f}x the run's start {self.start:.4f} (its healthy first losses)")
         return ", and ".join(parts)
 
     def what(self) -> str:
-        return "loss" if self.averaged_steps == 1 else f"mean loss of the {self.averaged_steps} steps to"
+        """The value's name in a message: ``loss at step 12``, or ``mean loss of the 8 steps to step 12``."""
+        return f"loss at step {self.step}" if self.averaged_steps == 1 else f"mean loss of the {self.averaged_steps} steps to step {self.step}"
 
     def evidence(self) -> dict[str, Any]:
         return {"loss": self.loss, "ceiling": self.ceiling, "steps_above": self.steps_above, "first_step_above": self.first_above,
@@ -83,6 +84,7 @@ class LossAnchor:
     breached: bool = False  # a breach happened in this run (for the end-of-run recovery check)
     in_breach: bool = False  # the current run of steps over the ceiling was reported
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_WINDOW))
+    last: tuple[float, int] | None = None  # the last value judged and how many steps it averages
     _cached: tuple[tuple[Any, ...], float | None] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -104,6 +106,15 @@ class LossAnchor:
         limit = self._ceiling_of(self.first[0], self.first[0], self.margin_for(self.window))
         healthy = [v for v in self.first if limit is None or v <= limit]
         return statistics.median(healthy) if healthy else self.first[0]
+
+    def start_words(self) -> str:
+        """The start in a message, with what it is: ``0.7169, the median of its first 3 losses``."""
+        start = self.start()
+        if start is None:
+            return "not known"
+        limit = self._ceiling_of(self.first[0], self.first[0], self.margin_for(self.window))
+        healthy = sum(1 for v in self.first if limit is None or v <= limit) or 1
+        return f"{start:.4f}, the median of its first {healthy} loss{'es' if healthy > 1 else ''}"
 
     def margin_for(self, steps: int) -> float:
         """The margin for a mean over ``steps`` steps: ``margin`` for a loss whose step holds ``anchor_terms`` terms or more;
@@ -141,6 +152,7 @@ class LossAnchor:
         recent.append(loss)
         steps = min(len(recent), window)
         judged = loss if steps == 1 else math.fsum(list(recent)[-steps:]) / steps
+        self.last = (judged, steps)
         ceiling = self.ceiling(steps)
         if len(self.first) < self.start_steps:
             self.first.append(loss)

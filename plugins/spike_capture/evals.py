@@ -33,6 +33,11 @@ class EvalRise:
     def rise(self) -> float:
         return self.value / self.best - 1.0 if self.best > 0 else math.inf
 
+    @property
+    def overfitting(self) -> bool:
+        """The training loss fell over the climb (by more than 2%)."""
+        return self.train_at_best is not None and self.train_now is not None and self.train_now < self.train_at_best * 0.98
+
     def training_words(self, exploded: bool) -> str:
         """What the training loss did over the same steps."""
         if self.train_at_best is None or self.train_now is None:
@@ -40,7 +45,7 @@ class EvalRise:
         change = f"from {self.train_at_best:.4f} at step {self.best_step} to {self.train_now:.4f} at step {self.step}"
         if exploded:
             return f"while the training loss exploded ({change}, above where the run started)"
-        if self.train_now < self.train_at_best * 0.98:
+        if self.overfitting:
             return (f"while the training loss fell ({change}): the model fits the training data and generalises worse "
                     "(overfitting: too many epochs, too high a learning rate, or an eval set unlike the training data)")
         if self.train_now > self.train_at_best * 1.02:

@@ -29,8 +29,10 @@ def loss_context(j: Judgement | None, spiked: bool, elevated: bool, min_rise: fl
         return f"together with a loss spike ({change})", True, evidence
     if elevated:
         return f"and the loss rose with it ({change}: elevated, short of a spike)", True, evidence
-    if j.rise > min_rise:
+    if j.rise > min_rise and j.z <= fall_z:
         return f"and the loss rose with it ({change}: within its usual step-to-step noise)", True, evidence
+    if j.rise > min_rise:  # not judged an outlier: a loss not judged for spikes, or one of few terms per step (a wider spread)
+        return f"and the loss rose with it ({change}; not an outlier by the rules for this run's loss)", True, evidence
     if j.z < -fall_z:
         return f"while the loss fell ({change})", True, evidence
     return f"with the loss within its usual range ({change})", False, {**evidence, "loss_moved": False}

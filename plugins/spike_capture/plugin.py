@@ -138,8 +138,7 @@ class SpikeCaptureOptions(BaseModel):
         "classifier with batch 4, whose single steps are noisy; for such a loss the margin is at least 3/sqrt(terms of the mean).")
     spike_min_terms: int = Field(
         32, ge=1, description="A step loss over fewer loss terms than this (a classifier's rows with a small batch) is too noisy "
-        "for one step to be a spike: no LOSS_SPIKE, and a GRAD_NORM_SPIKE stays information (one misfit row moves a small batch's "
-        "gradient 20-40x on healthy runs); the anchor and "
+        "for one step to be a spike: no LOSS_SPIKE; the anchor and "
         "LOSS_DIVERGENCE still judge it.")
     eval_rises: int = Field(2, ge=1, description="EVAL_LOSS_RISING when an eval loss rose at this many evaluations in a row ...")
     eval_min_rise: float = Field(0.05, ge=0, description="... and stands at least this fraction above its best evaluation.")
@@ -212,7 +211,6 @@ class SpikeCapture(Plugin):
         self._judge_loss = True  # a token loss (on_run_start asks the trainer)
         self.anchor = LossAnchor(margin=o.anchor_margin, start_ratio=o.anchor_start_ratio, confirm_steps=o.anchor_confirm_steps,
                                  anchor_terms=o.anchor_terms)
-        self._few_terms = False  # each step's loss averages fewer than spike_min_terms terms: no single-step spike
         self._level: UntrainedLoss = none("not started")
         self._finetune = False  # the weights were trained before this run (its loss must fall below its start)
         self.evals = EvalTrend(rises=o.eval_rises, min_rise=o.eval_min_rise)
@@ -320,10 +318,10 @@ class SpikeCapture(Plugin):
         # against what is there, from the first steps: outliers never enter. A loss under (1 + loss_min_rise) times the
         # lowest level the window can give is no outlier whatever its spread: judged later only if a report needs it
         normal = not self._judge_loss or (not ruined and self.loss_base.under_level(loss, 1.0 + o.loss_min_rise))
-        j = None if normal else self.loss_base.judge(loss)
+        j = None if normal else self._sampling_floor(self.loss_base.judge(loss))
         rise = j is not None and j.value - j.median > o.loss_min_rise * abs(j.median)
         outlier = ruined or (rise and j is not None and j.z > min(o.divergence_z, o.loss_z))
-        spike = ready and rise and j is not None and j.z > o.loss_z and not self._few_terms
+        spike = ready and rise and j is not None and j.z > o.loss_z and not self._few_terms()
         self._loss_seen = (step, _ADMITTED if normal else j, spike, outlier)
         episode_started = self.elevated_run == 0
         self.elevated_run = self.elevated_run + 1 if outlier else 0
@@ -396,15 +394,19 @@ class SpikeCapture(Plugin):
         ratio = j.value / j.median if j.median > 0 else math.inf
         context, with_loss_spike, loss_moved, loss_evidence = self._loss_context(step)
         # a step of few rows: one row the model misfits moves its gradient 20-40x on a healthy run (the loss checks remain)
-        serious = not self._few_terms and (with_loss_spike or ratio >= o.grad_warn_ratio or bool(loss_evidence.get("loss_elevated")))
+        # a loss of one term per row (a classifier's): most rows fit, one misfit row moves the gradient 10-40x on a healthy run;
+        # such a run's loss checks remain
+        serious = not self._row_loss() and (with_loss_spike or ratio >= o.grad_warn_ratio or bool(loss_evidence.get("loss_elevated")))
         if capture is None and serious:
             why = f"grad norm {j.value:.4f} vs running median {j.median:.4f}"
             capture = self._capture(ctx, step, GRAD_NORM_SPIKE.code, why, current, weights_moved=weights_moved)
         losses = [h[1] for h in self.history if h[1] is not None and math.isfinite(h[1])]
         self.report(
             GRAD_NORM_SPIKE.code,
-            f"grad norm {j.value:.4f} at step {step} on rank {ctx.rank} is {j.z:.1f} robust SDs above its running median "
-            f"{j.median:.4f} ({ratio:.1f}x; baseline of {j.size} steps), {context}."
+            f"grad norm {j.value:.4f} at step {step} on rank {ctx.rank} is "
+            + (f"{j.z:.1f} robust SDs above its running median {j.median:.4f} ({ratio:.1f}x; baseline of {j.size} steps)"
+               if math.isfinite(ratio) else f"above a running median of 0 (the {j.size} steps before it had no gradient)")
+            + f", {context}."
             + (f" Top suspects: {capture.describe()}." if capture else ""),
             step=step,
             evidence={
@@ -466,14 +468,20 @@ class SpikeCapture(Plugin):
         recent = [h[1] for h in self.history if h[1] is not None and math.isfinite(h[1])][-o.divergence_patience:]
         ceiling = self.anchor.ceiling() if o.anchor and self._judge_loss else None
         ruined = self.anchor.above_run >= self.elevated_run and ceiling is not None
-        against = (f"baseline median {j.median:.4f}, {j.z:.1f} robust SDs" if j is not None else "no baseline formed before it")
-        anchored = (f"; every one of them over the run's ceiling {ceiling:.4f} (above where it started: "
-                    f"{self.anchor.start() or 0:.4f} at its first steps{self._untrained_words()})" if ruined else "")
         value = recent[-1] if recent else math.nan
+        if ruined and self.anchor.last is not None:  # judged against the anchor: quote what was judged
+            judged, steps = self.anchor.last
+            what = f"{judged:.4f}" + (f", the mean of its last {steps} steps" if steps > 1 else "")
+            message = (f"the loss has stayed over the run's ceiling {ceiling:.4f} for {self.elevated_run} steps in a row (step {step}: "
+                       f"{what}); the run started at {self.anchor.start_words()}{self._untrained_words()}: training is diverging "
+                       "rather than spiking once.")
+        else:
+            against = f"baseline median {j.median:.4f}, {j.z:.1f} robust SDs" if j is not None else "no baseline formed before it"
+            message = (f"the loss has stayed above its baseline for {self.elevated_run} steps in a row (step {step}: {value:.4f}, "
+                       f"{against}); training is diverging rather than spiking once.")
         self.report(
             LOSS_DIVERGENCE.code,
-            f"the loss has stayed above its baseline for {self.elevated_run} steps in a row (step {step}: {value:.4f}, "
-            f"{against}{anchored}); training is diverging rather than spiking once.",
+            message,
             step=step,
             evidence={
                 **(j.evidence("loss") if j is not None else {"loss": value}),
@@ -495,13 +503,29 @@ class SpikeCapture(Plugin):
         self.anchor.untrained, self.anchor.basis = (level.level, level.basis) if known else (None, None)
 
     def _set_terms(self, ctx: Any, terms: int | None) -> None:
-        self.anchor.terms = terms
-        few = terms is not None and terms < self.options.spike_min_terms and self._judge_loss
-        if few and not self._few_terms and getattr(ctx, "is_main", True):
+        self.anchor.terms = terms  # a resumed run has it from the checkpoint's state
+        if self._few_terms() and getattr(ctx, "is_main", True):
             log.info("spike_capture: each step's loss averages %d terms (fewer than spike_min_terms=%d): single-step loss spikes "
                      "are not reported; the anchor judges the mean of the last %d steps", terms, self.options.spike_min_terms,
                      self.anchor.window)
-        self._few_terms = few
+
+    def _few_terms(self) -> bool:
+        """Each step's loss averages fewer than spike_min_terms terms: no single step is a spike."""
+        terms = self.anchor.terms
+        return self._judge_loss and terms is not None and terms < self.options.spike_min_terms
+
+    def _row_loss(self) -> bool:
+        """A judged loss of one term per row (a classifier's, a contrastive or regression loss), not per token."""
+        return self._judge_loss and self._level.kind != "token" and self.anchor.terms is not None
+
+    def _sampling_floor(self, j: Judgement | None) -> Judgement | None:
+        """A loss of one term per row is a mean over the step's rows: its step-to-step spread is never under level/sqrt(rows)
+        (a cross-entropy's per-row spread is about its mean), however smooth the last steps happened to be."""
+        terms = self.anchor.terms
+        if j is None or not self._row_loss() or not terms:
+            return j
+        floor = abs(j.median) / math.sqrt(terms)
+        return j if j.sd >= floor else Judgement(j.value, j.median, floor, (j.value - j.median) / floor, j.size)
 
     def _untrained_words(self) -> str:
         a = self.anchor
@@ -515,7 +539,7 @@ class SpikeCapture(Plugin):
                     "(a restore that lost its moments), then the data")
         self.report(
             LOSS_ABOVE_START.code,
-            f"{breach.what()} {breach.step} on rank {ctx.rank}, {breach.loss:.4f}, is {breach.describe()}: over the run's ceiling "
+            f"{breach.what()} on rank {ctx.rank}, {breach.loss:.4f}, is {breach.describe()}: over the run's ceiling "
             f"{breach.ceiling:.4f} at {first}. The run has lost what it learned; no running baseline forms on this level. "
             f"{suspects[0].upper()}{suspects[1:]}."
             + (f" Top suspects in the batch: {capture.describe()}." if capture else ""),
@@ -547,13 +571,18 @@ class SpikeCapture(Plugin):
     def _report_eval_rise(self, ctx: Any, rise: EvalRise) -> None:
         exploded = self._judge_loss and self.options.anchor and rise.train_now is not None and self.anchor.above(rise.train_now)
         path = ", ".join(f"{v:.4f}" + (f" (step {s})" if i in (0, len(rise.rises) - 1) else "") for i, (s, v) in enumerate(rise.rises))
+        # overfitting (the training loss fell) is what many epochs over a small set do: information; an eval loss that
+        # climbs while the training loss holds, rises or explodes is a run going wrong: a warning
+        overfitting = rise.overfitting and not exploded
         self.report(
             EVAL_LOSS_RISING.code,
             f"{rise.key} rose at {self.options.eval_rises} evaluations in a row, {path}: {rise.rise * 100:+.0f}% above its best, "
-            f"{rise.training_words(exploded)}. Keep the checkpoint of step {rise.best_step} (load_best_model_at_end with "
-            "metric_for_best_model) and look at the learning rate and the number of epochs.",
+            f"{rise.training_words(exploded)}. The weights of step {rise.best_step} evaluated best: load_best_model_at_end=True "
+            "with metric_for_best_model (and a save at every evaluation) keeps them; look at the learning rate and the number "
+            "of epochs.",
             step=rise.step,
-            evidence={**rise.evidence(), "training_loss_exploded": exploded},
+            evidence={**rise.evidence(), "training_loss_exploded": exploded, "overfitting": overfitting},
+            severity=Severity.INFO if overfitting else None,
             limit=5,
         )
 
@@ -570,14 +599,20 @@ class SpikeCapture(Plugin):
         if not self.anchor.not_recovered(level, o.recover_margin):
             return
         start = self.anchor.start() or math.nan
-        why = ("after it rose over its ceiling" if self.anchor.breached else
-               "in a fine-tune (the weights were trained before this run): the loss on its own data should fall below where it started")
+        head = (f"the run ended with its training loss at {level:.4f} ({self._level_words(len(losses))}), {level / start:.2f}x "
+                f"where it started ({self.anchor.start_words()}){self._untrained_words()}")
+        if self.anchor.breached:  # it rose over its ceiling and never came back under its start: a warning
+            message = (f"{head}: it never came back after it rose over its ceiling, so the weights at the end fit the training data "
+                       "worse than those it started from. Keep the starting weights (or the last checkpoint before the rise), "
+                       "and lower the learning rate or add warm-up before training again.")
+        else:  # a fine-tune that ended above its start without a blow-up: information (a plateau on data it knew can do it)
+            message = (f"{head}, in a fine-tune (the weights were trained before this run), whose loss on its own data should end "
+                       "below where it started. Compare the starting and final weights on held-out data; a learning rate too "
+                       "high for fine-tuning is the usual cause.")
         self.report(
             LOSS_NOT_RECOVERED.code,
-            f"the run ended with its loss at {level:.4f} ({self._level_words(len(losses))}), {level / start:.2f}x where it "
-            f"started ({start:.4f}, its first losses){self._untrained_words()}: it never came back, {why}. The weights at the end "
-            "are worse than at the start: keep the last checkpoint from before the rise, and lower the learning rate (or add "
-            "warm-up) before training again.",
+            message,
+            severity=None if self.anchor.breached else Severity.INFO,
             step=ctx.step,
             evidence={"level": level, "start": self.anchor.start(), "first_losses": list(self.anchor.first), "breached": self.anchor.breached,
                       "finetune": self._finetune, "last_losses": losses[-max(o.level_steps, self.anchor.window):], "untrained_level": self.anchor.untrained,

@@ -6,7 +6,10 @@ with attention dropout 0.1 and the Trainer's own seeding (every rank
 reseeded at run start (its shard then comes from another shuffled order)
 while its global RNG is left as the Trainer seeded it. The clean
 two-process runs under the default plugins (dropout 0, the same seeding)
-are tests/e2e/test_multiprocess.py, which asserts no finding at all.
+are tests/e2e/test_multiprocess.py, which asserts no finding at all; a
+two-process GPT-2 whose dropouts are 0 (its config still says
+``summary_first_dropout=0.1``, read only by a summary head it does not have)
+shares the streams too and must stay silent.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAULTS, findings_of, torchrun, wrapped_example, write_yaml
+from conftest import EXAMPLES, FAULTS, findings_of, harness_cli, torchrun, wrapped_example, write_yaml
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +35,8 @@ def test_identical_dropout_streams_and_rank_1s_sampler_seed_in_one_run(tmp_path:
     (identical,) = findings_of(out, "RNG_IDENTICAL_ACROSS_RANKS")
     assert (identical["step"], identical["rank"], identical["severity"]) == (1, 0, "warning")
     ev = identical["evidence"]
-    assert ev["ranks"] == [0, 1] and ev["dropout_stream"] == "torch" and ev["dropout"] == ["config.attention_dropout=0.1"]
+    assert ev["ranks"] == [0, 1] and ev["dropout_stream"] == "torch" and ev["dropout"] == [
+        "model.layers.*.self_attn.attention_dropout (functional, p=0.1, 2 modules)"]
     assert ev["identical_streams"] == ["torch", "python", "numpy"]  # set_seed seeds all three alike on every rank
     assert "ranks 0, 1 of 2" in identical["message"] and "set_seed(args.seed + args.process_index)" in identical["message"]
 
@@ -46,3 +50,16 @@ def test_identical_dropout_streams_and_rank_1s_sampler_seed_in_one_run(tmp_path:
     assert record["step"] == 1 and record["world_size"] == 2 and record["sampler_mismatch"] == [0, 1]
     assert record["ranks"]["0"]["sampler"]["sharded"] and record["ranks"]["1"]["sampler"]["seed"] == 1234
     assert record["ranks"]["0"]["digests"]["torch"] == record["ranks"]["1"]["digests"]["torch"]
+
+
+def test_a_gpt2_without_dropout_shares_its_streams_silently(tmp_path: Path) -> None:
+    """Issue 43: config keys no module reads are no dropout (GPT-2's summary_first_dropout=0.1 made every such run warn)."""
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["rank_rng"]})
+    script = [str(EXAMPLES / "train_zoo.py"), "--family", "gpt2", "--task", "causal_lm", "--output_dir", str(out), "--max_steps", "2"]
+    result = harness_cli("wrap", "--config", str(config), "--", *torchrun(2), *script)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert findings_of(out) == []
+    record = json.loads((out / "harness" / "rank_rng.json").read_text())
+    assert record["world_size"] == 2 and record["dropout"] == []
+    assert record["identical"] == [{"ranks": [0, 1], "streams": ["torch", "python", "numpy"]}]  # shared, as HF seeds: recorded, not reported

@@ -170,3 +170,38 @@ def test_alone_the_agreement_skips_the_exchange_and_a_plugin_still_gets_its_own_
     assert ctx.shared("ids", owner="probe") == [[5, 6]] and ctx.shared_cut("ids", owner="probe") == [0]
     assert guard.guard(model=None, optimizer=None) is Action.CONTINUE
     assert ctx.shared("ids", owner="probe") is None and packed == []  # nothing shared at this step
+
+
+def _probed(record: StepRecord, loss: float, mean: float) -> None:
+    """Rank 0 of two, one micro-batch of 4 labels out of the step's 8: the Trainer scaled its loss by 2."""
+    from harness.hf.loss_probe import LossProbe
+
+    probe = LossProbe(torch.tensor(mean), torch.tensor(4), torch.tensor(8.0), 2, "BertForSequenceClassification's loss")
+    probe.loss = torch.tensor(loss)
+    record.add_step_loss_part(probe.loss, probe.loss)
+    record.add_micro_batch_loss(probe.loss)
+    record.add_local_items(probe.local_items, probe.global_items, 2)
+    record.probe = probe
+
+
+@pytest.mark.parametrize("earlier", [False, True])
+@pytest.mark.parametrize(("loss", "own_mean", "recorded"), [(2.2, True, 1.1), (1.1, False, 1.1)])
+def test_the_probed_step_is_judged_in_its_one_read_before_the_record_is_corrected(
+    tmp_path: Path, loss: float, own_mean: bool, recorded: float, earlier: bool
+) -> None:
+    """A head that returned its own mean (2.2 = 2 x 1.1) and one normalised by num_items_in_batch (1.1 = 2 x 1.1 x 4/8)
+    both end as the rank's own mean 1.1, from the probed step on, whatever an earlier train() call's model was judged;
+    the verdict reaches on_step_end's metrics."""
+    from harness.lib.world_scaling import WORLD_SCALING_KEY
+
+    guard, record, ctx, _ = _guard(tmp_path)
+    _probed(record, loss, mean=1.1)
+    if earlier:
+        record.add_own_mean_share(2)  # the tap kept an earlier call's verdict until this probe's
+    reads = ctx.reads.reads
+    guard.guard(model=None, optimizer=None)
+    assert ctx.reads.reads == reads + 1  # the probe rode the step's one transfer
+    assert record.step_loss == pytest.approx(recorded) and record.logged_loss == pytest.approx(recorded)
+    judged = record.metrics(step_time=None)[WORLD_SCALING_KEY]
+    assert judged.own_mean is own_mean and judged.factor == pytest.approx(loss / 1.1) and judged.global_items == 8.0
+    assert WORLD_SCALING_KEY not in StepRecord().metrics(step_time=None)  # only the probed step carries it

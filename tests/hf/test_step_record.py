@@ -9,6 +9,7 @@ import torch
 
 from harness.core.actions import Action
 from harness.hf.bridge import Bridge
+from harness.hf.loss_probe import LossProbe
 from harness.hf.step_record import StepRecord
 from harness.hf.tap import MicroBatchTap, _TimedIterator
 from unit_context import run_context
@@ -22,6 +23,8 @@ def _used(record: StepRecord) -> StepRecord:
     record.agreed, record.values_read, record.optimizer_skipped = Action.SKIP_STEP, True, True
     record.model_time, record.guard_time = 0.3, 0.01
     record.add_local_items(torch.tensor(3), torch.tensor(8.0), 2)
+    record.add_own_mean_share(2)
+    record.probe = LossProbe(torch.tensor(1.0), torch.tensor(3), torch.tensor(8.0), 2, "BertForSequenceClassification's loss")
     return record
 
 
@@ -97,3 +100,13 @@ def test_a_rank_s_scaled_share_of_the_loss_becomes_its_own_mean() -> None:
     untouched = StepRecord(step_loss=0.0, items_scale=2)
     StepGuard._to_rank_mean(untouched, [0], [8.0])  # no label on this rank: nothing to divide by
     assert untouched.step_loss == 0.0
+
+
+def test_a_head_s_own_mean_scaled_by_the_world_size_becomes_the_rank_s_mean_without_label_counts() -> None:
+    """BERT's classifier on two ranks: each micro-batch's loss is its own mean times 2 (the Trainer's scale)."""
+    from harness.hf.guard import StepGuard
+
+    record = StepRecord(step_loss=2.2, logged_loss=2.2, micro_losses=[2.2])
+    record.add_own_mean_share(2)
+    StepGuard._to_rank_mean(record, [], [])
+    assert record.step_loss == 1.1 and record.logged_loss == 1.1 and record.micro_losses == [1.1]

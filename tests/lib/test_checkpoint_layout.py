@@ -31,7 +31,8 @@ def test_a_tensor_missing_or_misshapen_in_the_layout_the_file_fits_is_a_problem_
     assert str(problem) == "model.safetensors: tensor experts.0.gate.weight has shape [3, 4], the model's is [2, 4]"
 
 
-def test_names_of_another_model_fit_no_layout_and_are_not_comparable_never_corrupt() -> None:
+def test_names_of_another_model_fit_no_layout_and_are_not_comparable() -> None:
+    """Not comparable, without a problem: the caller judges (proof_worker: corrupt when both layouts were known)."""
     problems, why = layout_problems({"encoder.w": (8, 4), "embed.weight": (8, 4)}, [MEMORY, SAVED], "model.safetensors")
     assert problems == [] and why is not None
     assert why.startswith("the saved names fit none of the model's layouts (the model's own names, transformers' saved format)")

@@ -136,6 +136,47 @@ def test_other_weights_of_the_right_shapes_fail_the_loss_check(saved: dict[str, 
     assert problem.file == "model.safetensors" and "not the weights that were training" in problem.what
 
 
+def _weights_of_another_family(tokenizer: Any, folder: Path, tmp_path: Path) -> None:
+    """The checkpoint's model.safetensors replaced by a tiny GPT-2's, as transformers writes it (the folder otherwise kept)."""
+    from harness.lib.tiny_zoo import build_tiny_model
+
+    build_tiny_model("gpt2", tokenizer, hidden_size=32).save_pretrained(tmp_path / "gpt2")
+    shutil.copyfile(tmp_path / "gpt2" / "model.safetensors", folder / "model.safetensors")
+
+
+def test_another_models_weights_are_corrupt_and_resume_point_never_names_them(
+        saved: dict[str, Any], folder: Path, tokenizer: Any, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names that fit neither the Llama's own nor its saved format (both known) are another model's weights: before, the
+    folder got harness_checked as a format the proof could not handle, and resume-point named it (exit 0)."""
+    from cli_in_process import harness_in_process
+    from harness.lib.proven import CHECKED
+
+    _weights_of_another_family(tokenizer, folder, tmp_path)
+    outcome = prove(_job(saved, folder))
+    assert not outcome.proven and not outcome.checked and outcome.unverified == []
+    (problem,) = outcome.problems
+    assert problem.file == "model.safetensors" and problem.what.startswith(
+        "the saved names fit none of the model's layouts (the model's own names, transformers' saved format); closest: ")
+    assert problem.what.endswith("another model's weights, not those of LlamaForCausalLM"), problem.what
+    assert not (folder / MARKER).exists() and not (folder / CHECKED).exists()
+    point = harness_in_process(capsys, monkeypatch, "resume-point", str(folder.parent))
+    assert (point.returncode, point.stdout) == (1, ""), point
+
+
+def test_names_fitting_no_layout_stay_checked_when_the_saved_format_is_not_known(
+        saved: dict[str, Any], folder: Path, tokenizer: Any, tmp_path: Path) -> None:
+    """No transformers model to build the saved format from (a model without a config): the file may be in a format not
+    known here, so it is not proven but stays the complete-and-finite fallback."""
+    from harness.lib.proven import CHECKED
+
+    _weights_of_another_family(tokenizer, folder, tmp_path)
+    job = Job(folder.parent, folder, 2, Layout(), expected=expected_shapes(saved["model"]), no_loss_reason="no config",
+              wait_for_ranks=False)
+    outcome = prove(job)
+    assert outcome.problems == [] and outcome.checked and (folder / CHECKED).is_file()
+    assert outcome.unverified[0].startswith("the saved names fit none of the model's layouts (the model's own names); closest: ")
+
+
 def test_sharded_and_bin_weights_are_read(saved: dict[str, Any], folder: Path) -> None:
     (folder / "model.safetensors").unlink()
     saved["model"].save_pretrained(folder, max_shard_size="100KB")

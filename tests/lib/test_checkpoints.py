@@ -350,3 +350,49 @@ def test_a_checkpoint_saved_again_by_fewer_processes_drops_the_wider_run_s_harne
     assert sorted(p.name for p in state.iterdir()) == ["complete.rank-0", "notes.txt", "rank-0.json"]
     assert outside.read_text() == "keep" and (tmp_path / "checkpoint-15" / "rng_state_1.pth").exists()
     assert drop_other_ranks(tmp_path / "missing", 1) == []
+
+
+def _linked_state(checkpoint: Path, outside: Path) -> None:
+    """``<checkpoint>/harness_state`` made a link to a folder outside the run (a received run is data), holding files of
+    the names the harness writes and removes there."""
+    from harness.lib.checkpoints import STATE_DIR
+
+    outside.mkdir()
+    for name in ("rank-0.json", "rank-1.json", "complete.rank-1", "notes.txt"):
+        (outside / name).write_text("keep")
+    checkpoint.mkdir(parents=True)
+    (checkpoint / STATE_DIR).symlink_to(outside, target_is_directory=True)
+
+
+def test_a_linked_state_folder_is_neither_listed_nor_emptied_through(tmp_path: Path) -> None:
+    """``drop_other_ranks`` listed ``harness_state`` through a link and unlinked rank-1.json there: a file outside the
+    run directory was deleted. A link is left alone now; a link inside the folder is removed, never followed."""
+    from harness.lib.checkpoints import drop_other_ranks
+
+    outside = tmp_path / "elsewhere"
+    _linked_state(tmp_path / "run" / "checkpoint-15", outside)
+    assert drop_other_ranks(tmp_path / "run" / "checkpoint-15", 1) == []
+    assert sorted(p.name for p in outside.iterdir()) == ["complete.rank-1", "notes.txt", "rank-0.json", "rank-1.json"]
+    assert all(p.read_text() == "keep" for p in outside.iterdir())
+
+
+def test_the_harness_save_is_not_written_through_a_linked_state_folder(
+        make_trainer: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A run directory whose ``checkpoint-5/harness_state`` is a link to another folder: the save wrote rank-0.json and
+    its completion marker there, and dropped the wider run's rank-1 files there. Nothing outside is touched now; the save
+    is not marked complete for the harness, and says why."""
+    from harness.lib.checkpoints import write_marker, write_state_file
+    from harness.lib.safe_paths import UnsafePathError
+
+    out, outside = tmp_path / "run", tmp_path / "elsewhere"
+    _linked_state(out / "checkpoint-5", outside)
+    for write in (lambda: write_state_file(out / "checkpoint-5", "rank-0.json", "{}"), lambda: write_marker(out / "checkpoint-5", 0, 1, 5)):
+        with pytest.raises(UnsafePathError):
+            write()
+    caplog.set_level("ERROR", logger="harness")
+    trainer, ctx = _run(make_trainer, out, max_steps=5)
+    assert trainer.state.global_step == 5 and (out / "checkpoint-5" / "trainer_state.json").is_file()
+    assert sorted(p.name for p in outside.iterdir()) == ["complete.rank-1", "notes.txt", "rank-0.json", "rank-1.json"]
+    assert all(p.read_text() == "keep" for p in outside.iterdir())
+    assert any("could not write plugin state" in r.getMessage() and "symlink" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]

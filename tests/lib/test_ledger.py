@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from harness.lib.ledger import Continuation, LedgerWriter, around_resume, continuation, iter_records, last_attempt, ledger_path, read_ledger
 
@@ -222,3 +223,120 @@ def test_the_newest_attempt_of_another_rank_is_read_behind_its_open_writers_wind
     assert _newest_trained(path) == 4
     path.write_bytes(b'{"event": "start", "attempt": 1, "step": 0}\n' + b"\0" * 100)
     assert _newest_trained(path) == 0
+
+
+# -- the interrupted run's continuation is read from the files' ends, not whole (review of issue 43, item 4) ----------
+
+
+def _line(attempt: int, step: int, rank: int) -> str:
+    """A record line as the writer formats it (``write_hashes``): four samples per step and rank."""
+    samples = '","'.join(f"{step:08x}{rank:04x}{i:04x}" for i in range(4))
+    return (f'{{"attempt":{attempt},"step":{step},"micro_batch":0,"epoch":0,"batch_hash":"{step:012x}{rank:04x}",'
+            f'"sample_hashes":["{samples}"],"sample_ids":null}}\n')
+
+
+def _start(attempt: int, step: int, world_size: int) -> str:
+    return f'{{"event":"start","attempt":{attempt},"step":{step},"world_size":{world_size},"resumed_from":null}}\n'
+
+
+def _write_ledgers(run_dir: Path, attempts: list[tuple[int, int, range, range]], tail: bytes = b"") -> None:
+    """``attempts``: (attempt, start step, its ranks, the steps it trained), oldest first, written rank by rank; ``tail``
+    ends every file (a torn line, a writer's NUL window)."""
+    folder = run_dir / "ledger"
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank in sorted({r for _, _, ranks, _ in attempts for r in ranks}):
+        text = "".join(_start(a, s, len(ranks)) + "".join(_line(a, step, rank) for step in steps)
+                       for a, s, ranks, steps in attempts if rank in ranks)
+        (folder / f"rank-{rank}.jsonl").write_bytes(text.encode() + tail)
+
+
+def _continuation_read_whole(run_dir: Path, resume_step: int) -> Continuation:
+    """The reference: every line of every file read, the rules of ``continuation`` applied to them."""
+    writers, after, worlds = set(), {}, {}
+    for rank, path in sorted((int(p.stem.split("-")[1]), p) for p in (run_dir / "ledger").glob("rank-*.jsonl")):
+        for record in iter_records(path):
+            if record.get("event") == "start":
+                worlds.setdefault(record["attempt"], record["world_size"])
+            elif record["step"] == resume_step:
+                writers.add(record["attempt"])
+            elif record["step"] > resume_step:
+                after.setdefault(record["attempt"], []).append({**record, "rank": rank})
+    chosen = max(writers) if writers else max(after, default=None)
+    records = sorted(after.get(chosen, []), key=lambda r: (r["step"], r["rank"], r["micro_batch"]))
+    return Continuation(chosen, worlds.get(chosen), records)
+
+
+def _counting_reads(monkeypatch: Any) -> list[int]:
+    """Every byte the ledger module reads from a file, counted (its ``open`` replaced by one over a counting FileIO)."""
+    import builtins
+    import io
+
+    import harness.lib.ledger as ledger
+
+    read = [0]
+
+    class Counting(io.FileIO):
+        def readinto(self, buffer: Any) -> int | None:
+            n = super().readinto(buffer)
+            read[0] += n or 0
+            return n
+
+        def readall(self) -> bytes:
+            data = super().readall()
+            read[0] += len(data)
+            return data
+
+    def counting_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if mode == "rb":
+            return io.BufferedReader(Counting(path, "r"))
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(ledger, "open", counting_open, raising=False)
+    return read
+
+
+def test_a_resume_late_in_a_long_run_reads_the_ledgers_back_to_the_checkpoint_only(tmp_path: Path, monkeypatch: Any) -> None:
+    """2 ranks trained 12,000 steps (2 MB of ledger each); the resume is from step 11,994. Every rank read every rank's
+    whole file on the training thread before the first step (world size x run length per rank: gigabytes at 64 ranks and
+    100k steps); now each file is read from its end to the checkpoint's step, past a torn line and a writer's NUL window."""
+    from harness.lib.ledger import BACK_BLOCK
+
+    steps, resume = 12_000, 11_994
+    _write_ledgers(tmp_path, [(1, 0, range(2), range(1, steps + 1))], tail=b'{"attempt":1,"step":12001,"mic' + b"\0" * (3 << 16))
+    size = sum(p.stat().st_size for p in (tmp_path / "ledger").glob("*.jsonl"))
+    assert size > 4_000_000
+    read = _counting_reads(monkeypatch)
+    found = continuation(tmp_path, resume, running_here=False)
+    spent = read[0]
+    assert found == _continuation_read_whole(tmp_path, resume)
+    assert (found.attempt, found.world_size, sorted(found.steps())) == (1, 2, list(range(resume + 1, steps + 1)))
+    assert len(found.steps()[steps]) == 8  # both ranks' samples, one set
+    nul_window, tail = 3 << 16, (steps - resume + 1) * 2 * len(_line(1, steps, 0))
+    assert spent <= 2 * (nul_window + tail + 2 * BACK_BLOCK) < size / 5, spent
+
+
+def test_the_backward_read_finds_what_a_whole_read_finds(tmp_path: Path, monkeypatch: Any) -> None:
+    """The runs where the attempt that saved the checkpoint lies behind later ones: a wrong resume stopped at its first
+    step, a rollback to an older checkpoint that trained on, a world that shrank and grew, no attempt that trained the
+    checkpoint's step. Each read backwards gives what reading every line gives."""
+    from harness.lib.ledger import BACK_BLOCK
+
+    cases = {
+        "wrong resume": [(1, 0, range(2), range(1, 16)), (2, 10, range(1), range(11, 12))],
+        "rollback in between": [(1, 0, range(2), range(1, 16)), (2, 5, range(2), range(6, 9))],
+        "world shrank then grew": [(1, 0, range(2), range(1, 16)), (2, 10, range(1), range(11, 21)), (3, 15, range(2), range(16, 18))],
+        "no saver in the ledger": [(1, 10, range(2), range(11, 16))],
+        "saver on one rank only": [(1, 0, range(1), range(1, 16)), (2, 12, range(2), range(13, 16))],
+    }
+    for name, attempts in cases.items():
+        run_dir = tmp_path / name.replace(" ", "-")
+        _write_ledgers(run_dir, attempts, tail=b"\0" * 100)
+        for resume in (5, 10, 12, 15):
+            want = _continuation_read_whole(run_dir, resume)
+            got = continuation(run_dir, resume, running_here=False)
+            assert (got.attempt, got.records) == (want.attempt, want.records), (name, resume)
+            assert got.world_size == (want.world_size if want.attempt is not None else None), (name, resume)
+    read = _counting_reads(monkeypatch)
+    _write_ledgers(tmp_path / "long", [(1, 0, range(2), range(1, 3001)), (2, 2990, range(2), range(2991, 2993))])
+    assert continuation(tmp_path / "long", 2995, running_here=False).attempt == 1  # the wrong resume's lines, then attempt 1's
+    assert read[0] <= 2 * BACK_BLOCK < (tmp_path / "long" / "ledger" / "rank-0.jsonl").stat().st_size, read[0]

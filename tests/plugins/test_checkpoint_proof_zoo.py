@@ -221,6 +221,25 @@ def test_a_moe_checkpoint_that_lost_an_experts_tensor_is_corrupt(tokenizer: Any,
     _assert_refused(out, f"model.safetensors: lacks 1 tensor(s) of the model (transformers' saved format), e.g. {gone}", capsys, monkeypatch)
 
 
+def test_a_moe_checkpoint_holding_another_familys_weights_is_corrupt(tokenizer: Any, tmp_path: Path, capsys: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """model.safetensors replaced by a BERT's (the folder otherwise the MoE's): names that fit neither the MoE's own nor its
+    saved format, both known, are another model's weights, not a format the proof cannot handle (before: harness_checked,
+    which resume-point named when nothing newer was proven)."""
+    from safetensors.torch import load_file
+
+    from harness.lib.tiny import lm_dataset
+    from harness.lib.tiny_zoo import build_tiny_model
+
+    build_tiny_model("bert", tokenizer, "masked_lm", seed=0, hidden_size=32).save_pretrained(tmp_path / "bert")
+    bert = load_file(str(tmp_path / "bert" / "model.safetensors"))
+    out = _run(build_tiny_model("qwen3_moe", tokenizer, "causal_lm", seed=0, hidden_size=32), lm_dataset(tokenizer, seq_len=LENGTH, n_rows=ROWS),
+               tmp_path / "out", callbacks=[damage_after_save(lambda tensors: bert)])
+    _assert_refused(out, "model.safetensors: the saved names fit none of the model's layouts (the model's own names, transformers' "
+                         "saved format)", capsys, monkeypatch)
+    assert "another model's weights, not those of Qwen3MoeForCausalLM" in findings_of(out, "CHECKPOINT_CORRUPT")[0]["message"]
+
+
 def test_a_bert_classifier_checkpoint_with_a_changed_tensor_is_corrupt(tokenizer: Any, tmp_path: Path, capsys: Any,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Every tensor readable, finite and of the right shape; one holds other values: the classification loss tells."""

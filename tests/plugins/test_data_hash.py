@@ -369,3 +369,76 @@ def test_the_worker_cause_is_named_only_for_runs_within_the_worker_count_of_an_i
     assert unsharded_workers_cause(2, 2, "RowStream") is None  # longer runs than the workers: another cause
     assert unsharded_workers_cause(1, 0, "RowStream") is None and unsharded_workers_cause(1, 1, "RowStream") is None
     assert unsharded_workers_cause(1, 2, None) is None  # a map-style dataset: the sampler gives each worker its own indices
+
+
+# -- DATA_SKIPPED where the step exchange cannot carry every row (review of issue 43, item 4) -------------------------
+
+
+class _HashingRankCtx(_RankCtx):
+    """``_RankCtx`` whose micro-batches are hashed: ``defer`` keeps the rows' hashes for the step's read, as the guard's."""
+
+    def __init__(self, rank: int, world_size: int, run_dir: Path, trainer: Any) -> None:
+        super().__init__(rank, world_size, run_dir)
+        self.trainer, self.step, self._queued = trainer, 0, []
+
+    def defer(self, key: str, tensor: Any, *, owner: str) -> None:
+        self._queued.append(tensor.tolist())
+
+    def deferred(self, key: str, *, owner: str) -> list[Any]:
+        read, self._queued = self._queued, []
+        return read
+
+
+def _ranks_train(run_dir: Path, steps: range, resume_step: int | None, rows: int = 3) -> list[_HashingRankCtx]:
+    """data_hash on 2 ranks, 2 rows per device (the exchange's slot), each micro-batch holding ``rows`` rows (packed or
+    paired rows: more than the slot), trained over ``steps`` after ``resume_step`` (None: from the start)."""
+    from harness.plugins.data_hash import DataHash
+
+    contexts, plugins = [], []
+    for rank in range(2):
+        trainer = SimpleNamespace(args=SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=1),
+                                  state=SimpleNamespace(global_step=resume_step or 0, epoch=0.0), train_dataset=None)
+        ctx, plugin = _HashingRankCtx(rank, 2, run_dir, trainer), DataHash()
+        ctx.resumed_from = run_dir.parent / f"checkpoint-{resume_step}" if resume_step is not None else None
+        ctx.step = resume_step or 0
+        plugin.__dict__["ctx"] = ctx
+        plugin.setup(ctx)
+        plugin.on_run_start(ctx=ctx, trainer=trainer)
+        if resume_step is not None:
+            plugin.on_resume(ctx=ctx, state=None)
+        contexts.append(ctx)
+        plugins.append(plugin)
+    for step in steps:
+        for ctx, plugin in zip(contexts, plugins):
+            ctx.step = step
+            batch = {"input_ids": torch.arange(rows * 6).reshape(rows, 6) + 1000 * step + 100 * ctx.rank}
+            plugin.inspect_batch(ctx=ctx, batch=batch, step=step, micro_step=0)
+            plugin.on_before_optimizer_step(ctx=ctx, step=step)
+        packed = [ctx.exchange.pack([0]) for ctx in contexts]  # the step guard's one all-gather
+        for ctx in contexts:
+            ctx.exchange.unpack(packed, 1)
+        for ctx, plugin in zip(contexts, plugins):
+            plugin.on_step_end(ctx=ctx, step=step)
+    for ctx, plugin in zip(contexts, plugins):
+        plugin.on_run_end(ctx=ctx)
+    return contexts
+
+
+def test_rows_beyond_the_exchanges_slot_make_data_skipped_unchecked_said_and_counted(tmp_path: Path) -> None:
+    """2 ranks whose micro-batches hold 3 rows where the step exchange has room for 2 (packed or DPO rows): rank 0 never
+    gets every rank's samples. It noted each step after the resume in a list for the rest of the run, and DATA_SKIPPED
+    was not judged with only a log line to say so. Now it counts the steps up to the interrupted run's last, and says
+    DATA_SKIPPED_UNCHECKED (info) with how many steps and why."""
+    run_dir = tmp_path / "run" / "harness"
+    _ranks_train(run_dir, range(1, 9), None)  # the interrupted run: steps 1-8
+    contexts = _ranks_train(run_dir, range(5, 41), 4)  # resumed from step 4: 36 steps, of which 5-8 were trained before
+    assert [r["code"] for r in contexts[1].reports] == []
+    (unchecked,) = [r for r in contexts[0].reports if r["code"] != "RANK_DATA_OVERLAP"]
+    assert unchecked["code"] == "DATA_SKIPPED_UNCHECKED" and unchecked["step"] == 40
+    assert unchecked["evidence"]["unseen_steps"] == 4 and unchecked["evidence"]["interrupted_steps"] == 4
+    assert unchecked["evidence"]["ranks_cut"] == [0, 1] and unchecked["evidence"]["slot_per_rank"] == 2
+    assert "at 4 of the 4 steps the interrupted run trained after the checkpoint (steps 5-8)" in unchecked["message"]
+    assert "more rows in a step than the exchange's slot of 2 per rank" in unchecked["message"], unchecked["message"]
+    from harness.plugins.data_hash import DATA_SKIPPED_UNCHECKED
+
+    assert DATA_SKIPPED_UNCHECKED.severity.value == "info"

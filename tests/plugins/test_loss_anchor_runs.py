@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import harness
-from conftest import findings_of
+from conftest import FAULTS, findings_of
 from harness.lib.tiny_zoo import build_tiny_model
 from harness.report.record import RunRecord
 from harness.report.verdict import HEALTHY, verdict_of
@@ -124,5 +124,47 @@ def test_an_eval_loss_that_climbs_while_training_memorises_is_eval_loss_rising(m
     trainer.train()
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     (rising,) = findings_of(trainer.args.output_dir, "EVAL_LOSS_RISING")
-    assert rising["severity"] == "warning" and "training loss fell" in rising["message"], evals
+    assert rising["severity"] == "info" and "training loss fell" in rising["message"], evals  # overfitting: information
     assert rising["evidence"]["eval_loss"] > min(evals) * 1.05
+
+
+def _sentence_count_rows(tokenizer: Any, labels: int) -> Any:
+    """Corpus lines labelled by how many sentences they hold (a task a tiny classifier half learns in 30 steps)."""
+    from datasets import Dataset
+
+    from harness.lib.tiny import corpus_lines
+
+    lines = corpus_lines()
+    rows = Dataset.from_dict({"text": lines, "label": [min(line.count(". ") + 1, labels) - 1 for line in lines]})
+    return rows.map(lambda r: tokenizer(r["text"], truncation=True, max_length=48), remove_columns=["text"])
+
+
+def _classifier_run(family: str, tokenizer: Any, make_trainer: Any, faults: dict[str, Any], **args: Any) -> Any:
+    from transformers import DataCollatorWithPadding
+
+    model = build_tiny_model(family, tokenizer, "sequence_classification", num_labels=2)
+    trainer = make_trainer(model=model, train_dataset=_sentence_count_rows(tokenizer, 2), data_collator=DataCollatorWithPadding(tokenizer),
+                           max_steps=40, per_device_train_batch_size=32, **args)
+    harness.attach(trainer, config={"plugins": ["defaults", FAULTS], "fault_injector": faults})
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.slow  # 40 steps of batch 32
+def test_a_corrupted_batch_of_a_classifier_with_32_rows_is_a_loss_spike_at_its_step(make_trainer: Any, tokenizer: Any) -> None:
+    """Random tokens with wrong labels in the batch of step 35 of a GPT-2 classifier (batch 32): LOSS_SPIKE there, the
+    sampling floor of 32 rows (level/sqrt(32)) notwithstanding; nothing else loud."""
+    trainer = _classifier_run("gpt2", tokenizer, make_trainer, {"corrupt_at_steps": [35]})
+    spikes = findings_of(trainer.args.output_dir, "LOSS_SPIKE")
+    assert [f["step"] for f in spikes] == [35], _loud(trainer.args.output_dir)
+    assert {code for code, _ in _loud(trainer.args.output_dir)} <= {"LOSS_SPIKE", "FAULT_REPRODUCED", "DUPLICATE_SAMPLES", "GRAD_NORM_SPIKE"}
+
+
+@pytest.mark.slow  # 40 steps of batch 32
+def test_a_classifier_whose_learning_rate_blows_up_is_above_its_start_and_not_recovered(make_trainer: Any, tokenizer: Any) -> None:
+    """1000x the learning rate from step 10 of a Llama classifier: the loss goes far over ln 2 at once."""
+    trainer = _classifier_run("llama", tokenizer, make_trainer, {"lr_scale_from_step": 10, "lr_scale": 1000.0})
+    (above,) = findings_of(trainer.args.output_dir, "LOSS_ABOVE_START")[:1]
+    assert 10 <= above["step"] <= 12 and above["evidence"]["untrained_basis"] == "ln(num_labels=2)"
+    assert above["evidence"]["earlier_findings"][0]["code"] == "LR_SCHEDULE_MISMATCH"  # the cause the run found first
+    assert [f["severity"] for f in findings_of(trainer.args.output_dir, "LOSS_NOT_RECOVERED")] == ["warning"]

@@ -175,3 +175,28 @@ def test_trained_weights_with_labels_that_copy_the_input_still_leak(tmp_path: An
     (finding,) = findings_of(again.args.output_dir, "INITIAL_LOSS_ANOMALY")
     ev = finding["evidence"]
     assert ev["weights"] == "trained" and ev["ratio"] < 0.5 and ev["copy_fraction"] > 0.9 and "leak" in finding["message"]
+
+
+def test_a_classifier_whose_loss_ignores_num_items_in_batch_is_ga_loss_scaling_naming_the_head(tmp_path: Any, tokenizer: Any) -> None:
+    """BertForSequenceClassification accepts loss kwargs but means over its own micro-batch: the Trainer, which then
+    does not divide by gradient_accumulation_steps, makes the step loss GA times ln(3). One label per row (1-D): the
+    recomputation once covered causal LMs only, and this run was silent."""
+    from datasets import Dataset
+    from transformers import DataCollatorWithPadding
+
+    from harness.lib.tiny import corpus_lines
+    from harness.lib.tiny_zoo import build_tiny_model
+
+    lines = corpus_lines()[:16]
+    rows = Dataset.from_dict({"text": lines, "label": [i % 3 for i in range(len(lines))]})
+    rows = rows.map(lambda r: tokenizer(r["text"], truncation=True, max_length=32), remove_columns=["text"])
+    trainer = _trainer(tmp_path, tokenizer, rows, model=build_tiny_model("bert", tokenizer, "sequence_classification", num_labels=3),
+                       max_steps=1, gradient_accumulation_steps=2)
+    trainer.data_collator = DataCollatorWithPadding(tokenizer)
+    harness.attach(trainer, config={"plugins": ["loss_baseline"]})
+    trainer.train()
+    (finding,) = findings_of(trainer.args.output_dir, "GA_LOSS_SCALING")
+    ev = finding["evidence"]
+    assert finding["step"] == 1 and ev["scale"] == 2 and 1.6 < ev["factor"] < 2.4
+    assert "BertForSequenceClassification's loss returned micro-batch 0's own mean" in finding["message"]
+    assert findings_of(trainer.args.output_dir, "INITIAL_LOSS_ANOMALY") == []  # 2 ln 3 is explained, not blamed on init

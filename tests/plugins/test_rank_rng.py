@@ -20,6 +20,7 @@ from harness.core.errors import HarnessError
 from harness.lib.dropout import config_dropouts, describe, dropout_sources
 from harness.lib.rng_digest import ABSENT
 from harness.lib.rng_ranks import pack, rows_of
+from harness.lib.tiny_zoo import FAMILIES, build_tiny_model
 from harness.lib.sampler_seed import SamplerSeed, sampler_seed, train_loader
 
 
@@ -39,27 +40,97 @@ def test_the_plugin_is_on_by_default() -> None:
 # -- where the dropout is ---------------------------------------------------------------------------------------
 
 
-def test_dropout_in_a_llama_config_and_none_without(tokenizer: Any) -> None:
+def test_dropout_in_a_llama_attention_and_none_without(tokenizer: Any) -> None:
     from harness.lib.tiny import build_tiny_llama
 
-    assert dropout_sources(build_tiny_llama(tokenizer, attention_dropout=0.1)) == ["config.attention_dropout=0.1"]  # functional: no module
+    # Llama applies attention dropout functionally (no module): its attention modules hold the probability they pass as dropout_p
+    assert dropout_sources(build_tiny_llama(tokenizer, attention_dropout=0.1)) == [
+        "model.layers.*.self_attn.attention_dropout (functional, p=0.1, 2 modules)"]
     assert dropout_sources(build_tiny_llama(tokenizer)) == []
     assert dropout_sources(None) == []
 
 
-def test_dropout_modules_and_pdrop_settings_of_a_gpt2() -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
+ZOO = [(family, task) for family, tasks in FAMILIES.items() for task in tasks]
 
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.1, embd_pdrop=0.0))
+
+@pytest.mark.parametrize(("family", "task"), ZOO, ids=[f"{f}-{t}" for f, t in ZOO])
+def test_a_zoo_model_with_its_dropout_at_zero_draws_no_mask(tokenizer: Any, family: str, task: str) -> None:
+    """What the model runs decides: config keys no module reads (GPT-2's summary_first_dropout=0.1) are no dropout."""
+    model = build_tiny_model(family, tokenizer, task, hidden_size=32)
+    assert dropout_sources(model) == []
+    if family == "gpt2":  # the key that made every 2-process GPT-2 run warn: only GPT2DoubleHeadsModel's summary head reads it
+        assert model.config.summary_first_dropout == 0.1
+
+
+# the dropout settings of each family's default config: GPT-2, BERT and T5 train with dropout unless told not to
+DEFAULT_DROPOUT = {"gpt2": ("GPT2Config", ("resid_pdrop", "embd_pdrop", "attn_pdrop")),
+                   "bert": ("BertConfig", ("hidden_dropout_prob", "attention_probs_dropout_prob")),
+                   "t5": ("T5Config", ("dropout_rate",))}
+
+
+@pytest.mark.parametrize(("family", "task"), ZOO, ids=[f"{f}-{t}" for f, t in ZOO])
+def test_a_zoo_model_with_its_default_dropout_draws_masks_only_where_the_default_is_above_zero(tokenizer: Any, family: str, task: str) -> None:
+    import transformers
+
+    name, keys = DEFAULT_DROPOUT.get(family, ("", ()))
+    defaults = {key: getattr(getattr(transformers, name)(), key) for key in keys}  # tiny_zoo sets these to 0: restore the defaults
+    model = build_tiny_model(family, tokenizer, task, hidden_size=32, **defaults)
     sources = dropout_sources(model)
-    assert "config.resid_pdrop=0.1" in sources and "config.attn_pdrop=0.1" in sources and "config.embd_pdrop=0" not in sources
-    assert "transformer.h.0.mlp.dropout (Dropout p=0.1)" in sources and not any(s.startswith("transformer.drop ") for s in sources)
+    if family in DEFAULT_DROPOUT:
+        assert all(v == 0.1 for v in defaults.values()) and sources and all("p=0.1" in s for s in sources), sources
+    else:  # Llama, Qwen3, a Qwen3-MoE, Gemma3: attention_dropout=0.0 by default, and no dropout module
+        assert model.config.attention_dropout == 0.0 and sources == []
+    if family == "gpt2":
+        assert "transformer.h.*.mlp.dropout (Dropout p=0.1, 2 modules)" in sources and "transformer.drop (Dropout p=0.1)" in sources
+    if family == "t5":  # T5's attention applies config.dropout_rate functionally, its feed-forward through modules
+        assert "encoder.block.*.layer.*.SelfAttention.dropout (functional, p=0.1, 2 modules)" in sources
+        assert "encoder.block.*.layer.*.DenseReluDense.dropout (Dropout p=0.1, 2 modules)" in sources
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gemma3"])
+def test_functional_attention_dropout_of_each_decoder_family_counts(tokenizer: Any, family: str) -> None:
+    (source,) = dropout_sources(build_tiny_model(family, tokenizer, "causal_lm", hidden_size=32, attention_dropout=0.2))
+    assert source == "model.layers.*.self_attn.attention_dropout (functional, p=0.2, 2 modules)"
+
+
+def test_a_gpt2_summary_head_draws_from_summary_first_dropout() -> None:
+    from transformers import GPT2Config, GPT2DoubleHeadsModel
+
+    model = GPT2DoubleHeadsModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                            attn_pdrop=0.0))
+    assert dropout_sources(model) == ["multiple_choice_head.first_dropout (Dropout p=0.1)"]
     assert describe([f"m{i}" for i in range(10)]).endswith("and 2 more")
 
 
-def test_nested_configs_are_read() -> None:
-    assert config_dropouts({"text_config": {"hidden_dropout_prob": 0.2, "dropout": 0}, "dropout": True}) == [
-        "config.text_config.hidden_dropout_prob=0.2"]
+def test_the_modules_copy_decides_and_the_config_counts_only_where_forward_reads_it(tokenizer: Any) -> None:
+    import torch
+    from harness.lib.tiny import build_tiny_llama
+
+    edited = build_tiny_llama(tokenizer)
+    edited.config.attention_dropout = 0.1  # set after building: the attention modules keep 0.0, which is what they pass to sdpa
+    assert dropout_sources(edited) == []
+
+    class ReadsItsConfig(torch.nn.Module):  # as Falcon/GPT-Neo-style code that reads self.config.attention_dropout inside forward
+        def __init__(self, config: dict[str, Any]) -> None:
+            super().__init__()
+            self.config = config
+            self.proj = torch.nn.Linear(4, 4)
+
+    assert dropout_sources(ReadsItsConfig({"attention_dropout": 0.1})) == ["config.attention_dropout=0.1 (read in forward)"]
+    nested = {"text_config": {"hidden_dropout": 0.2, "attention_dropout": 0}, "attention_dropout": True}
+    assert dropout_sources(ReadsItsConfig(nested)) == ["config.text_config.hidden_dropout=0.2 (read in forward)"]
+    # keys no forward reads from the config: only modules draw from them, and these modules hold none
+    assert dropout_sources(ReadsItsConfig({"summary_first_dropout": 0.1, "hidden_dropout_prob": 0.1, "classifier_dropout": 0.1})) == []
+    assert config_dropouts({"attention_dropout": 0.1}, held={"attention_dropout"}) == []  # a module holds its own copy
+
+
+def test_functional_probabilities_of_other_modules_count() -> None:
+    import torch
+
+    assert dropout_sources(torch.nn.MultiheadAttention(8, 2, dropout=0.2)) == ["model.dropout (functional, p=0.2)"]
+    assert dropout_sources(torch.nn.MultiheadAttention(8, 2)) == []
+    blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.3)) for _ in range(3)])
+    assert dropout_sources(blocks) == ["*.* (Dropout p=0.3, 3 modules)"]
 
 
 # -- one process: nothing ---------------------------------------------------------------------------------------
@@ -92,6 +163,9 @@ def test_a_per_rank_seed_before_train_moves_the_sampler_seed_unless_data_seed_is
 # -- the verdict on two ranks' rows, on a real run context ------------------------------------------------------------
 
 
+LLAMA_ATTENTION_DROPOUT = "model.layers.*.self_attn.attention_dropout (functional, p=0.1, 2 modules)"
+
+
 def _row(torch_digest: int, seed: int) -> list[int]:
     return pack({"torch": torch_digest, "cuda": ABSENT, "python": 3, "numpy": 4}, SamplerSeed("seedable", seed, 0, True))
 
@@ -109,7 +183,7 @@ def test_the_verdict_names_the_ranks_the_streams_the_seeds_and_the_fix(make_trai
     (identical,) = findings_of(trainer.args.output_dir, "RNG_IDENTICAL_ACROSS_RANKS")
     assert identical["severity"] == "warning" and identical["step"] == 1 and identical["playbook"] == "rng#rng_identical_across_ranks"
     ev = identical["evidence"]
-    assert ev["ranks"] == [0, 1] and ev["identical_streams"] == ["torch", "python", "numpy"] and ev["dropout"] == ["config.attention_dropout=0.1"]
+    assert ev["ranks"] == [0, 1] and ev["identical_streams"] == ["torch", "python", "numpy"] and ev["dropout"] == [LLAMA_ATTENTION_DROPOUT]
     assert "set_seed(args.seed)" in identical["message"] and "args.process_index" in identical["message"]
     assert "data_seed" in identical["message"] and "device_specific=True" in identical["message"]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -396,6 +397,102 @@ def _step_sets(out: Path, attempt: int, steps: range) -> dict[int, list[str]]:
     ledger = read_ledger(out)
     mine = ledger[(ledger["attempt"] == attempt) & ledger["step"].isin(list(steps))]
     return {int(step): sorted(group["sample_hash"]) for step, group in mine.groupby("step")}
+
+
+def _edit_ledger(out: Path, rank: int, edit: Any) -> None:
+    """Rewrite one rank's ledger: ``edit(record)`` returns the record to keep (changed or not) or None to drop it."""
+    path = out / "harness" / "ledger" / f"rank-{rank}.jsonl"
+    kept = [edit(record) if record.get("event") is None else record for record in read_jsonl(path)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept if r is not None), encoding="utf-8")
+
+
+def test_a_step_is_compared_as_one_set_so_a_sample_no_rank_trains_again_is_a_wrong_position(
+        make_trainer: Any, tmp_path: Path) -> None:
+    """The interrupted 2 x 2 run trained 5 samples at step 11 (rank 1 one more than rank 0); the resume on 1 x 4 trains 4 of
+    them. Each of its samples is among the interrupted run's, so the check of each rank's samples let it pass, though the
+    step does not train what the interrupted one did. The step's samples are compared as one set now: one is missing."""
+    out = tmp_path / "run"
+    _interrupted(make_trainer, out)
+    _as_two_ranks(out)
+    _edit_ledger(out, 1, lambda r: {**r, "sample_hashes": r["sample_hashes"] + ["00000000deadbeef"]} if r["step"] == 11 else r)
+    before, saved = len(findings_of(out)), load_file(str(out / "checkpoint-10" / "model.safetensors"))
+    trainer = _resume(make_trainer, out)
+    (position,) = [f for f in findings_of(out)[before:] if f["code"] == "RESUME_DATA_POSITION"]
+    assert position["step"] == 11 and position["action"] == "stop" and trainer.state.global_step == 11
+    now = param_tensors(trainer.model)  # one process: the step's samples are all known before its update, which is held back
+    assert all(torch.equal(now[name], saved[name]) for name in saved if name in now)
+    assert (position["evidence"]["missing"], position["evidence"]["extra"]) == (1, 0)
+    assert position["evidence"]["missing_hashes"] == ["00000000deadbeef"] and position["evidence"]["step_samples"] == 4
+    assert "compared as one set, 1 of them no rank trained" in position["message"], position["message"]
+    assert "training stops before this step's update" in position["message"]
+
+
+def test_a_step_only_some_ranks_of_the_killed_run_wrote_is_not_compared(make_trainer: Any, tmp_path: Path) -> None:
+    """The 2 x 2 run was killed at step 12 after rank 0 wrote its line of the step and before rank 1 did. Step 12's set
+    held rank 0's 2 samples only, and the resume on 1 x 4 (the global batch kept) was stopped there as a wrong position.
+    A step that not every rank of the interrupted run wrote is not compared."""
+    out = tmp_path / "run"
+    _interrupted(make_trainer, out)
+    _as_two_ranks(out)
+    _edit_ledger(out, 0, lambda r: r if r["step"] <= 12 else None)
+    _edit_ledger(out, 1, lambda r: r if r["step"] <= 11 else None)
+    before = len(findings_of(out))
+    trainer = _resume(make_trainer, out)
+    assert trainer.state.global_step == 14
+    added = [(f["code"], f["severity"]) for f in findings_of(out)[before:] if f["code"].startswith(("RESUME_", "DATA_"))]
+    assert added == [("RESUME_WORLD_SIZE_CHANGED", "info")], added
+
+
+class _MainRank:
+    """Rank 0's run context as the step-set check reads it: the step exchange's shares and the findings made."""
+
+    def __init__(self, world_size: int, shared: list[list[int] | None] | None, cut: list[int] | None = None) -> None:
+        self.rank, self.world_size, self.is_main, self.data_edit = 0, world_size, True, None
+        self._shared, self._cut, self.reports = shared, cut or [], []
+
+    def shared(self, key: str, *, owner: str) -> Any:
+        return self._shared if (owner, key) == ("data_hash", "hashes") else None
+
+    def shared_cut(self, key: str, *, owner: str) -> list[int]:
+        return self._cut
+
+    def report(self, code: str, message: str, **kwargs: Any) -> None:
+        self.reports.append({"code": code, "message": message, **kwargs})
+
+
+def test_two_ranks_that_each_train_part_of_the_step_but_not_the_step_are_a_wrong_position() -> None:
+    """Rank 0 of 2 judges the step's samples of every rank, from data_hash's share of the step exchange (no collective of
+    its own): ranks training [a, b] and [a, c] where the interrupted run trained [a, b, c, d] each pass the check of
+    their own samples, but a comes twice and d never. Not judged when a rank's share arrived cut or not at all; not
+    reported again when a rank's own samples were already wrong (that rank said it), nor for a sample the interrupted run
+    had twice (an epoch's padded last round on more processes) that came once."""
+    from harness.lib.hashing import hex64
+    from harness.plugins.resume_check import ResumeCheck
+
+    a, b, c, d = 11, 12, 13, 14
+
+    def judged(shared: list[list[int] | None] | None, cut: list[int] | None = None, want: tuple[int, ...] = (a, b, c, d)
+               ) -> list[dict[str, Any]]:
+        plugin, ctx = ResumeCheck(), _MainRank(2, shared, cut)
+        plugin.__dict__["ctx"] = ctx
+        plugin._resume_step, plugin._interrupted_world = 10, 2
+        plugin._expected = {11: [hex64(h) for h in want]}
+        plugin._seen_in_step = {11: Counter([hex64(a), hex64(b)])}
+        plugin._exchange_step = 11
+        plugin.on_step_end(ctx=ctx, step=11, metrics={})
+        return ctx.reports
+
+    (finding,) = judged([[a, b], [a, c]])
+    assert finding["code"] == "RESUME_DATA_POSITION" and finding["step"] == 11
+    assert (finding["evidence"]["missing"], finding["evidence"]["extra"]) == (1, 1)
+    assert finding["evidence"]["missing_hashes"] == [hex64(d)] and finding["evidence"]["extra_hashes"] == [hex64(a)]
+    assert "1 of them no rank trained and 1 came on more than one rank" in finding["message"]
+    assert "training stops before the next update" in finding["message"], finding["message"]
+    assert judged([[a, b], [c, d]]) == [] and judged([[b, a], [d, c]]) == []  # the same set, in any order or split
+    assert judged([[a, b], [a, c]], cut=[1]) == [] and judged([[a, b], None]) == [] and judged(None) == []
+    assert judged([[a, b], [a, a]]) == []  # rank 1's own samples hold a twice: rank 1 reported it at its micro-batch
+    # the interrupted run on more processes had c twice (the sampler's padding of the epoch's last round): once is all
+    assert judged([[a, b], [c]], want=(a, b, c, c)) == []
 
 
 def _serious(findings: list[dict[str, Any]]) -> list[tuple[str, int, int]]:

@@ -149,6 +149,7 @@ def test_an_eval_loss_that_climbs_while_the_training_loss_falls_is_overfitting()
     (rising,) = [f for f in ctx.made if f["code"] == "EVAL_LOSS_RISING"]
     assert rising["step"] == 80 and rising["evidence"]["best_step"] == 40  # rose at 60 and 80, 9% over its best
     assert "training loss fell" in rising["message"] and "overfitting" in rising["message"]
+    assert rising["severity"] == Severity.INFO and rising["evidence"]["overfitting"]  # what many epochs do: information
 
 
 def test_an_eval_loss_that_climbs_with_an_exploding_training_loss_says_so() -> None:
@@ -159,7 +160,7 @@ def test_an_eval_loss_that_climbs_with_an_exploding_training_loss_says_so() -> N
         if step % 3 == 0:
             plugin.on_evaluate(ctx, step, {"eval_loss": [4.5, 9.0, 30.0, 50.0][min(step // 3 - 1, 3)]})
     (rising,) = [f for f in ctx.made if f["code"] == "EVAL_LOSS_RISING"]
-    assert rising["step"] == 9 and "training loss exploded" in rising["message"]
+    assert rising["step"] == 9 and "training loss exploded" in rising["message"] and rising.get("severity") is None  # a warning
 
 
 def test_eval_noise_and_a_single_rise_are_silent() -> None:
@@ -254,7 +255,25 @@ def test_a_classifier_that_blows_up_at_step_2_is_found_within_two_steps_despite_
     _feed_rows(plugin, ctx, [0.70, 6.5, 7.9, 5.2, 8.8, 6.1] + [6.0] * 20, rows=4)
     (above,) = [f for f in ctx.made if f["code"] == "LOSS_ABOVE_START"]
     assert above["step"] <= 4 and above["evidence"]["averaged_steps"] == above["step"]  # the mean so far, every step in
-    assert "mean loss of the" in above["message"]
+    assert f"mean loss of the {above['step']} steps to step {above['step']} on rank 0" in above["message"]
+
+
+def test_a_resumed_classifier_keeps_judging_its_steps_as_few_rows() -> None:
+    """The terms come back with the checkpoint's state: a resumed 4-row classifier must not judge single steps again."""
+    plugin, ctx = _plugin(of_labels(2))
+    _feed_rows(plugin, ctx, _classifier_curve(1, steps=12), rows=4)
+    state = plugin.checkpoint_state(ctx, 12)
+    resumed, ctx2 = _plugin(of_labels(2))
+    ctx2.step = 12
+    resumed.on_resume(ctx2, state)
+    assert resumed._few_terms() and resumed._row_loss() and resumed.anchor.window == 16
+    curve = _classifier_curve(1, steps=60)[12:]
+    curve[20] = 2.5  # one batch of four far above its level: noise for four rows, a spike for a token loss
+    ctx2.step_batches = _batches(4)
+    for step, loss in enumerate(curve, 13):
+        resumed.on_before_optimizer_step(ctx2, step, 1.0, loss, [loss])
+        resumed.on_step_end(ctx2, step, {"grad_norm": 1.0})
+    assert [f["code"] for f in ctx2.made if f.get("severity") != Severity.INFO] == []
 
 
 def test_one_step_losses_of_many_tokens_keep_their_single_step_judgement() -> None:
@@ -262,7 +281,7 @@ def test_one_step_losses_of_many_tokens_keep_their_single_step_judgement() -> No
     ctx.step_batches = [(0, {"input_ids": __import__("torch").zeros(4, 64, dtype=__import__("torch").long),
                              "labels": __import__("torch").zeros(4, 64, dtype=__import__("torch").long)})]
     _feed(plugin, ctx, [6.2, 6.1, 6.0])
-    assert plugin.anchor.terms == 256 and plugin.anchor.window == 1 and not plugin._few_terms
+    assert plugin.anchor.terms == 256 and plugin.anchor.window == 1 and not plugin._few_terms()
 
 
 def test_an_eval_loss_of_forty_examples_near_chance_is_no_trend() -> None:
@@ -274,3 +293,23 @@ def test_an_eval_loss_of_forty_examples_near_chance_is_no_trend() -> None:
     big = EvalTrend(rises=2, min_rise=0.05)
     found = [r for step, v in ((10, 0.683), (20, 0.709), (30, 0.779)) for r in big.observe(step, {"eval_loss": v}, None, {"eval_loss": 5000})]
     assert [r.step for r in found] == [30]
+
+
+def test_words_never_call_a_rise_of_many_sds_noise() -> None:
+    """TRL's reward trainer once read "11.2 robust SDs ... within its usual step-to-step noise" (its loss is not judged)."""
+    from harness.lib.robust import Judgement
+    from harness.plugins.spike_capture.notes import loss_context
+
+    words, moved, _ = loss_context(Judgement(1.5, 1.0, 0.045, 11.2, 30), spiked=False, elevated=False, min_rise=0.1, fall_z=3.0)
+    assert moved and "noise" not in words and "not an outlier by the rules" in words
+    words, _, _ = loss_context(Judgement(1.15, 1.0, 0.1, 1.5, 30), spiked=False, elevated=False, min_rise=0.1, fall_z=3.0)
+    assert "within its usual step-to-step noise" in words
+
+
+def test_a_grad_norm_after_steps_without_gradient_is_not_called_infinitely_many_sds() -> None:
+    plugin, ctx = _plugin(of_token_loss(512), grad_warmup_steps=0, min_history=3)
+    for step in range(1, 12):
+        plugin.on_before_optimizer_step(ctx, step, 0.0, 2.0, [2.0])
+    plugin.on_before_optimizer_step(ctx, 12, 5.0, 2.0, [2.0])
+    (grad,) = [f for f in ctx.made if f["code"] == "GRAD_NORM_SPIKE"]
+    assert "above a running median of 0" in grad["message"] and "inf" not in grad["message"]

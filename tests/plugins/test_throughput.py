@@ -47,12 +47,14 @@ def _train(make_trainer: Any, options: dict[str, Any], **args: Any) -> tuple[Any
 def test_a_sleeping_dataset_is_dataloader_bound_once_the_window_fills(make_trainer: Any, lm_rows: Any) -> None:
     # 150 ms per row, 4 rows a step: the wait dwarfs the tiny model's step. Under full load a CI run once stalled one
     # step of the window for seconds: the window's summed fraction dipped below 0.3 at step 8 and the finding came late.
-    # The bound is judged per step (most steps of the window waited), so one stalled step cannot move it.
+    # The bound is judged per step (half the steps of the window waited or more) or on the window's share without its
+    # longest wait, so one stalled step cannot move it.
     trainer, _ = _train(make_trainer, {}, train_dataset=SlowRows(lm_rows, 0.15), max_steps=10)
     (bound,) = findings_of(trainer.args.output_dir, "DATALOADER_BOUND")
     assert bound["step"] == 3 + 5  # skip_first 3, then a window of 5 steps
     ev = bound["evidence"]
-    assert ev["steps_waiting"] >= 3 and ev["window_steps"] == 5 and ev["median_wait_s"] >= 4 * 0.15
+    assert ev["window_steps"] == 5 and ev["median_wait_s"] >= 4 * 0.15
+    assert 2 * ev["steps_waiting"] >= 5 or ev["trimmed_wait_fraction"] > 0.3  # the evidence holds the rule that fired
     assert ev["device"] == "cpu" and "the training loop waits on data" in bound["message"] and "accelerator" not in bound["message"]
 
 
@@ -116,6 +118,32 @@ def test_a_loop_that_waits_in_most_steps_is_bound_at_once_even_with_a_stalled_st
     assert "in 19 of them" in message and "the training loop waits on data" in message
 
 
+def test_a_loader_that_stalls_one_step_in_four_for_a_second_is_bound() -> None:
+    """A loader that stalls rarely but long (a remote shard fetched every fourth step): 5 steps of the window wait 1 s
+    each for data, 96% of the window's time. Fewer than half the steps waited, so the per-step count alone missed it;
+    the window's share without its 2 longest waits (3 s of 3.2) is far over the threshold: bound when the window fills."""
+    times = [(0.0106 + 1.0, 1.0) if step % 4 == 3 else (0.0106, 0.0006) for step in range(60)]
+    ((step, message, evidence),) = _drive(times)
+    assert step == 20 and evidence["steps_waiting"] == 5 and evidence["window_steps"] == 20
+    assert evidence["wait_fraction"] > 0.9 and evidence["trimmed_wait_fraction"] > 0.9 and evidence["trimmed_steps"] == 2
+    assert "in 5 of them" in message and "96% of the window's time" in message and "without its 2 longest waits" in message
+
+
+def test_a_loader_that_makes_every_other_step_wait_is_bound() -> None:
+    """Half the steps wait 6 ms of 16 (a loader as fast as every second step): 10 of 20 is half the window, bound."""
+    times = [(0.016, 0.006) if step % 2 else (0.016, 0.0) for step in range(60)]
+    ((step, message, evidence),) = _drive(times)
+    assert step == 20 and evidence["steps_waiting"] == 10 and "in 10 of them" in message
+
+
+def test_three_long_host_stalls_in_a_window_of_a_clean_run_are_not_dataloader_bound() -> None:
+    """The share without the window's 2 longest waits leaves one 40 ms stall of a clean 10 ms run: 22%, not bound."""
+    times = [(0.0106, 0.0006)] * 100
+    for stalled in (40, 45, 50, 70, 75, 80):
+        times[stalled] = (0.0106 + 0.040, 0.0006 + 0.040)
+    assert _drive(times) == []
+
+
 def test_the_bound_says_the_accelerator_idles_only_on_an_accelerator() -> None:
     times = [(0.016, 0.008)] * 25
     ((_, message, evidence),) = _drive(times, device="cuda")
@@ -124,21 +152,23 @@ def test_the_bound_says_the_accelerator_idles_only_on_an_accelerator() -> None:
     assert "accelerator" not in message and "the training loop waits on data" in message and evidence["device"] == "cpu"
 
 
-def test_the_bound_is_found_at_the_first_step_whose_window_has_most_steps_waiting_after_a_long_run() -> None:
+def test_the_bound_is_found_at_the_first_step_whose_window_has_half_its_steps_waiting_after_a_long_run() -> None:
     """The count of waiting steps is kept as steps enter and leave the window: after 5,000 steps of very different
-    sizes the finding comes at the step a plain recount finds."""
+    sizes the finding comes at the step a plain recount finds (half the window waiting: 10 of 20)."""
     import random
     from collections import deque
 
     rng = random.Random(3)
     times = [(rng.choice([1e-3, 0.02, 5.0, 300.0]), 0.0) for _ in range(5000)]
     times += [(0.02, rng.uniform(0.0, 0.004)) for _ in range(100)] + [(0.02, 0.0065 + 0.0001 * i) for i in range(60)]
-    times += [(0.02, 0.03 if i % 3 == 0 else 0.0) for i in range(30)]  # a third of the steps: never most
+    times += [(0.02, 0.03 if i % 3 == 0 else 0.0) for i in range(30)]  # a third of the steps: never half
     window: deque[tuple[float, float]] = deque(maxlen=20)
     expected = None
     for step, (seconds, wait) in enumerate(times, 1):
         window.append((seconds, wait))
-        if expected is None and len(window) == 20 and 2 * sum(w > 0.3 * s for s, w in window) > 20:
+        kept = sorted(window, key=lambda entry: entry[1])[:18]
+        trimmed = sum(w for _, w in kept) / sum(s for s, _ in kept)
+        if expected is None and len(window) == 20 and (2 * sum(w > 0.3 * s for s, w in window) >= 20 or trimmed > 0.3):
             expected = step
-    assert expected == 5100 + 11
+    assert expected == 5100 + 10
     assert [step for step, _, _ in _drive(times)] == [expected]

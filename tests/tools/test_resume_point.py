@@ -182,7 +182,7 @@ def test_only_abandoned_checkpoints_name_none_and_say_why(tmp_path: Path, capsys
 
 
 # -- no proof could be made: complete and finite (harness_checked) -----------------------------------------------------
-# A model above max_model_mb, a model with no batch it accepts, names of a format no layout fits: the checkpoint is complete
+# A model above max_model_mb, a model with no batch it accepts, a saved format that cannot be built: the checkpoint is complete
 # and its weights load with finite values, but nothing is proven. resume-point names it (exit 0) and says why it is not
 # proven; a proven one is still preferred, and a checkpoint with no marker (found corrupt, or never checked) never named.
 
