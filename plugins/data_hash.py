@@ -33,7 +33,7 @@ from harness.lib.capture import sample_ids
 from harness.core.findings import FindingCode, Severity, read_run_findings
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
-from harness.lib.hashing import combine_row_hashes, dataset_hashes, dataset_rows, device_row_hashes, from_hex64, hash_token_rows, hex64, hex64_all, wrap64
+from harness.lib.hashing import combine_row_hashes, dataset_hashes, dataset_rows, batch_row_hashes, from_hex64, hash_token_rows, hex64, hex64_all, wrap64
 from harness.lib.ledger import LedgerWriter, around_resume, continuation, iter_records, ledger_path
 from harness.lib.sampler_padding import EpochPadding, epoch_padding, is_padding
 from harness.lib.seentable import SeenTable, key64
@@ -364,10 +364,9 @@ class DataHash(Plugin):
             if epoch != self._step_epoch:
                 self._step_epoch, self._position = epoch, 0
         tokens = batch[key]
-        count = int(tokens.shape[0]) if tokens.dim() > 1 else 1  # rows, as device_row_hashes hashes them
+        count = int(tokens.shape[0]) if tokens.dim() > 1 else 1  # rows, as batch_row_hashes hashes them
         position, self._position = self._position, self._position + count
-        mask = batch.get(MASK_KEYS[key])
-        rows = device_row_hashes(tokens, mask if torch.is_tensor(mask) else None)
+        rows = batch_row_hashes(batch, key, MASK_KEYS[key], ctx.masked_lm)  # a masked-LM row: its original tokens
         ids = sample_ids(batch)
         self.defer("hashes", rows)  # read with every plugin's tensors in the guard's one transfer
         self._pending.append((micro_step, count, ids, position))

@@ -42,7 +42,7 @@ from harness.lib.fingerprints import exact_fingerprints, same_fingerprint_key, u
 from harness.lib.fsdp_grads import fsdp2_slices
 from harness.lib.grad_slices import ZeroSlices
 from harness.lib.replicas import Parallelism, parallelism
-from harness.lib.hashing import device_row_hashes
+from harness.lib.hashing import batch_row_hashes
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.core.strictjson import dumps
@@ -198,8 +198,7 @@ class GradSync(Plugin):
                 self._armed_step = step if self._zero.arm() else None  # FSDP2: not before its first all-gather
         self._micro_batches += 1
         if self.options.check_inputs and isinstance(batch, Mapping) and torch.is_tensor(batch.get("input_ids")):
-            mask = batch.get("attention_mask")
-            self._inputs.append(device_row_hashes(batch["input_ids"], mask if torch.is_tensor(mask) and mask.dim() == 2 else None))
+            self._inputs.append(batch_row_hashes(batch, masked_lm=ctx.masked_lm))
 
     # -- the comparison, inside the step guard ------------------------------------------------------------
 

@@ -37,7 +37,7 @@ from harness.core.jsonl import read_jsonl
 from harness.core.strictjson import as_float
 from harness.core.plugin import Plugin
 from harness.lib.fingerprints import differing, optimizer_tensors, param_tensors, rng_fingerprints, scheduler_state, tensor_sums
-from harness.lib.hashing import device_row_hashes, hex64_all
+from harness.lib.hashing import batch_row_hashes, hex64_all
 from harness.core.hookspecs import hookimpl
 from harness.lib.robust import judge
 from harness.lib.sharding import model_is_sharded, optimizer_is_sharded
@@ -460,8 +460,7 @@ class ResumeCheck(Plugin):
         want = self._expected_samples(ctx).get(step)
         if want is None:
             return  # the interrupted run did not get this far: nothing to compare with
-        mask = batch.get("attention_mask")
-        got = hex64_all(device_row_hashes(batch["input_ids"], mask if torch.is_tensor(mask) else None).tolist())
+        got = hex64_all(batch_row_hashes(batch, masked_lm=ctx.masked_lm).tolist())
         # a step's samples are compared with the interrupted run's samples of that step over all its ranks, whatever the
         # world size or the micro-batches of either run: a resume on 1 process x 16 of a run on 2 x 8 trains, at each step,
         # the 16 samples both ranks trained there (its summed gradient is the same). Here, as the micro-batches arrive

@@ -114,6 +114,9 @@ class RunContext:
         self.step = 0
         self.micro_step = 0
         self.resumed_from: Path | None = None
+        # the batches are masked-LM ones (the HF layer decides at the run's start, harness.lib.hashing.masked_lm_run):
+        # a sample is hashed from its original tokens, which the labels hold where the collator masked the input
+        self.masked_lm = False
         self.recent_batches: deque[tuple[int, int, dict[str, Any]]] = deque(maxlen=config.model.recent_batches)
         # this optimizer step's micro-batches as the loss saw them, (micro_step, batch) in order: one list kept by the
         # loop for every plugin that needs them at the guard (nan_guard, spike_capture, rerun), instead of one on_loss

@@ -43,6 +43,7 @@ from harness.hf.step_record import StepRecord
 from harness.hf.tap import MicroBatchTap
 from harness.hf.tracker_feed import TrackerFeed
 from harness.lib import rundir
+from harness.lib.hashing import masked_lm_run
 
 log = logging.getLogger("harness.bridge")
 
@@ -67,6 +68,7 @@ class Bridge:
             manager.register(catalog.entries[name])
         self.ctx = ctx = RunContext(resolved, catalog.codes, manager, run_dir, dist)
         ctx.trainer = trainer
+        ctx.masked_lm = masked_lm_run(trainer)
         self.isolation = IsolationReporter(ctx)
         if dist.is_main:
             (run_dir / "config.yaml").write_text(resolved.to_yaml(), encoding="utf-8")

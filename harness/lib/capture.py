@@ -125,14 +125,15 @@ def _decode(tokenizer: Any, ids: list[int]) -> str | None:
 
 
 def _samples(
-    batch: dict[str, Any], micro: int, losses: torch.Tensor | None, tokenizer: Any, norms: torch.Tensor | None = None
+    batch: dict[str, Any], micro: int, losses: torch.Tensor | None, tokenizer: Any, norms: torch.Tensor | None = None,
+    masked_lm: bool = False,
 ) -> list[dict[str, Any]]:
     ids = batch.get("input_ids")
     if not torch.is_tensor(ids) or ids.dim() != 2:
         return []
     mask = batch.get("attention_mask")
     labels = batch.get("labels")
-    hashes = content_hashes(ids, mask if torch.is_tensor(mask) and mask.shape == ids.shape else None)  # as in the ledger
+    hashes = content_hashes(batch, masked_lm)  # as in the ledger
     given = sample_ids(batch)
     indices = dataset_indices(batch)
     if indices is not None and len(indices) != ids.shape[0]:
@@ -209,7 +210,7 @@ def write_capture(
     else:
         blame = Blame("unavailable", [None] * len(batches), why_not or "not a causal-LM batch")
     samples = [s for (micro, batch, _), loss, norms in zip(micro_batches, losses, blame.norms)
-               for s in _samples(batch, micro, loss, tokenizer, norms)]
+               for s in _samples(batch, micro, loss, tokenizer, norms, bool(getattr(ctx, "masked_lm", False)))]
     samples = rank_suspects(samples)
     output_dir = getattr(getattr(trainer, "args", None), "output_dir", None)
     param = next(iter(model.parameters()), None) if model is not None else None

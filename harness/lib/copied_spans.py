@@ -17,14 +17,21 @@ Rows without boundaries (one eval example per line) are judged on all their
 windows, as before.
 
 A joined row is judged on the larger of its n-gram share and its copied
-share (units inside training spans of more than two n-grams, of the units a
-window could cover): a copied line that a training block cut in two keeps
-its tokens but loses the n-grams across the cut. A single example keeps the
-n-gram share alone, where a few n-grams of a shared template would otherwise
-cover many of its units.
+share (of the units a window could cover, those that are evidence of a
+copy): a copied line that a training block cut in two keeps its tokens but
+loses the n-grams across the cut. Evidence of a copy is a whole line (or
+document, or the part of one the row holds) inside a training span (but for
+the few units a training cut near its end leaves without a window), or a span
+of at least ``long_span`` units (the ``dirty_span`` that makes a row dirty by
+itself) wherever it lies. A shorter piece of a line is no evidence: lines of a
+templated corpus share such phrases with many training lines (``To make
+dumplings, slice the`` of a 31-token line), so counting them made clean blocks
+half "copied". A single example keeps the n-gram share alone, where a few
+n-grams of a shared template would otherwise cover many of its units.
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,11 +63,15 @@ class CopiedSpans:
     edges: set[int] = field(default_factory=set)  # where lines or documents start and end (the row's ends included)
     coverable: int = 0  # units inside some counted window (a line shorter than n cannot be matched at all)
     spans: list[tuple[int, int]] = field(default_factory=list)  # training spans, [start, end) in units, ascending
+    long_span: int = 0  # a span this long is evidence of a copy wherever it lies (0: only whole lines are)
 
     @property
     def fraction(self) -> float:
-        """The share of the counted n-grams seen in training."""
-        return self.matched / self.windows if self.windows else 0.0
+        """The share of the n-grams seen in training: those inside one line matched, of all the row's n-grams (one across
+        a boundary never counts for the row: template text around line breaks matches there; it still counts against,
+        as the row's text it is, so a few template n-grams inside short lines do not make a block look copied)."""
+        total = self.windows + self.crossing
+        return self.matched / total if total else 0.0
 
     @property
     def joined(self) -> bool:
@@ -78,13 +89,26 @@ class CopiedSpans:
 
     @property
     def copied(self) -> int:
-        """Units inside training spans longer than two n-grams or holding a whole line (one or two matched n-grams
-        inside a longer line are as likely a phrase of a template as a copy)."""
-        copied, reach = 0, 0
+        """Units that are evidence of a copy: spans of at least ``long_span`` units whole, and every line (the part of
+        one between the row's ends included) that one span covers but for at most ``window - 1`` units at one end. A
+        line copied into training loses the windows across the training block boundary that cut it: near its middle
+        the two runs abut and are one span, but a cut within ``window - 1`` units of the line's start or end leaves
+        those units without a window. Any other piece of a line is no evidence: a phrase its template shares with
+        many training lines is as likely as a copy."""
+        edges = sorted(self.edges)
+        regions = [(start, end) for start, end in self.spans if self.long_span and end - start >= self.long_span]
+        slack = self.window - 1
         for start, end in self.spans:
-            if end - start >= self.window + 2 or (start in self.edges and end in self.edges):
-                copied += max(0, end - max(start, reach))
-                reach = max(reach, end)
+            lines = edges[max(bisect_right(edges, start) - 1, 0) : bisect_left(edges, end) + 1]
+            for a, b in zip(lines, lines[1:]):  # the lines this span reaches into, [a, b)
+                s, e = max(start, a), min(end, b)
+                tol = slack if 0 < a and b < self.units else 0  # a piece at the row's end is judged as it is
+                if (s == a and b - e <= tol) or (e == b and s - a <= tol):
+                    regions.append((a, b))
+        copied, reach = 0, 0
+        for start, end in sorted(regions):
+            copied += max(0, end - max(start, reach))
+            reach = max(reach, end)
         return copied
 
     @property
@@ -100,12 +124,17 @@ class CopiedSpans:
         return max(self.fraction, self.copied_fraction) if self.joined else self.fraction
 
     @property
+    def judged_share(self) -> str:
+        """Which share ``judged_fraction`` is: ``tokens`` (the copied share of a joined row) or ``ngrams``."""
+        return "tokens" if self.joined and self.copied_fraction > self.fraction else "ngrams"
+
+    @property
     def longest(self) -> int:
         return max((end - start for start, end in self.spans), default=0)
 
 
 def copied_spans(offsets: list[int] | np.ndarray, units: int, window: int, crossing: np.ndarray,
-                 cuts: np.ndarray | None = None) -> CopiedSpans:
+                 cuts: np.ndarray | None = None, long_span: int = 0) -> CopiedSpans:
     """Spans and counted fractions of a sequence of ``units`` whose matched window starts are ``offsets``.
 
     ``crossing`` (from :func:`crossing_windows` with ``cuts``) marks the windows across a boundary. When every window
@@ -116,9 +145,9 @@ def copied_spans(offsets: list[int] | np.ndarray, units: int, window: int, cross
     for the span (a window across a line break is never filled in: it would join two lines copied apart). A span
     goes on across a line break only when every window across the break was seen (lines copied together); otherwise
     the windows across it that matched are the template text lines start and end with, and the span stops there. A
-    span runs from its first window inside one line to its last.
+    span runs from its first window inside one line to its last. ``long_span``: see :attr:`CopiedSpans.copied`.
     """
-    out = CopiedSpans(window=window, units=units)
+    out = CopiedSpans(window=window, units=units, long_span=long_span)
     total = len(crossing)
     if not total:
         return out

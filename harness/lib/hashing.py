@@ -74,6 +74,38 @@ def device_row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> to
     return values.mul_(_position_weights(ids.device, ids.shape[1])).sum(dim=1)
 
 
+MASKED_LABEL = -100  # the labels' ignore index: positions a masked-LM collator left as they were
+
+
+def masked_lm_run(trainer: Any) -> bool:
+    """Whether a trainer's batches are masked-LM ones: a collator that masks (``mlm=True``: transformers'
+    ``DataCollatorForLanguageModeling`` and its whole-word subclass) or a ``*ForMaskedLM`` model. Their ``input_ids``
+    hold ``[MASK]`` and random tokens drawn anew each time a row is collated, so the same sample never hashes alike
+    twice; the labels hold the original tokens where the input was changed. Decided once, at the run's start."""
+    if getattr(getattr(trainer, "data_collator", None), "mlm", False) is True:
+        return True
+    model = getattr(trainer, "model", None)
+    base = getattr(model, "get_base_model", None)  # a PEFT wrapper names the model it wraps
+    if callable(base):
+        try:
+            model = base()
+        except Exception:  # noqa: BLE001 - a wrapper that cannot say: judge the wrapper's own class
+            pass
+    return type(model).__name__.endswith("ForMaskedLM")
+
+
+def batch_row_hashes(batch: Any, key: str = "input_ids", mask_key: str = "attention_mask", masked_lm: bool = False) -> torch.Tensor:
+    """``device_row_hashes`` of a batch's ``key`` rows as the ledger holds them: the mask honoured where it has their
+    shape, and in a masked-LM run (:func:`masked_lm_run`) the original tokens, taken from the labels where they are
+    set (one ``where`` on the device, no host read), so a sample hashes alike in every epoch and on a resume."""
+    tokens = batch[key]
+    labels = batch.get("labels") if masked_lm and key == "input_ids" else None
+    if torch.is_tensor(labels) and labels.shape == tokens.shape:
+        tokens = torch.where(labels == MASKED_LABEL, tokens, labels)
+    mask = batch.get(mask_key)
+    return device_row_hashes(tokens, mask if torch.is_tensor(mask) else None)
+
+
 def host_row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> list[int]:
     """``device_row_hashes`` of host tensors, read: the same sums in numpy (int64 wraps alike). For indexing datasets, a
     tight loop where it is 4x faster; not for one batch a step, where torch's warm dispatch beats numpy's cold one."""
@@ -94,9 +126,10 @@ def combine_row_hashes(hashes: list[int]) -> int:
     return wrap64(sum(map(operator.mul, hashes, islice(_host_list, 1, None))))
 
 
-def content_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> list[str]:
-    """``device_row_hashes`` as hex strings: the sample hashes of the ledger, captures and reports (one host read)."""
-    return hex64_all(device_row_hashes(ids, mask if torch.is_tensor(mask) else None).tolist())
+def content_hashes(batch: Any, masked_lm: bool = False) -> list[str]:
+    """``batch_row_hashes`` of a batch's ``input_ids`` as hex strings: the sample hashes of the ledger, captures and
+    reports (one host read)."""
+    return hex64_all(batch_row_hashes(batch, masked_lm=masked_lm).tolist())
 
 
 def wrap64(value: int) -> int:

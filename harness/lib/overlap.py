@@ -119,8 +119,9 @@ def judge(index: NgramIndex, e: int, tally: Tally | None, options: ScanOptions) 
 
     A single example is judged on the share of its n-grams seen in training. A row that joins lines or documents
     (``harness.lib.copied_spans``: the n-grams across its boundaries count neither way) is judged on the larger of
-    that share and the share of its tokens inside training spans, since a copied line cut by a training block loses
-    the n-grams across the cut but not its tokens; and a training span of ``dirty_span`` units makes it dirty
+    that share and the share of its tokens that training copied (whole lines inside training spans, spans of
+    ``dirty_span`` units), since a copied line cut by a training block loses the n-grams across the cut but not its
+    tokens (``judged_share`` says which share it is); and a training span of ``dirty_span`` units makes it dirty
     whatever its fractions (a single example's long span may be template text its few siblings share).
     """
     example = index.examples[e]
@@ -132,7 +133,7 @@ def judge(index: NgramIndex, e: int, tally: Tally | None, options: ScanOptions) 
             continue
         cuts = example.cuts_of(v)
         crossing = crossing_windows(len(units), window, cuts) if cuts is not None else np.zeros(index.windows_of(e, v), np.bool_)
-        copy = copied_spans(offsets, len(units), window, crossing, cuts)
+        copy = copied_spans(offsets, len(units), window, crossing, cuts, options.dirty_span)
         longest = max(longest, copy.longest)
         by_span = by_span or (copy.joined and bool(options.dirty_span) and copy.longest >= options.dirty_span)
         if best is None or (copy.judged_fraction, copy.longest) > (best.judged_fraction, best.longest):
@@ -151,7 +152,8 @@ def judge(index: NgramIndex, e: int, tally: Tally | None, options: ScanOptions) 
         status, why = "clean", None
     return {
         "eval_set": example.eval_set, "id": example.example_id, "status": status, "dirty_by": why, "units": example.length,
-        "matched_fraction": round(fraction, 6), "ngram_fraction": round(best.fraction, 6), "matched_ngrams": best.matched,
+        "matched_fraction": round(fraction, 6), "judged_share": best.judged_share, "ngram_fraction": round(best.fraction, 6),
+        "matched_ngrams": best.matched,
         "ngrams": best.windows, "boundary_ngrams": best.crossing, "boundary_matched": best.crossing_matched,
         "coverage": round(best.covered / best.units, 6) if best.units else 0.0, "copied_fraction": round(best.copied_fraction, 6),
         "joined": best.joined, "longest_span": longest, "training_spans": len(best.spans),

@@ -18,9 +18,11 @@ another matched window ``window`` further on), the windows across a line
 break kept only where all of them are set, runs stripped of their
 boundary-crossing ends (a span runs from its first window inside a line to
 its last). A run of ``r`` windows then bounds a span at ``r + window - 1``
-units, and the units under the runs bound the copied units (runs of one or
-two windows only where they can hold a whole line: shorter spans are not
-counted as copies otherwise).
+units; when no run can make a span of ``dirty_span`` units, the copied units
+are (nearly) whole lines inside spans only, bounded by the lines whose
+windows more than ``window - 1`` units from both ends are kept, and its first
+or last one (a line shorter than a window: every window across both its
+ends), summed.
 """
 from __future__ import annotations
 
@@ -62,8 +64,7 @@ class RowShape:
     joined: bool  # more than one line or document holds a whole window (judged by its training spans)
     crossing: int = 0  # bitset: windows across a line break (joined rows only, like the fields below)
     breaks: tuple[int, ...] = ()  # per line break, ascending: the windows across it
-    edge_starts: int = 0  # windows starting where a line starts (or at the row's start)
-    edge_ends: int = 0  # windows ending where a line ends (or at the row's end)
+    lines: tuple[tuple[int, int, int], ...] = ()  # per line a span may count: windows it needs, one of which it needs, units
     coverable: int = 0  # units inside some counted window
 
     @classmethod
@@ -73,12 +74,13 @@ class RowShape:
         total = max(units - window + 1, 0)
         full = (1 << total) - 1
         gaps = [] if cuts is None else [int(c) for c in np.asarray(cuts).tolist()]
-        breaks, crossing = [], 0
+        breaks, crossing, across = [], 0, {}
         for gap in gaps:  # window o holds gap g strictly inside it for g - window < o < g
             lo, hi = max(0, gap - window + 1), min(total, gap)
             if lo < hi:
                 breaks.append(((1 << (hi - lo)) - 1) << lo)
                 crossing |= breaks[-1]
+                across[gap] = breaks[-1]
         if crossing in (0, full):  # no break inside a window, or no line holds a whole one: every window counts
             return cls(window, total, full, total, False)
         inner = full & ~crossing
@@ -92,10 +94,16 @@ class RowShape:
         # copied_spans' coverable: each counted window covers up to the next one's start, the last one whole
         coverable = sum(last - first for first, last in lines) + window
         coverable += sum(min(following[0] - last, window) for (_, last), following in zip(lines, lines[1:]))
-        edges = {0, units, *gaps}
-        return cls(window, total, inner, inner.bit_count(), True, crossing, tuple(breaks),
-                   sum(1 << p for p in edges if 0 <= p < total), sum(1 << (p - window) for p in edges if 0 <= p - window < total),
-                   coverable)
+        edges = sorted({0, units, *gaps})
+        whole = []  # per line copied_spans may count: the windows it needs kept, one of which it needs, its units
+        for start, end in zip(edges, edges[1:]):
+            if end - start >= window:  # one run of its windows, all but up to window - 1 units at one end covered:
+                middle = max(end - 2 * window + 2 - (start + window - 1), 0)  # those more than window - 1 in, and
+                needed = ((1 << middle) - 1) << (start + window - 1)
+                whole.append((needed, 1 << start | 1 << (end - window), end - start))  # its first or last window
+            elif 0 < start and end < units:  # shorter than a window: every window across both its ends
+                whole.append((across.get(start, 0) | across.get(end, 0), 0, end - start))  # (at a row end: never)
+        return cls(window, total, inner, inner.bit_count(), True, crossing, tuple(breaks), tuple(whole), coverable)
 
 
 def may_be_dirty(shape: RowShape, matched: int, dirty_fraction: float, dirty_span: int) -> bool:
@@ -107,7 +115,7 @@ def may_be_dirty(shape: RowShape, matched: int, dirty_fraction: float, dirty_spa
         return inside.bit_count() >= dirty_fraction * max(shape.counted, 1)
     if not inside:
         return False
-    if inside.bit_count() >= dirty_fraction * shape.counted - SLACK:
+    if inside.bit_count() >= dirty_fraction * shape.windows - SLACK:  # of all the row's windows (copied_spans.fraction)
         return True
     w, seen = shape.window, matched & ((1 << shape.windows) - 1)
     abutting = seen & (seen >> w)  # matched here and ``window`` further on: copied_spans may fill the windows between
@@ -122,13 +130,7 @@ def may_be_dirty(shape: RowShape, matched: int, dirty_fraction: float, dirty_spa
             break
         seen &= ~strip
     if dirty_span and has_run(seen, dirty_span - w + 1):
-        return True
-    runs3 = seen & (seen >> 1) & (seen >> 2)
-    long = spread(runs3, 3)  # windows in runs of three or more: spans of window + 2 units or more
-    short = seen & ~long
-    if short:  # a run of one or two windows is copied text only when it may hold a whole line
-        starts, ends = short & shape.edge_starts, short & shape.edge_ends
-        near_start = (starts | starts << 1 | starts >> 1) & short
-        near_end = (ends | ends << 1 | ends >> 1) & short
-        long |= near_start & near_end
-    return spread(long, w).bit_count() >= dirty_fraction * shape.coverable - SLACK
+        return True  # a span of dirty_span units may be there (or, copied_spans' long_span, copied units of any length)
+    copied = sum(units for needed, either, units in shape.lines  # no span that long: (nearly) whole lines only
+                 if seen & needed == needed and (not either or seen & either))
+    return copied >= dirty_fraction * shape.coverable - SLACK

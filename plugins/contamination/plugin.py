@@ -262,17 +262,25 @@ class Contamination(Plugin):
 
     def _settle(self, ctx: Any, per_rank: list[Any]) -> None:
         assert self.ledger is not None
-        for dirty in self.ledger.agree(per_rank, self._is_dirty):
-            if dirty.reporter == ctx.rank:
-                self._report(dirty.example, dirty.ranks, agreed=True)
+        dirty = self.ledger.agree(per_rank, self._is_dirty)
+        self._report_most_copied_first([(d.example, d.ranks) for d in dirty if d.reporter == ctx.rank], agreed=True)
         self._verdicts.clear()
 
-    def _report(self, example: int, ranks: tuple[int, ...], agreed: bool) -> None:
+    def _report_most_copied_first(self, dirty: list[tuple[int, tuple[int, ...]]], agreed: bool) -> None:
+        """Report the examples that became dirty together, the most copied first (judged share, then longest span):
+        under ``max_reports`` the findings go to the worst of them. Rows that become dirty at later steps cannot be
+        weighed against those already reported; the summary counts the dirty rows left without a finding."""
+        judged = [(self._verdict(example), example, ranks) for example, ranks in dirty if self._sightings.get(example)]
+        judged.sort(key=lambda item: (-item[0]["matched_fraction"], -item[0]["longest_span"], item[1]))
+        for verdict, example, ranks in judged:
+            self._report(example, ranks, agreed, verdict)
+
+    def _report(self, example: int, ranks: tuple[int, ...], agreed: bool, verdict: dict[str, Any] | None = None) -> None:
         assert self.index is not None and self.ledger is not None
         kept = self._sightings.get(example)
         if not kept:
             return
-        verdict = self._verdict(example)
+        verdict = verdict if verdict is not None else self._verdict(example)
         message, step, evidence = finding(self.index.examples[example], verdict, self.index.n, kept, ranks, self._snippet,
                                           self.options.dirty_span)
         evidence["agreed"] = agreed  # False: judged at run end on this rank's late matches alone (no exchange is left)
@@ -330,8 +338,9 @@ class Contamination(Plugin):
             self._buffer.flush(timeout=RUN_END_WAIT_S)
         finished = self.checker.finish(RUN_END_WAIT_S)  # a dead worker is not waited for, a stuck one not for long
         self._drain()
-        for example in self.ledger.dirty_here_only(self._is_dirty):  # matched after the last exchange: no collective now
-            self._report(example, tuple(sorted(self.ledger.contributors.get(example, set()) | {ctx.rank})), agreed=False)
+        late = self.ledger.dirty_here_only(self._is_dirty)  # matched after the last exchange: no collective now
+        self._report_most_copied_first([(e, tuple(sorted(self.ledger.contributors.get(e, set()) | {ctx.rank}))) for e in late],
+                                       agreed=False)
         self._verdicts.clear()
         rows = [self._judge(e, self.ledger.combined(e)) for e in range(len(self.index.examples))]
         out = ctx.path("contamination", f"summary.rank-{ctx.rank}.json").parent
@@ -353,12 +362,15 @@ class Contamination(Plugin):
         """CONTAMINATION_SUMMARY: per eval set with a dirty row, how many rows hold training spans (the findings per
         example stop at ``max_reports``); not again when an earlier attempt in this run directory said the same."""
         o = self.options
-        counts = span_counts(rows, o.dirty_span)
-        message = summary_message(counts, o.dirty_span, o.dirty_fraction, o.n, f"contamination/dirty_ids.rank-{ctx.rank}.txt")
+        findings = read_run_findings(ctx.run_dir)  # every rank's and every earlier attempt's findings
+        named = {(str(f.evidence.get("eval_set")), str(f.evidence.get("example_id"))) for f in findings if f.code == CONTAMINATION.code}
+        counts = span_counts(rows, o.dirty_span, named)
+        message = summary_message(counts, o.dirty_span, o.dirty_fraction, o.n, f"contamination/dirty_ids.rank-{ctx.rank}.txt",
+                                  f"contamination/summary.rank-{ctx.rank}.json", o.max_reports)
         if message is None:
             return
         evidence = {"eval_sets": counts, "dirty_span": o.dirty_span, "dirty_fraction": o.dirty_fraction, "n": o.n}
-        if any(f.evidence.get("eval_sets") == counts for f in read_run_findings(ctx.run_dir) if f.code == CONTAMINATION_SUMMARY.code):
+        if any(f.evidence.get("eval_sets") == counts for f in findings if f.code == CONTAMINATION_SUMMARY.code):
             return  # an earlier attempt said the same
         self.report(CONTAMINATION_SUMMARY.code, message, evidence=evidence)
 

@@ -56,13 +56,20 @@ def finding(example: Any, verdict: dict[str, Any], n: int, kept: list[Sighting],
     steps = sorted({s.step for s in kept})
     matched, total, across = verdict["matched_ngrams"], verdict["ngrams"], verdict["boundary_ngrams"]
     where = main.where() + (f" and {len(kept) - 1} more training row(s), at steps {', '.join(map(str, steps))}" if len(kept) > 1 else "")
-    seams = f" (the {across} that cross a line or document boundary inside it not counted)" if across else ""
-    span = (f" (dirty from a training span of {dirty_span} tokens, whatever the fraction)"
-            if verdict.get("dirty_by") == "span" else "")
+    seams = f", none of the {across} that cross a line or document boundary inside it counted for it" if across else ""
+    ngrams = f"{matched} of its {total + across} {n}-grams ({matched / max(total + across, 1):.0%}{seams}) were in training batches"
+    longest = f"longest training span {verdict['longest_span']} tokens"
+    if verdict.get("dirty_by") == "span":
+        said = f"{ngrams}, {longest}: dirty by that span (a training span of at least {dirty_span} tokens makes a row dirty whatever its shares)"
+    elif verdict.get("judged_share") == "tokens":
+        long = f" or spans of at least {dirty_span} tokens" if dirty_span else ""
+        said = (f"{verdict['copied_fraction']:.0%} of its tokens are training text (whole lines inside training spans{long}): "
+                f"dirty by that token share, the larger of its two shares ({ngrams}), {longest}")
+    else:
+        said = f"{ngrams}: dirty by that n-gram share, {longest}"
     message = (
-        f"eval example '{example.example_id}' of eval set '{example.eval_set}' is in the training data: {matched} of its "
-        f"{total} {n}-grams{seams} ({matched / max(total, 1):.0%}) were in training batches, longest training span "
-        f"{verdict['longest_span']} tokens{span}; most of it in the batch of {where}"
+        f"eval example '{example.example_id}' of eval set '{example.eval_set}' is in the training data: {said}; "
+        f"most of it in the batch of {where}"
         + (f", also seen on rank(s) {', '.join(map(str, others))}" if others else "")
         + (f', e.g. "{snippet}"' if snippet else "") + "."
     )
@@ -70,7 +77,8 @@ def finding(example: Any, verdict: dict[str, Any], n: int, kept: list[Sighting],
         "eval_set": example.eval_set, "example_id": example.example_id, "rank": main.rank, "micro_batch": main.micro,
         "row": main.row, "sample_id": main.sample_id, "position": main.position, "matched_ngrams": matched, "ngrams": total,
         "boundary_ngrams": across, "boundary_matched": verdict["boundary_matched"], "matched_fraction": verdict["matched_fraction"], "coverage": verdict["coverage"],
-        "longest_span": verdict["longest_span"], "dirty_by": verdict.get("dirty_by"), "ranks": list(ranks), "steps": steps,
+        "longest_span": verdict["longest_span"], "dirty_by": verdict.get("dirty_by"), "judged_share": verdict.get("judged_share"),
+        "copied_fraction": verdict.get("copied_fraction"), "ngram_fraction": verdict.get("ngram_fraction"), "ranks": list(ranks), "steps": steps,
         "snippet": snippet,
         "sightings": [{"step": s.step, "rank": s.rank, "micro_batch": s.micro, "row": s.row, "sample_id": s.sample_id,
                        "new_ngrams": s.windows} for s in kept],

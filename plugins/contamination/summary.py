@@ -37,8 +37,11 @@ def write_summary(out: Path, rank: int, rows: list[dict[str, Any]], checked_toke
     return per_set
 
 
-def span_counts(rows: list[dict[str, Any]], dirty_span: int) -> dict[str, dict[str, int]]:
-    """Per eval set: rows, rows holding a training span of at least ``dirty_span`` tokens, dirty, partial, the longest span."""
+def span_counts(rows: list[dict[str, Any]], dirty_span: int,
+                named: set[tuple[str, str]] | None = None) -> dict[str, dict[str, int]]:
+    """Per eval set: rows, rows holding a training span of at least ``dirty_span`` tokens, dirty, partial, the longest
+    span; with ``named`` (the (eval set, example id) pairs that have a CONTAMINATION finding), also the dirty rows
+    left without one (``unreported``: the findings per example stop at ``max_reports``)."""
     out: dict[str, dict[str, int]] = {}
     for row in rows:
         counts = out.setdefault(row["eval_set"], {"rows": 0, "long_spans": 0, "dirty": 0, "partial": 0, "longest_span": 0})
@@ -47,11 +50,16 @@ def span_counts(rows: list[dict[str, Any]], dirty_span: int) -> dict[str, dict[s
         counts["dirty"] += int(row["status"] == "dirty")
         counts["partial"] += int(row["status"] == "partial")
         counts["longest_span"] = max(counts["longest_span"], int(row["longest_span"]))
+        if named is not None:
+            unnamed = row["status"] == "dirty" and (str(row["eval_set"]), str(row["id"])) not in named
+            counts["unreported"] = counts.get("unreported", 0) + int(unnamed)
     return out
 
 
-def summary_message(counts: dict[str, dict[str, int]], dirty_span: int, dirty_fraction: float, n: int, ids_file: str) -> str | None:
-    """The CONTAMINATION_SUMMARY message: per eval set with a dirty row, how many rows hold training text; None if none."""
+def summary_message(counts: dict[str, dict[str, int]], dirty_span: int, dirty_fraction: float, n: int, ids_file: str,
+                    summary_file: str = "", max_reports: int = 0) -> str | None:
+    """The CONTAMINATION_SUMMARY message: per eval set with a dirty row, how many rows hold training text, and how many
+    dirty rows got no finding of their own (past ``max_reports``); None if no row is dirty."""
     parts = []
     for name, c in counts.items():
         if not c["dirty"]:
@@ -59,15 +67,21 @@ def summary_message(counts: dict[str, dict[str, int]], dirty_span: int, dirty_fr
         spans = (f"{c['long_spans']} of {c['rows']} eval rows hold training spans of at least {dirty_span} tokens "
                  f"(the longest {c['longest_span']}), " if dirty_span else "")
         span_rule = f" or one span of {dirty_span}" if dirty_span else ""
+        long_rule = f" or spans of at least {dirty_span} tokens" if dirty_span else ""
+        unreported = c.get("unreported", 0)
+        silent = (f"; {unreported} of the dirty rows have no finding of their own (findings stop at "
+                  f"{max_reports} per rank; the most copied rows of a step come first)" if unreported else "")
         parts.append(f"eval set '{name}': {spans}{c['dirty']} of {c['rows']} are dirty (at least {dirty_fraction:.0%} of their "
-                     f"{n}-grams seen in training; in a row that joins lines, also {dirty_fraction:.0%} of its tokens inside "
-                     f"training spans{span_rule}) and {c['partial']} more hold less training text (partial)")
+                     f"{n}-grams seen in training; in a row that joins lines, also {dirty_fraction:.0%} of its tokens in "
+                     f"whole lines inside training spans{long_rule}{span_rule}) and {c['partial']} more hold less training "
+                     f"text (partial){silent}")
     if not parts:
         return None
-    return ("contamination: " + "; ".join(parts) + f". The dirty ids are in <output_dir>/harness/{ids_file}: eval metrics on those rows measure "
-            "memory, not skill. A row that joins several lines (run_clm's blocks) is dirty for the lines it holds: to judge "
-            "each line of the validation file on its own, name the file in contamination.eval_sets (a .txt is one example "
-            "per line), or run `harness scan --eval <file>`.")
+    numbers = f", each row's numbers in <output_dir>/harness/{summary_file}" if summary_file else ""
+    return ("contamination: " + "; ".join(parts) + f". The dirty ids are in <output_dir>/harness/{ids_file}{numbers}: eval "
+            "metrics on those rows measure memory, not skill. A row that joins several lines (run_clm's blocks) is dirty for "
+            "the lines it holds: to judge each line of the validation file on its own, name the file in "
+            "contamination.eval_sets (a .txt is one example per line), or run `harness scan --eval <file>`.")
 
 
 def console_line(rows: list[dict[str, Any]], dirty_fraction: float, dirty_span: int = 0) -> str:

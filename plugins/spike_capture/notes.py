@@ -64,7 +64,7 @@ def grad_rise(norms: Iterable[float | None], grad_median: float | None) -> dict[
     return {"grad_norm_history": finite, "grad_norm_rose_before": rose, "grad_norm_median": grad_median}
 
 
-def earlier_micro_batches(ring: Iterable[tuple[int, int, dict[str, Any]]], step: int) -> list[dict[str, Any]]:
+def earlier_micro_batches(ring: Iterable[tuple[int, int, dict[str, Any]]], step: int, masked_lm: bool = False) -> list[dict[str, Any]]:
     """Ids, dataset indices and content hashes of the micro-batches kept from before ``step``."""
     return [
         {
@@ -72,7 +72,7 @@ def earlier_micro_batches(ring: Iterable[tuple[int, int, dict[str, Any]]], step:
             "micro_batch": m,
             "sample_ids": sample_ids(b),
             "dataset_indices": dataset_indices(b),
-            "hashes": content_hashes(b["input_ids"], b.get("attention_mask")) if torch.is_tensor(b.get("input_ids")) else None,
+            "hashes": content_hashes(b, masked_lm) if torch.is_tensor(b.get("input_ids")) else None,
         }
         for s, m, b in ring
         if s != step

@@ -643,7 +643,7 @@ class SpikeCapture(Plugin):
             "loss_history": [{"step": s, "loss": l, "grad_norm": g} for s, l, g in self.history],
             **self._grad_rise(),
             **self._resume_evidence(step),
-            "earlier_micro_batches": earlier_micro_batches(self._ring, step),
+            "earlier_micro_batches": earlier_micro_batches(self._ring, step, ctx.masked_lm),
             "layers_surged_first": [s.as_dict() for s in _surged(ctx, step)],
         }
         no_recompute = "the weights had already moved on (DeepSpeed reports the grad norm after its update)" if weights_moved else None

@@ -139,3 +139,13 @@ if __name__ == "__main__":
         result = lint_imports(install_tree(Path(tmp)))
         sys.stdout.write(result.stdout + result.stderr)
         raise SystemExit(result.returncode)
+
+
+def test_test_files_have_unique_names() -> None:
+    """The test folders are not packages: pytest imports each test file by its base name, so two files of one name
+    make the second a collection error on a clean clone (CI failed so once: tests/lib and tests/e2e test_world_scaling)."""
+    from collections import Counter
+
+    tests = Path(__file__).resolve().parents[1]
+    names = Counter(p.name for p in tests.rglob("test_*.py"))
+    assert [name for name, count in names.items() if count > 1] == []

@@ -65,7 +65,7 @@ def _blocks_like_run_clm(train_file: Path, poison_line: int) -> tuple[list[str],
     start = sum(len(x) for x in ids[:poison_line])
     end = start + len(ids[poison_line])
     poisoned = {b for b in range(start // BLOCK, (end - 1) // BLOCK + 1) if b < len(blocks)}
-    return content_hashes(blocks, torch.ones_like(blocks)), poisoned  # default_data_collator's mask is all ones
+    return content_hashes({"input_ids": blocks, "attention_mask": torch.ones_like(blocks)}), poisoned  # default_data_collator's mask is all ones
 
 
 @pytest.mark.slow  # two wrapped runs of a client script

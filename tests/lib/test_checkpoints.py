@@ -396,3 +396,12 @@ def test_the_harness_save_is_not_written_through_a_linked_state_folder(
     assert all(p.read_text() == "keep" for p in outside.iterdir())
     assert any("could not write plugin state" in r.getMessage() and "symlink" in r.getMessage() for r in caplog.records), \
         [r.getMessage() for r in caplog.records]
+
+
+def test_the_proof_of_a_save_with_a_linked_state_folder_says_so_without_waiting_for_markers(make_trainer: Any, tmp_path: Path) -> None:
+    """No marker can come through a refused link: the proof says why at once (it waited rank_wait_s, 120 s, before)."""
+    out, outside = tmp_path / "run", tmp_path / "elsewhere"
+    _linked_state(out / "checkpoint-5", outside)
+    _run(make_trainer, out, max_steps=5)
+    said = [f for f in findings_of(out) if f["plugin"] == "checkpoint_proof" and f["step"] == 5]
+    assert said and all("folder is a link" in f["message"] for f in said), said

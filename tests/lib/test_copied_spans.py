@@ -57,7 +57,8 @@ def test_a_copied_line_cut_by_a_training_block_keeps_its_tokens() -> None:
     units, cuts = _row([copied, clean])
     training = [np.array(_line(50, 30) + copied[:20]), np.array(copied[20:] + _line(51, 30))]
     row = _verdict(units, cuts, training, dirty_span=0)
-    assert row["matched_ngrams"] == 16 and row["ngrams"] == 56 and row["ngram_fraction"] == round(16 / 56, 6)
+    assert row["matched_ngrams"] == 16 and row["ngrams"] == 56 and row["boundary_ngrams"] == 12
+    assert row["ngram_fraction"] == round(16 / 68, 6)  # of all its n-grams: those across the break count against
     assert row["longest_span"] == 40 and row["copied_fraction"] == 0.5 and row["status"] == "dirty"
     assert _verdict(units, cuts, training, dirty_span=0, dirty_fraction=0.6)["status"] == "partial"
 
@@ -86,6 +87,39 @@ def test_template_text_around_line_breaks_is_not_training_text() -> None:
     assert _verdict(units, None, training)["status"] == "partial"
     row = _verdict(units, cuts, training)
     assert row["status"] == "clean" and row["boundary_matched"] > 0 and row["longest_span"] == 0 and row["matched_ngrams"] == 0
+
+
+def test_a_template_phrase_inside_each_line_is_not_a_copy() -> None:
+    """Issue 43 trial: 31-token recipe lines that all start with the same 16-token phrase (``To make dumplings, slice
+    the``...). Training holds other lines of the template, so every eval line matches a 16-token span at its start:
+    the old rule (spans of more than two n-grams) called the block half copied. The phrase is a piece of each line,
+    no line is covered, and the block stays clean of copies (its n-gram share decides: 4 n-grams per line of the
+    block's 112)."""
+    phrase = list(range(101, 117))
+    def line(seed: int) -> list[int]:
+        return phrase + [1000 * seed + k for k in range(1, 15)] + [NL]
+    units, cuts = _row([line(i) for i in range(1, 5)])
+    training = [np.array(line(50) + line(51) + line(52))]
+    row = _verdict(units, cuts, training, dirty_fraction=0.5)
+    assert row["joined"] and row["longest_span"] == 16 and row["copied_fraction"] == 0.0
+    assert row["judged_share"] == "ngrams" and row["matched_fraction"] == round(4 * 4 / (4 * 31 - 12), 6) and row["status"] == "partial"
+
+
+def test_a_copied_line_cut_near_its_start_is_still_whole() -> None:
+    """A 40-token line copied into training where a block boundary falls 5 tokens in: the windows over its first 5
+    tokens never occur, so its span starts 5 tokens late. A cut closer than one window to a line's end is a training
+    block boundary, not a template: the whole line counts as copied. Training holding only the line's last 27 tokens
+    (a span starting a whole window in, which no single cut leaves) is a piece of the line, not a copy of it; so is a
+    piece at the row's own end (it may be the tail of a longer line the row cut)."""
+    before, copied, after = _line(3, 20), _line(1, 40), _line(2, 20)
+    units, cuts = _row([before, copied, after])
+    training = [np.array(_line(50, 30) + copied[:5]), np.array(copied[5:] + _line(51, 30))]
+    row = _verdict(units, cuts, training, dirty_span=0)
+    assert row["longest_span"] == 35 and row["copied_fraction"] == 0.5 and row["judged_share"] == "tokens"
+    late = [np.array(_line(50, 30)), np.array(copied[13:] + _line(51, 30))]
+    assert _verdict(units, cuts, late, dirty_span=0)["copied_fraction"] == 0.0
+    units, cuts = _row([copied, after])  # the same cut line at the row's start
+    assert _verdict(units, cuts, training, dirty_span=0)["copied_fraction"] == 0.0
 
 
 def test_crossing_windows_and_inner_bits() -> None:

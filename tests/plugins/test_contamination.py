@@ -171,7 +171,7 @@ def test_eval_blocks_of_copied_lines_are_judged_by_their_training_spans(make_tra
     assert {str(b) for b, share in enumerate(shares) if share >= 0.55} <= dirty, (shares, rows)
     assert not {str(b) for b, share in enumerate(shares) if share == 0} & dirty
     whole = [str(b) for b, share in enumerate(shares) if share == 1.0]
-    assert whole and all(rows[b]["matched_fraction"] >= 0.9 and rows[b]["boundary_ngrams"] > 0 for b in whole), whole
+    assert whole and all(rows[b]["matched_fraction"] >= 0.9 and rows[b]["boundary_ngrams"] > 0 for b in whole), json.dumps([rows[b] for b in whole])
     found = findings_of(out, "CONTAMINATION")
     assert {f["evidence"]["example_id"] for f in found} == dirty
     assert all(f["evidence"]["boundary_ngrams"] > 0 and "cross a line or document boundary" in f["message"] for f in found)

@@ -187,7 +187,9 @@ def _same_shape(units: int, window: int, cuts: np.ndarray) -> None:
     assert shape.joined == every.joined
     if shape.joined:
         assert shape.coverable == every.coverable and shape.crossing == inner_bits(~crossing)
-        assert shape.edge_starts == sum(1 << p for p in every.edges if p < len(crossing))
+        every_bit = (1 << len(crossing)) - 1  # all windows matched: the bound on whole lines holds what copied_spans copies
+        bound = sum(units for needed, either, units in shape.lines if every_bit & needed == needed and (not either or every_bit & either))
+        assert bound >= every.copied and (bound == every.copied or min(np.diff([0, *cuts.tolist(), units])) < window)
 
 
 def _before_judges(plugin: Any, example: int, bits: dict[int, int]) -> bool:

@@ -76,6 +76,58 @@ def test_ignore_data_skip_repeats_the_epoch_and_skips_what_came_next(make_traine
     assert skipped["evidence"]["missing"] == 40 and skipped["evidence"]["steps"] == list(range(11, 21))
 
 
+def _masked_lm_trainer(make_trainer: Any, tokenizer: Any, lm_rows: Any, out: Path, **args: Any) -> Any:
+    """A tiny BERT masked LM on the LM rows, masked by transformers' collator (no seed: new masks at every collation)."""
+    from copy import deepcopy
+
+    from transformers import DataCollatorForLanguageModeling
+
+    from harness.lib.tiny_zoo import build_tiny_model
+
+    tok = deepcopy(tokenizer)
+    tok.add_special_tokens({"mask_token": "<mask>"})
+    return make_trainer(output_dir=out, model=build_tiny_model("bert", tok, "masked_lm"), train_dataset=lm_rows.remove_columns(["labels"]),
+                        data_collator=DataCollatorForLanguageModeling(tok, mlm_probability=0.3), processing_class=tok,
+                        max_steps=20, save_strategy="steps", save_steps=5, **args)
+
+
+def _interrupted_masked_lm(make_trainer: Any, tokenizer: Any, lm_rows: Any, out: Path, **resume_args: Any) -> Any:
+    first = _masked_lm_trainer(make_trainer, tokenizer, lm_rows, out)
+    harness.attach(first)
+    first.train()
+    for step in (15, 20):
+        shutil.rmtree(out / f"checkpoint-{step}")
+    resumed = _masked_lm_trainer(make_trainer, tokenizer, lm_rows, out, **resume_args)
+    harness.attach(resumed, config={"policy": {"RESUME_DATA_POSITION": "continue"}} if resume_args else None)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-10"))
+    return resumed
+
+
+def test_a_masked_lm_resume_is_silent_because_samples_are_hashed_from_their_original_tokens(
+        make_trainer: Any, tokenizer: Any, lm_rows: Any, tmp_path: Path) -> None:
+    """Issue 43 trial: the masked-LM collator draws new [MASK] and random tokens at every collation, so hashing the
+    batch's input_ids gave one sample another hash on every pass: a correct resume was stopped by RESUME_DATA_POSITION
+    (exit 75) and DATA_REPEATED was blind. The ledger now holds the dataset rows' own hashes (the labels' originals
+    put back), the resumed run trains exactly what was lost, and nothing is reported (the policy is the default: stop)."""
+    out = tmp_path / "run"
+    resumed = _interrupted_masked_lm(make_trainer, tokenizer, lm_rows, out)
+    assert resumed.state.global_step == 20
+    assert [f for f in findings_of(out) if f["code"] in DATA_CODES or f["code"].startswith("RESUME_")] == []
+    ledger = read_ledger(out)
+    assert set(ledger["sample_hash"]) <= _dataset_hashes(lm_rows)
+    first, second = (ledger[(ledger["attempt"] == a) & (ledger["step"] > 10)] for a in (1, 2))
+    assert len(first) == 40 and list(first["sample_hash"]) == list(second["sample_hash"])
+
+
+def test_a_masked_lm_resume_that_restarts_the_epoch_is_data_repeated(make_trainer: Any, tokenizer: Any, lm_rows: Any, tmp_path: Path) -> None:
+    """The same run resumed with ignore_data_skip: the restarted epoch's samples are found repeated at the first step
+    after the resume (with the masked input_ids hashed, no sample ever hashed alike twice)."""
+    out = tmp_path / "run"
+    _interrupted_masked_lm(make_trainer, tokenizer, lm_rows, out, ignore_data_skip=True)
+    repeated = findings_of(out, "DATA_REPEATED")
+    assert repeated and repeated[0]["step"] == 11 and "follows a resume" in repeated[0]["message"]
+
+
 def test_an_action_tied_to_data_repeated_comes_at_the_step_of_the_repeat(make_trainer: Any, tmp_path: Path) -> None:
     """Repeats are checked in groups of CHECK_EVERY micro-batches, unless the policy acts on them: then at every step."""
     out = tmp_path / "run"

@@ -70,7 +70,7 @@ def test_a_corrupted_batch_is_a_loss_spike_and_its_capture_lists_the_corrupted_s
     assert all(tuple(s["input_ids"]) in dataset_rows for s in rest)
     assert min(s["loss"] for s in first) > 3 * max(s["loss"] for s in rest)
     for s in capture["samples"]:
-        assert s["hash"] == content_hashes(__import__("torch").tensor([s["input_ids"]]))[0]
+        assert s["hash"] == content_hashes({"input_ids": __import__("torch").tensor([s["input_ids"]])})[0]
         assert s["text"] and s["length_tokens"] == 32 and 0.0 <= s["repetition"] <= 1.0
     ledger = read_ledger(out)  # a captured sample is found in the data ledger by its hash
     assert {s["hash"] for s in capture["samples"]} == set(ledger[ledger["step"] == 40]["sample_hash"])
