@@ -262,7 +262,7 @@ class _RankCtx:
         from harness.core.exchange import StepExchange
 
         self.rank, self.world_size, self.is_main, self.run_dir = rank, world_size, rank == 0, run_dir
-        self.resumed_from, self.options, self.manager = None, None, None
+        self.resumed_from, self.options, self.manager, self.masked_lm = None, None, None, False
         self.exchange = StepExchange()
         self.reports: list[dict[str, Any]] = []
 
