@@ -176,6 +176,7 @@ def copied_spans(offsets: list[int] | np.ndarray, units: int, window: int, cross
     out.crossing_matched = len(starts) - out.matched
     seen = np.zeros(total, dtype=np.bool_)
     seen[starts] = True
+    matched = seen.copy()  # before the windows between abutting runs are filled in
     breaks = np.flatnonzero(np.diff(starts) != 1) + 1  # runs of consecutive offsets
     for last, first in zip(starts[breaks - 1].tolist(), starts[breaks].tolist()):
         if first == last + window:  # abutting runs: a training block boundary cut the copy there (not a line break)
@@ -189,7 +190,7 @@ def copied_spans(offsets: list[int] | np.ndarray, units: int, window: int, cross
         pieces = np.split(kept, np.flatnonzero(np.diff(kept) != 1) + 1)
         for piece in pieces:
             inner = piece[~across[piece]]
-            if len(inner):
+            if matched[inner].any():  # a span holds a matched window inside a line, not fill between crossing ones
                 out.spans.append((int(inner[0]), int(inner[-1]) + window))
     return out
 

@@ -78,32 +78,30 @@ MASKED_LABEL = -100  # the labels' ignore index: positions a masked-LM collator 
 
 
 def masked_lm_run(trainer: Any) -> bool:
-    """Whether a trainer's batches are masked-LM ones: a collator that masks (``mlm=True``: transformers'
-    ``DataCollatorForLanguageModeling`` and its whole-word subclass) or a ``*ForMaskedLM`` model. Their ``input_ids``
-    hold ``[MASK]`` and random tokens drawn anew each time a row is collated, so the same sample never hashes alike
-    twice; the labels hold the original tokens where the input was changed. Decided once, at the run's start."""
-    if getattr(getattr(trainer, "data_collator", None), "mlm", False) is True:
-        return True
-    model = getattr(trainer, "model", None)
-    base = getattr(model, "get_base_model", None)  # a PEFT wrapper names the model it wraps
-    if callable(base):
-        try:
-            model = base()
-        except Exception:  # noqa: BLE001 - a wrapper that cannot say: judge the wrapper's own class
-            pass
-    return type(model).__name__.endswith("ForMaskedLM")
+    """Whether a trainer's collator masks its batches anew at every collation: ``mlm=True`` (transformers'
+    ``DataCollatorForLanguageModeling`` and its whole-word subclass) or permutation LM (``plm_probability``, XLNet).
+    Their ``input_ids`` hold ``[MASK]`` and random tokens drawn each time a row is collated, so the same sample never
+    hashes alike twice; the labels hold the original tokens where the input was changed. A dataset masked once, ahead
+    of training, hashes alike every time as it is (the dataset index hashes it so too). Decided once, at the run's start."""
+    collator = getattr(trainer, "data_collator", None)
+    return getattr(collator, "mlm", False) is True or getattr(collator, "plm_probability", None) is not None
 
 
-def batch_row_hashes(batch: Any, key: str = "input_ids", mask_key: str = "attention_mask", masked_lm: bool = False) -> torch.Tensor:
-    """``device_row_hashes`` of a batch's ``key`` rows as the ledger holds them: the mask honoured where it has their
-    shape, and in a masked-LM run (:func:`masked_lm_run`) the original tokens, taken from the labels where they are
-    set (one ``where`` on the device, no host read), so a sample hashes alike in every epoch and on a resume."""
+def sample_tokens(batch: Any, key: str = "input_ids", masked_lm: bool = False) -> torch.Tensor:
+    """A batch's ``key`` rows as the samples they are: in a masked-LM run (:func:`masked_lm_run`) the original tokens,
+    taken from the labels where they are set (one ``where`` on the device, no host read); otherwise the rows as given."""
     tokens = batch[key]
     labels = batch.get("labels") if masked_lm and key == "input_ids" else None
     if torch.is_tensor(labels) and labels.shape == tokens.shape:
-        tokens = torch.where(labels == MASKED_LABEL, tokens, labels)
+        return torch.where(labels == MASKED_LABEL, tokens, labels)
+    return tokens
+
+
+def batch_row_hashes(batch: Any, key: str = "input_ids", mask_key: str = "attention_mask", masked_lm: bool = False) -> torch.Tensor:
+    """``device_row_hashes`` of a batch's samples (:func:`sample_tokens`) as the ledger holds them, the mask honoured
+    where it has their shape: a sample hashes alike in every epoch and on a resume."""
     mask = batch.get(mask_key)
-    return device_row_hashes(tokens, mask if torch.is_tensor(mask) else None)
+    return device_row_hashes(sample_tokens(batch, key, masked_lm), mask if torch.is_tensor(mask) else None)
 
 
 def host_row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> list[int]:

@@ -94,7 +94,7 @@ def prove(job: Job) -> Outcome:
     proof could not be made."""
     started = time.perf_counter()
     out = Outcome(job)
-    linked = (job.checkpoint / STATE_DIR).is_symlink()  # the saves refused to write through it: no marker will come
+    linked = job.wait_for_ranks and (job.checkpoint / STATE_DIR).is_symlink()  # the saves refused to write through it: no marker will come
     late = wait_for_ranks(job.checkpoint, job.layout.world_size, job.rank_wait_s) if job.wait_for_ranks and not linked else []
     if linked:
         out.loud = True

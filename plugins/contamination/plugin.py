@@ -12,7 +12,7 @@ from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.lib.capture import sample_ids
 from harness.lib.documents import ScanError
-from harness.lib.hashing import dataset_hashes
+from harness.lib.hashing import dataset_hashes, sample_tokens
 from harness.lib.ngrams import EvalExample, NgramIndex
 from harness.lib.overlap import FrontEnd, ScanOptions, Tally, judge
 from harness.lib.overlap_ledger import Bits, MatchLedger, example_keys, tally_from_bits
@@ -161,6 +161,7 @@ class Contamination(Plugin):
         if self.checker.error is not None or self._worker_error_reported:  # a dead thread is found at the group's hand-over
             self._raise_worker_error()  # once: an INTERNAL_PLUGIN_ERROR with the worker's traceback; then nothing is queued
             return
+        ids = sample_tokens(batch, masked_lm=ctx.masked_lm)  # a masked-LM row: its text, not this pass's masks
         host = ids.to("cpu", non_blocking=True) if ids.is_cuda else ids.clone()  # token ids never carry autograd: no detach
         ready = torch.cuda.Event() if ids.is_cuda else None
         if ready is not None:

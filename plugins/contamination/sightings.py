@@ -63,7 +63,7 @@ def finding(example: Any, verdict: dict[str, Any], n: int, kept: list[Sighting],
         said = f"{ngrams}, {longest}: dirty by that span (a training span of at least {dirty_span} tokens makes a row dirty whatever its shares)"
     elif verdict.get("judged_share") == "tokens":
         long = f" or spans of at least {dirty_span} tokens" if dirty_span else ""
-        said = (f"{verdict['copied_fraction']:.0%} of its tokens are training text (whole lines inside training spans{long}): "
+        said = (f"{verdict['copied_fraction']:.0%} of the tokens its n-grams cover are training text (whole lines inside training spans{long}): "
                 f"dirty by that token share, the larger of its two shares ({ngrams}), {longest}")
     else:
         said = f"{ngrams}: dirty by that n-gram share, {longest}"

@@ -66,11 +66,11 @@ def summary_message(counts: dict[str, dict[str, int]], dirty_span: int, dirty_fr
             continue
         spans = (f"{c['long_spans']} of {c['rows']} eval rows hold training spans of at least {dirty_span} tokens "
                  f"(the longest {c['longest_span']}), " if dirty_span else "")
-        span_rule = f" or one span of {dirty_span}" if dirty_span else ""
         long_rule = f" or spans of at least {dirty_span} tokens" if dirty_span else ""
+        span_rule = "; or one such span" if dirty_span else ""
         unreported = c.get("unreported", 0)
         silent = (f"; {unreported} of the dirty rows have no finding of their own (findings stop at "
-                  f"{max_reports} per rank; the most copied rows of a step come first)" if unreported else "")
+                  f"{max_reports} per rank and attempt; the most copied rows of a step come first)" if unreported else "")
         parts.append(f"eval set '{name}': {spans}{c['dirty']} of {c['rows']} are dirty (at least {dirty_fraction:.0%} of their "
                      f"{n}-grams seen in training; in a row that joins lines, also {dirty_fraction:.0%} of its tokens in "
                      f"whole lines inside training spans{long_rule}{span_rule}) and {c['partial']} more hold less training "

@@ -22,15 +22,15 @@ def test_a_masked_lm_batch_hashes_its_original_tokens_and_other_batches_their_in
     assert batch_row_hashes(seq2seq, masked_lm=True).tolist() == device_row_hashes(masked).tolist()
 
 
-def test_a_masked_lm_run_is_known_by_its_collator_or_its_model() -> None:
-    class BertForMaskedLM:
-        pass
+def test_a_masked_lm_run_is_known_by_its_collator() -> None:
+    """Collators that mask anew at every collation; not a model class (a dataset masked ahead hashes alike as it is)."""
+    from transformers import DataCollatorForLanguageModeling, DataCollatorForPermutationLanguageModeling
 
-    class LlamaForCausalLM:
-        pass
+    from harness.lib.tiny import corpus_lines, train_tokenizer
 
-    assert masked_lm_run(SimpleNamespace(data_collator=SimpleNamespace(mlm=True), model=LlamaForCausalLM()))
-    assert masked_lm_run(SimpleNamespace(data_collator=None, model=BertForMaskedLM()))
-    assert not masked_lm_run(SimpleNamespace(data_collator=SimpleNamespace(mlm=False), model=LlamaForCausalLM()))
-    peft = SimpleNamespace(get_base_model=BertForMaskedLM)  # a wrapper names the model it wraps
-    assert masked_lm_run(SimpleNamespace(data_collator=None, model=peft))
+    tokenizer = train_tokenizer(corpus_lines()[:50], vocab_size=128)
+    tokenizer.add_special_tokens({"mask_token": "<mask>"})
+    assert masked_lm_run(SimpleNamespace(data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=True)))
+    assert not masked_lm_run(SimpleNamespace(data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False)))
+    assert masked_lm_run(SimpleNamespace(data_collator=DataCollatorForPermutationLanguageModeling(tokenizer)))
+    assert not masked_lm_run(SimpleNamespace(data_collator=None))

@@ -333,3 +333,27 @@ def test_checkpoint_state_round_trips_the_agreed_windows_and_skips_what_changed(
     fresh_index, fresh = build([64, 64, 100])  # q2 changed: 88 windows, not 188
     assert restore(fresh_index, fresh, state) == 1 and fresh.agreed == {0: {0: 0b1110}}
     assert restore(fresh_index, fresh, {"agreed": [["quiz", "q0", 0, 52, "zz"], ["quiz"], None]}) == 0  # unreadable: skipped
+
+
+def test_a_masked_lm_run_finds_a_planted_eval_example_through_its_masks(make_trainer: Any, tokenizer: Any, lm_rows: Any, tmp_path: Path) -> None:
+    """A masked-LM collator changes about 13% of the tokens of every row it collates (at 0.3 here, a quarter), so
+    few 13-grams of a copied eval example survived in the batch's input_ids: the copy went unseen. The batch's
+    samples are now looked up as their text (the labels' originals put back): the planted example is dirty."""
+    from copy import deepcopy
+
+    from transformers import DataCollatorForLanguageModeling
+
+    from harness.lib.tiny_zoo import build_tiny_model
+
+    tok = deepcopy(tokenizer)
+    tok.add_special_tokens({"mask_token": "<mask>"})
+    planted = lm_rows[7]["input_ids"]
+    texts = _made_up(6) + [tok.decode(planted)]
+    trainer = make_trainer(max_steps=24, model=build_tiny_model("bert", tok, "masked_lm"), processing_class=tok,
+                           train_dataset=lm_rows.remove_columns(["labels"]),
+                           data_collator=DataCollatorForLanguageModeling(tok, mlm_probability=0.3))
+    config = {"contamination": {"eval_sets": [{"path": str(_eval_file(tmp_path / "eval.jsonl", texts)), "field": "question", "name": "quiz"}]}}
+    harness.attach(trainer, config=config)
+    trainer.train()
+    found = findings_of(Path(trainer.args.output_dir), "CONTAMINATION")
+    assert [f["evidence"]["example_id"] for f in found] == ["ex6"] and found[0]["evidence"]["matched_fraction"] > 0.9

@@ -14,7 +14,7 @@ def test_the_summary_counts_the_dirty_rows_past_max_reports() -> None:
     assert counts["eval_dataset"] == {"rows": 5, "long_spans": 1, "dirty": 3, "partial": 1, "longest_span": 40, "unreported": 1}
     message = summary_message(counts, 32, 0.5, 13, "contamination/dirty_ids.rank-0.txt", "contamination/summary.rank-0.json", 2)
     assert message is not None
-    assert "3 of 5 are dirty" in message and "1 of the dirty rows have no finding of their own (findings stop at 2 per rank" in message
+    assert "3 of 5 are dirty" in message and "1 of the dirty rows have no finding of their own (findings stop at 2 per rank and attempt" in message
     assert "contamination/summary.rank-0.json" in message
     everyone = span_counts(rows, 32, named={("eval_dataset", e) for e in "012"})
     assert "no finding of their own" not in (summary_message(everyone, 32, 0.5, 13, "ids.txt") or "")
