@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.lib.checkpoints import INCOMPLETE_MARKER, TRAINER_STATE
+from harness.lib.checkpoints import INCOMPLETE_MARKER, STATE_DIR, TRAINER_STATE
 
 SAFE_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
 _ZERO_RANK = re.compile(r"zero_pp_rank_(\d+)_")
@@ -74,6 +74,14 @@ def _files(folder: Path) -> list[Path]:
     return found
 
 
+def _harness_temp_file(path: Path) -> bool:
+    """A harness state file being written (``safe_write_text``'s ``.<name>.<pid>.tmp``, renamed when whole)."""
+    return path.parent.name == STATE_DIR and TEMP_NAME.fullmatch(path.name) is not None
+
+
+TEMP_NAME = re.compile(r"\..+\.\d+\.tmp")
+
+
 def weight_files(folder: Path) -> tuple[list[str], list[Problem]]:
     """The weight files a loader would read (shards from the index), and the ones the index names that are missing."""
     folder = Path(folder)
@@ -96,9 +104,13 @@ def check_complete(folder: Path, step: int | None, layout: Layout) -> list[Probl
     if (folder / INCOMPLETE_MARKER).exists():
         problems.append(Problem(INCOMPLETE_MARKER, "HF's in-progress marker is still there: the save did not finish"))
     for path in _files(folder):
+        if _harness_temp_file(path):
+            continue  # a harness write under way (a save of the same step again): never part of a finished save
         try:
             if path.stat().st_size == 0:
                 problems.append(Problem(str(path.relative_to(folder)), "is empty (0 bytes)"))
+        except FileNotFoundError:
+            continue  # gone since the listing (a temp file renamed): not a file of the save
         except OSError as exc:
             problems.append(Problem(str(path.relative_to(folder)), f"cannot be read ({exc.strerror})"))
     files, missing = weight_files(folder)

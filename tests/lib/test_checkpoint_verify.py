@@ -217,3 +217,14 @@ def test_a_marker_for_another_step_or_format_is_not_proof(folder: Path) -> None:
     assert read_proven(folder) is None and newest_proven(folder.parent) is None
     (folder / MARKER).write_text(json.dumps({"format": "train-harness-proven/1", "step": 2}))
     assert newest_proven(folder.parent) == folder
+
+
+def test_a_harness_state_file_being_written_is_not_part_of_the_save(saved: dict[str, Any], folder: Path) -> None:
+    """The proof may list a checkpoint while the same step is saved again: the marker's temp file, empty for a moment,
+    made a good checkpoint CHECKPOINT_CORRUPT ("harness_state/.complete.rank-0.25530.tmp: is empty")."""
+    state = folder / "harness_state"
+    state.mkdir(exist_ok=True)
+    (state / ".complete.rank-0.25530.tmp").write_bytes(b"")
+    assert check_complete(folder, 2, Layout()) == []
+    (state / "rank-0.json").write_bytes(b"")  # a finished state file that is empty is still a problem
+    assert [p.file for p in check_complete(folder, 2, Layout())] == ["harness_state/rank-0.json"]
