@@ -95,6 +95,19 @@ def make_trainer(tmp_path: Path, tokenizer: Any, lm_rows: Any) -> Callable[..., 
     return factory
 
 
+class RankZeroCtx:
+    """The little of a plugin context that rank 0's grad_sync comparison uses: its findings and its run directory."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.is_main, self.run_dir, self.findings = True, run_dir, []
+
+    def report(self, code: str, message: str, **kwargs: Any) -> Any:
+        self.findings.append({"code": code, "message": message, **kwargs})
+
+    def path(self, name: str) -> Path:
+        return self.run_dir / name
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

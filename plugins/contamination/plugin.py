@@ -161,8 +161,9 @@ class Contamination(Plugin):
         if self.checker.error is not None or self._worker_error_reported:  # a dead thread is found at the group's hand-over
             self._raise_worker_error()  # once: an INTERNAL_PLUGIN_ERROR with the worker's traceback; then nothing is queued
             return
-        ids = sample_tokens(batch, masked_lm=ctx.masked_lm)  # a masked-LM row: its text, not this pass's masks
-        host = ids.to("cpu", non_blocking=True) if ids.is_cuda else ids.clone()  # token ids never carry autograd: no detach
+        text = sample_tokens(batch, masked_lm=ctx.masked_lm)  # a masked-LM row: its text, not this pass's masks
+        # token ids never carry autograd: no detach; a masked-LM row's text is a tensor of its own already, not copied again
+        host = text.to("cpu", non_blocking=True) if text.is_cuda else text.clone() if text is ids else text
         ready = torch.cuda.Event() if ids.is_cuda else None
         if ready is not None:
             ready.record()

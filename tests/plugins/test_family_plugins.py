@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import harness
-from conftest import EXAMPLE, FAULTS, findings_of, read_jsonl
+from conftest import EXAMPLE, FAULTS, RankZeroCtx, findings_of, read_jsonl
 from families import BLOCKS, FAMILY_TASKS, FAULT_SITES, IDS, family_rows, family_trainer
 from harness.lib.layer_history import FILE
 
@@ -220,17 +220,6 @@ def test_packing_check_says_once_why_it_cannot_measure_a_model_without_per_token
 # -- grad_sync -------------------------------------------------------------------------------------------------
 
 
-class _Ctx:
-    """What grad_sync's comparison uses of a plugin context on rank 0."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.is_main, self.run_dir, self.findings = True, run_dir, []
-
-    def report(self, code: str, message: str, **kwargs: Any) -> Any:
-        self.findings.append({"code": code, "message": message, **kwargs})
-
-    def path(self, name: str) -> Path:
-        return self.run_dir / name
 
 
 @pytest.mark.parametrize(("family", "task", "drifted", "bad_grad"), [
@@ -256,7 +245,7 @@ def test_grad_sync_names_the_diverging_tensor_of_each_family(family: str, task: 
         plugin._params = list(model.named_parameters())  # as on_run_start takes them: the model's own names, tied weights once
         plugin._micro_batches = 1
         plugins.append(plugin)
-    ctx = _Ctx(tmp_path)
+    ctx = RankZeroCtx(tmp_path)
     plugins[0].ctx = ctx
 
     assert perturb_one_ulp(replicas[1], drifted) == drifted

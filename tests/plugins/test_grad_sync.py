@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import harness
-from conftest import REPO, findings_of, read_jsonl, torchrun, wrapped_example, write_yaml
+from conftest import REPO, RankZeroCtx, findings_of, read_jsonl, torchrun, wrapped_example, write_yaml
 from harness.lib.fingerprints import exact_fingerprints
 from harness.lib.stops import EXIT_STOPPED
 
@@ -43,17 +43,6 @@ def test_exact_fingerprints_see_one_ulp_in_one_element() -> None:
     assert missing is None and exact_fingerprints([weights.clone()]) == [a]
 
 
-class _Ctx:
-    """The little of a plugin context the comparison uses: rank 0, its findings and its run directory."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.is_main, self.run_dir, self.findings = True, run_dir, []
-
-    def report(self, code: str, message: str, **kwargs: Any) -> Any:
-        self.findings.append({"code": code, "message": message, **kwargs})
-
-    def path(self, name: str) -> Path:
-        return self.run_dir / name
 
 
 def test_requires_grad_differences_name_the_tensor_and_where_it_is_frozen() -> None:
@@ -74,7 +63,7 @@ def test_a_tensor_frozen_on_one_rank_is_a_desync_although_the_reduced_gradients_
     from plugins.grad_sync import GradSync
 
     plugin = GradSync()
-    plugin.ctx = ctx = _Ctx(tmp_path)
+    plugin.ctx = ctx = RankZeroCtx(tmp_path)
     plugin.mode, plugin._described = "ddp", "DistributedDataParallel"
     plugin._params = [(n, torch.nn.Parameter(torch.ones(2))) for n in ("model.embed.weight", "model.layers.0.mlp.up_proj.weight")]
     same = exact_fingerprints([torch.ones(2), torch.ones(2)])
