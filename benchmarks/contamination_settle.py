@@ -31,7 +31,7 @@ import numpy as np
 from harness.lib.ngrams import EvalExample, NgramIndex
 from harness.lib.overlap_ledger import MatchLedger, example_keys
 from harness.plugins.contamination import Contamination
-from harness.plugins.contamination.sightings import Sighting
+from harness.plugins.contamination.checker import Found, Job
 
 NL = 1  # the line-break token
 BLOCK = 64
@@ -94,15 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     for step, start in enumerate(range(0, len(train_rows), args.rows), 1):
         rows = train_rows[start : start + args.rows]
         hits = plugin.index.query_rows(rows)
-        by_key: dict[tuple[int, int, int], list[int]] = {}
-        for hit in hits:
-            by_key.setdefault((hit.example, hit.variant, hit.row), []).append(hit.offset)
-        for (example, variant, row), offsets in by_key.items():
-            new = ledger.add(example, variant, offsets)
-            if new:  # as the plugin's _absorb keeps it, for the finding's evidence
-                plugin._sightings.setdefault(example, []).append(Sighting(step, 0, 0, row, None, 0, new, rows[row]))
         if not hits:
             continue
+        plugin._absorb(Found(Job(step, 0, 0, None, None), hits, rows))  # the windows, row edges and sightings, as in a run
         began = time.perf_counter()
         plugin._settle(ctx, [ledger.outgoing(None)])
         per_step.append(time.perf_counter() - began)

@@ -9,8 +9,8 @@ Here a row's boundaries are gaps between units (gap ``g`` lies between unit
 ``g - 1`` and unit ``g``); a window with a gap strictly inside it crosses a
 boundary and counts neither for nor against the row. A run of consecutive
 matched windows is one stretch of text seen in training: a span of
-``run + n - 1`` units (two runs that abut are one span that a training block
-boundary cut). A span counts as training text only when it holds a window
+``run + n - 1`` units (two runs that abut, the first ending a training row and
+the second starting one, are one span that a training block boundary cut). A span counts as training text only when it holds a window
 inside one line: a run made of boundary-crossing windows alone is template
 text around a line break (``Answer: 21.\\nQuestion: What is``), not a copy.
 Rows without boundaries (one eval example per line) are judged on all their
@@ -21,7 +21,8 @@ share (of the units a window could cover, those that are evidence of a
 copy): a copied line that a training block cut in two keeps its tokens but
 loses the n-grams across the cut. Evidence of a copy is a whole line (or
 document, or the part of one the row holds) inside a training span (but for
-the few units a training cut near its end leaves without a window), or a span
+the few units a training cut near its end leaves without a window, where the
+span's window there sat at its training row's edge: the hits say so), or a span
 of at least ``long_span`` units (the ``dirty_span`` that makes a row dirty by
 itself) wherever it lies. A shorter piece of a line is no evidence: lines of a
 templated corpus share such phrases with many training lines (``To make
@@ -32,6 +33,7 @@ n-grams of a shared template would otherwise cover many of its units.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +66,8 @@ class CopiedSpans:
     coverable: int = 0  # units inside some counted window (a line shorter than n cannot be matched at all)
     spans: list[tuple[int, int]] = field(default_factory=list)  # training spans, [start, end) in units, ascending
     long_span: int = 0  # a span this long is evidence of a copy wherever it lies (0: only whole lines are)
+    row_starts: frozenset[int] = frozenset()  # matched windows that started a training row: a copy may be cut before them
+    row_ends: frozenset[int] = frozenset()  # matched windows that ended a training row: a copy may be cut after them
 
     @property
     def fraction(self) -> float:
@@ -90,11 +94,13 @@ class CopiedSpans:
     @property
     def copied(self) -> int:
         """Units that are evidence of a copy: spans of at least ``long_span`` units whole, and every line (the part of
-        one between the row's ends included) that one span covers but for at most ``window - 1`` units at one end. A
-        line copied into training loses the windows across the training block boundary that cut it: near its middle
-        the two runs abut and are one span, but a cut within ``window - 1`` units of the line's start or end leaves
-        those units without a window. Any other piece of a line is no evidence: a phrase its template shares with
-        many training lines is as likely as a copy."""
+        one at the row's ends included) that one span covers, or covers but for at most ``window - 1`` units at one
+        end where the span's window at that end started (or ended) a training row. A line copied into training
+        loses the windows across the training block boundary that cut it: near its middle the two runs abut and are
+        one span, but a cut within ``window - 1`` units of the line's start or end leaves those units without a
+        window. A span that stops short of a line's end inside a training row saw other text there: the same
+        sentence with another name or number, which a templated corpus holds by the hundred. Any other piece of a
+        line is no evidence: a phrase its template shares with many training lines is as likely as a copy."""
         edges = sorted(self.edges)
         regions = [(start, end) for start, end in self.spans if self.long_span and end - start >= self.long_span]
         slack = self.window - 1
@@ -102,8 +108,9 @@ class CopiedSpans:
             lines = edges[max(bisect_right(edges, start) - 1, 0) : bisect_left(edges, end) + 1]
             for a, b in zip(lines, lines[1:]):  # the lines this span reaches into, [a, b)
                 s, e = max(start, a), min(end, b)
-                tol = slack if 0 < a and b < self.units else 0  # a piece at the row's end is judged as it is
-                if (s == a and b - e <= tol) or (e == b and s - a <= tol):
+                cut_after = b - e <= slack and e - self.window in self.row_ends  # training's row ended inside the line
+                cut_before = s - a <= slack and s in self.row_starts
+                if (s == a and (e == b or cut_after)) or (e == b and cut_before):
                     regions.append((a, b))
         copied, reach = 0, 0
         for start, end in sorted(regions):
@@ -134,20 +141,22 @@ class CopiedSpans:
 
 
 def copied_spans(offsets: list[int] | np.ndarray, units: int, window: int, crossing: np.ndarray,
-                 cuts: np.ndarray | None = None, long_span: int = 0) -> CopiedSpans:
+                 cuts: np.ndarray | None = None, long_span: int = 0,
+                 row_starts: Iterable[int] = (), row_ends: Iterable[int] = ()) -> CopiedSpans:
     """Spans and counted fractions of a sequence of ``units`` whose matched window starts are ``offsets``.
 
     ``crossing`` (from :func:`crossing_windows` with ``cuts``) marks the windows across a boundary. When every window
     crosses one (no line holds ``window`` units), all windows count, as in a row without boundaries.
 
-    Two runs that abut (the second starts where the first's last window ends) are one copy that a training block
-    boundary cut: the ``window - 1`` windows across that cut were never seen, and those inside one line count as seen
+    Two runs that abut (a window that ended a training row, ``row_ends``, and one that started a training row
+    where the first one's text ends, ``row_starts``) are one copy that a training block boundary cut: the ``window - 1`` windows across that cut were never seen, and those inside one line count as seen
     for the span (a window across a line break is never filled in: it would join two lines copied apart). A span
     goes on across a line break only when every window across the break was seen (lines copied together); otherwise
     the windows across it that matched are the template text lines start and end with, and the span stops there. A
     span runs from its first window inside one line to its last. ``long_span``: see :attr:`CopiedSpans.copied`.
     """
-    out = CopiedSpans(window=window, units=units, long_span=long_span)
+    out = CopiedSpans(window=window, units=units, long_span=long_span, row_starts=frozenset(row_starts),
+                      row_ends=frozenset(row_ends))
     total = len(crossing)
     if not total:
         return out
@@ -177,9 +186,9 @@ def copied_spans(offsets: list[int] | np.ndarray, units: int, window: int, cross
     seen = np.zeros(total, dtype=np.bool_)
     seen[starts] = True
     matched = seen.copy()  # before the windows between abutting runs are filled in
-    breaks = np.flatnonzero(np.diff(starts) != 1) + 1  # runs of consecutive offsets
-    for last, first in zip(starts[breaks - 1].tolist(), starts[breaks].tolist()):
-        if first == last + window:  # abutting runs: a training block boundary cut the copy there (not a line break)
+    for last in sorted(out.row_ends):  # a training row ended here and the next started one window on: a block boundary
+        first = last + window  # cut the copy there (whatever template windows other rows matched in between)
+        if first in out.row_starts and 0 <= last and first < total:
             seen[last + 1 : first] |= ~across[last + 1 : first]
     for gap in cuts.tolist():
         lo, hi = max(0, gap - window + 1), min(total, gap)  # the windows across this break

@@ -138,6 +138,8 @@ class Hit:
     length: int
     position: int
     row: int = 0
+    row_start: bool = False  # the window starts its training row (or document): text before it may be cut off, not different
+    row_end: bool = False  # the window ends its training row (or document)
 
 
 @dataclass
@@ -260,7 +262,9 @@ class NgramIndex:
                     example, variant, offset = int(table.examples[k]), int(table.variants[k]), int(table.offsets[k])
                     source = self.examples[example].variants[variant][offset : offset + length]
                     if np.array_equal(window, source):  # a hash collision stops here
-                        hits.append(Hit(example, variant, offset, length, start % width, start // width))
+                        position = start % width
+                        hits.append(Hit(example, variant, offset, length, position, start // width, position == 0,
+                                        position + length == width))
         return hits
 
     def query_segments(self, units: np.ndarray, bounds: np.ndarray) -> list[Hit]:
@@ -292,7 +296,9 @@ class NgramIndex:
                 for k in range(lo, hi):
                     example, variant, offset = int(table.examples[k]), int(table.variants[k]), int(table.offsets[k])
                     if np.array_equal(window, self.examples[example].variants[variant][offset : offset + length]):
-                        hits.append(Hit(example, variant, offset, length, start - int(bounds[row]), row))
+                        position = start - int(bounds[row])
+                        end = int(bounds[row + 1]) if row + 1 < len(bounds) else len(units)
+                        hits.append(Hit(example, variant, offset, length, position, row, position == 0, start + length == end))
         hits.sort(key=lambda hit: hit.row)  # stable: within a document, table by table and position by position
         return hits
 

@@ -102,12 +102,22 @@ class Tally:
     """What the training data matched of one eval example."""
 
     matched: dict[int, set[int]] = field(default_factory=dict)  # variant -> matched window offsets
+    row_starts: dict[int, set[int]] = field(default_factory=dict)  # variant -> matched windows that start a training row
+    row_ends: dict[int, set[int]] = field(default_factory=dict)  # variant -> matched windows that end a training row
     documents: set[str] = field(default_factory=set)
     locations: list[dict[str, Any]] = field(default_factory=list)
     near: list[dict[str, Any]] = field(default_factory=list)  # training documents that are near-duplicates of the example
 
-    def add(self, hit: Hit, document: str, snippet: str, max_locations: int) -> None:
+    def note(self, hit: Hit) -> None:
+        """The window ``hit`` matched, and whether it sits at its training row's edge (where training may cut a copy)."""
         self.matched.setdefault(hit.variant, set()).add(hit.offset)
+        if hit.row_start:
+            self.row_starts.setdefault(hit.variant, set()).add(hit.offset)
+        if hit.row_end:
+            self.row_ends.setdefault(hit.variant, set()).add(hit.offset)
+
+    def add(self, hit: Hit, document: str, snippet: str, max_locations: int) -> None:
+        self.note(hit)
         if document not in self.documents:
             self.documents.add(document)
             if len(self.locations) < max_locations:
@@ -133,7 +143,8 @@ def judge(index: NgramIndex, e: int, tally: Tally | None, options: ScanOptions) 
             continue
         cuts = example.cuts_of(v)
         crossing = crossing_windows(len(units), window, cuts) if cuts is not None else np.zeros(index.windows_of(e, v), np.bool_)
-        copy = copied_spans(offsets, len(units), window, crossing, cuts, options.dirty_span)
+        copy = copied_spans(offsets, len(units), window, crossing, cuts, options.dirty_span,
+                            tally.row_starts.get(v, ()) if tally else (), tally.row_ends.get(v, ()) if tally else ())
         longest = max(longest, copy.longest)
         by_span = by_span or (copy.joined and bool(options.dirty_span) and copy.longest >= options.dirty_span)
         if best is None or (copy.judged_fraction, copy.longest) > (best.judged_fraction, best.longest):

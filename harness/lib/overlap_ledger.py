@@ -5,10 +5,13 @@ showed of it, over micro-batches, steps and ranks: a leaked example that a
 block boundary cuts in two (and that two ranks may draw) is still one example
 with most of its n-grams matched, while a template 13-gram shared by many
 questions stays a small fraction. Matched windows are kept as Python ints
-used as bitsets (bit i: window i of a tokenisation variant).
+used as bitsets (bit i: window i of a tokenisation variant), three per
+variant (its lanes): the windows matched, and of those the ones that started
+or ended a training row (evidence that a training block boundary, not other
+text, cut a copied line there: ``harness.lib.copied_spans``).
 
 Ranks agree through the step exchange's one slot: each shares what it matched
-that the agreed set lacks, as ``(key, variant << 40 | chunk, bits)`` triples
+that the agreed set lacks, as ``(key, lane << 40 | chunk, bits)`` triples
 of 62-bit chunks; every rank merges every rank's triples, so every rank holds
 the same agreed set, judges it alike and names the same reporter for an
 example that became dirty (the lowest rank that contributed to it at that
@@ -26,10 +29,13 @@ from harness.lib.overlap import Tally
 
 CHUNK = 62  # bits per shared int64 (non-negative, whatever the sign handling on the way)
 MASK = (1 << CHUNK) - 1
-VARIANT_SHIFT = 40  # chunk numbers below, variant above: 2^40 chunks of 62 windows is far beyond any eval example
+LANE_SHIFT = 40  # chunk numbers below, lane above: 2^40 chunks of 62 windows is far beyond any eval example
 TRIPLE = 3
 
-Bits = dict[int, int]  # variant -> bitset of matched window offsets
+MATCHED, ROW_START, ROW_END = 0, 1, 2  # a variant's lanes: matched windows, those that started / ended a training row
+LANES = 3
+
+Bits = dict[int, int]  # lane (``lane_of(variant, kind)``) -> bitset of window offsets
 IsDirty = Callable[[int, Bits], bool]
 
 
@@ -42,6 +48,11 @@ def example_keys(names: Iterable[tuple[str, str]]) -> list[int]:
         seen[(eval_set, example_id)] = ordinal + 1
         keys.append(xxhash.xxh3_64_intdigest(f"{eval_set}\0{example_id}\0{ordinal}".encode()) & MASK)
     return keys
+
+
+def lane_of(variant: int, kind: int = MATCHED) -> int:
+    """The ledger's key for one kind of a variant's windows (every kind is merged and agreed alike: by OR)."""
+    return variant * LANES + kind
 
 
 def bits_of(offsets: Iterable[int]) -> int:
@@ -61,34 +72,38 @@ def offsets_of(bits: int) -> list[int]:
     return out
 
 
-def encode(key: int, variant: int, bits: int) -> list[int]:
-    """The non-empty 62-bit chunks of one variant's bitset as flat triples."""
+def encode(key: int, lane: int, bits: int) -> list[int]:
+    """The non-empty 62-bit chunks of one lane's bitset as flat triples."""
     out: list[int] = []
     chunk = 0
     while bits:
         part = bits & MASK
         if part:
-            out += [key, (variant << VARIANT_SHIFT) | chunk, part]
+            out += [key, (lane << LANE_SHIFT) | chunk, part]
         bits >>= CHUNK
         chunk += 1
     return out
 
 
 def decode(values: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(key, variant, bits)`` of flat triples (a cut tail that is not a whole triple is dropped)."""
+    """``(key, lane, bits)`` of flat triples (a cut tail that is not a whole triple is dropped)."""
     out = []
     for i in range(0, len(values) - TRIPLE + 1, TRIPLE):
         key, where, part = int(values[i]), int(values[i + 1]), int(values[i + 2])
         if key < 0 or where < 0 or part <= 0:
             continue  # not ours: never produced by encode
-        variant, chunk = where >> VARIANT_SHIFT, where & ((1 << VARIANT_SHIFT) - 1)
-        out.append((key, variant, part << (CHUNK * chunk)))
+        lane, chunk = where >> LANE_SHIFT, where & ((1 << LANE_SHIFT) - 1)
+        out.append((key, lane, part << (CHUNK * chunk)))
     return out
 
 
 def tally_from_bits(bits: Bits, base: Tally | None = None) -> Tally:
-    """A :class:`Tally` for ``judge`` with these matched windows (documents and locations from ``base``)."""
-    tally = Tally(matched={v: set(offsets_of(b)) for v, b in bits.items() if b})
+    """A :class:`Tally` for ``judge`` with these windows (documents and locations from ``base``)."""
+    tally = Tally()
+    for lane, b in bits.items():
+        if b:
+            variant, kind = divmod(lane, LANES)
+            (tally.matched, tally.row_starts, tally.row_ends)[kind][variant] = set(offsets_of(b))
     if base is not None:
         tally.documents, tally.locations, tally.near = base.documents, base.locations, base.near
     return tally
@@ -117,12 +132,12 @@ class MatchLedger:
 
     # -- this rank -----------------------------------------------------------------------------------
 
-    def add(self, example: int, variant: int, offsets: Iterable[int]) -> int:
-        """Record windows this rank matched; how many are new to this rank."""
+    def add(self, example: int, lane: int, offsets: Iterable[int]) -> int:
+        """Record windows this rank matched (``lane``: which kind of which variant); how many are new to this rank."""
         per = self.local.setdefault(example, {})
-        old = per.get(variant, 0)
+        old = per.get(lane, 0)
         new = old | bits_of(offsets)
-        per[variant] = new
+        per[lane] = new
         if new != old:
             self._unshared.add(example)
         return (new & ~old).bit_count()
@@ -140,8 +155,8 @@ class MatchLedger:
         for example in sorted(self._unshared):
             agreed = self.agreed.get(example, {})
             parts: list[int] = []
-            for variant, bits in sorted(self.local.get(example, {}).items()):
-                parts += encode(self.keys[example], variant, bits & ~agreed.get(variant, 0))
+            for lane, bits in sorted(self.local.get(example, {}).items()):
+                parts += encode(self.keys[example], lane, bits & ~agreed.get(lane, 0))
             if not parts:
                 self._unshared.discard(example)
                 continue
@@ -158,12 +173,12 @@ class MatchLedger:
         """Merge every rank's triples (rank order) and return the examples that became dirty, each once per run."""
         contributors: dict[int, list[int]] = {}
         for rank, values in enumerate(per_rank):
-            for key, variant, bits in decode(values or []):
+            for key, lane, bits in decode(values or []):
                 example = self._example_of.get(key)
                 if example is None:
                     continue  # an example this rank did not index
                 per = self.agreed.setdefault(example, {})
-                per[variant] = per.get(variant, 0) | bits
+                per[lane] = per.get(lane, 0) | bits
                 contributors.setdefault(example, set()).add(rank)
                 self.contributors.setdefault(example, set()).add(rank)
         out = []
@@ -184,7 +199,7 @@ class MatchLedger:
             out.append(example)
         return out
 
-    def restore(self, example: int, variant: int, bits: int) -> None:
+    def restore(self, example: int, lane: int, bits: int) -> None:
         """Agreed windows carried over from a checkpoint (every rank restores the same)."""
         per = self.agreed.setdefault(example, {})
-        per[variant] = per.get(variant, 0) | bits
+        per[lane] = per.get(lane, 0) | bits

@@ -13,15 +13,15 @@ it says True gives the same verdicts.
 
 The bounds follow ``copied_spans`` step by step, each time keeping a
 superset of its windows: the windows it fills between two abutting runs
-(any inside window up to ``window - 1`` after a matched window that has
-another matched window ``window`` further on), the windows across a line
+(any inside window up to ``window - 1`` after a window that ended a training
+row when one ``window`` further on started one), the windows across a line
 break kept only where all of them are set, runs stripped of their
 boundary-crossing ends (a span runs from its first window inside a line to
 its last). A run of ``r`` windows then bounds a span at ``r + window - 1``
 units; when no run can make a span of ``dirty_span`` units, the copied units
 are (nearly) whole lines inside spans only, bounded by the lines whose
 windows more than ``window - 1`` units from both ends are kept, and its first
-or last one (a line shorter than a window: every window across both its
+and last one (or one of them and a training row's edge among its windows) (a line shorter than a window: every window across both its
 ends), summed.
 """
 from __future__ import annotations
@@ -64,7 +64,8 @@ class RowShape:
     joined: bool  # more than one line or document holds a whole window (judged by its training spans)
     crossing: int = 0  # bitset: windows across a line break (joined rows only, like the fields below)
     breaks: tuple[int, ...] = ()  # per line break, ascending: the windows across it
-    lines: tuple[tuple[int, int, int], ...] = ()  # per line a span may count: windows it needs, one of which it needs, units
+    lines: tuple[tuple[int, int, int, int, int], ...] = ()  # per line a span may count: windows it needs, its first
+    # window, its last one, all its windows, its units
     coverable: int = 0  # units inside some counted window
 
     @classmethod
@@ -95,21 +96,25 @@ class RowShape:
         coverable = sum(last - first for first, last in lines) + window
         coverable += sum(min(following[0] - last, window) for (_, last), following in zip(lines, lines[1:]))
         edges = sorted({0, units, *gaps})
-        whole = []  # per line copied_spans may count: the windows it needs kept, one of which it needs, its units
+        whole = []  # per line copied_spans may count: the windows it needs kept, its first and last, all, its units
         for start, end in zip(edges, edges[1:]):
             if end - start >= window:  # one run of its windows, all but up to window - 1 units at one end covered:
                 middle = max(end - 2 * window + 2 - (start + window - 1), 0)  # those more than window - 1 in, and
                 needed = ((1 << middle) - 1) << (start + window - 1)
-                whole.append((needed, 1 << start | 1 << (end - window), end - start))  # its first or last window
+                own = ((1 << (end - window - start + 1)) - 1) << start
+                whole.append((needed, 1 << start, 1 << (end - window), own, end - start))
             elif 0 < start and end < units:  # shorter than a window: every window across both its ends
-                whole.append((across.get(start, 0) | across.get(end, 0), 0, end - start))  # (at a row end: never)
+                whole.append((across.get(start, 0) | across.get(end, 0), 0, 0, 0, end - start))  # (at a row end: never)
         return cls(window, total, inner, inner.bit_count(), True, crossing, tuple(breaks), tuple(whole), coverable)
 
 
-def may_be_dirty(shape: RowShape, matched: int, dirty_fraction: float, dirty_span: int) -> bool:
+def may_be_dirty(shape: RowShape, matched: int, dirty_fraction: float, dirty_span: int, row_starts: int = 0,
+                 row_ends: int = 0) -> bool:
     """False only when these matched windows cannot make this variant dirty: by its n-gram share, its copied share or
     (a joined row) a training span of ``dirty_span`` units. A joined row needs a matched window inside a line (matches
-    only across line breaks are template text there); a single example's share is exact."""
+    only across line breaks are template text there); a single example's share is exact. ``row_starts`` and
+    ``row_ends``: the matched windows that started or ended a training row (where copied_spans lets a training cut
+    leave a copy short)."""
     inside = matched & shape.inner
     if not shape.joined:
         return inside.bit_count() >= dirty_fraction * max(shape.counted, 1)
@@ -118,7 +123,7 @@ def may_be_dirty(shape: RowShape, matched: int, dirty_fraction: float, dirty_spa
     if inside.bit_count() >= dirty_fraction * shape.windows - SLACK:  # of all the row's windows (copied_spans.fraction)
         return True
     w, seen = shape.window, matched & ((1 << shape.windows) - 1)
-    abutting = seen & (seen >> w)  # matched here and ``window`` further on: copied_spans may fill the windows between
+    abutting = row_ends & (row_starts >> w)  # a row's end here, a row's start ``window`` on: copied_spans may fill between
     seen |= spread(abutting << 1, w - 1) & shape.inner
     for across in shape.breaks:  # a break's windows stay only where every one of them is set
         if seen & across != across:
@@ -131,6 +136,8 @@ def may_be_dirty(shape: RowShape, matched: int, dirty_fraction: float, dirty_spa
         seen &= ~strip
     if dirty_span and has_run(seen, dirty_span - w + 1):
         return True  # a span of dirty_span units may be there (or, copied_spans' long_span, copied units of any length)
-    copied = sum(units for needed, either, units in shape.lines  # no span that long: (nearly) whole lines only
-                 if seen & needed == needed and (not either or seen & either))
+    copied = sum(units for needed, first, last, own, units in shape.lines  # no span that long: (nearly) whole lines only,
+                 if seen & needed == needed and (not first  # exactly, or short by a training row's cut at one end
+                                                 or seen & first and (seen & last or row_ends & own)
+                                                 or seen & last and row_starts & own))
     return copied >= dirty_fraction * shape.coverable - SLACK

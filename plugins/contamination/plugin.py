@@ -15,7 +15,7 @@ from harness.lib.documents import ScanError
 from harness.lib.hashing import dataset_hashes, sample_tokens
 from harness.lib.ngrams import EvalExample, NgramIndex
 from harness.lib.overlap import FrontEnd, ScanOptions, Tally, judge
-from harness.lib.overlap_ledger import Bits, MatchLedger, example_keys, tally_from_bits
+from harness.lib.overlap_ledger import LANES, ROW_END, ROW_START, Bits, MatchLedger, example_keys, lane_of, tally_from_bits
 from harness.lib.span_bounds import RowShape, may_be_dirty
 
 from .checker import Checker, Found, Job, JobBuffer
@@ -31,6 +31,12 @@ RUN_END_WAIT_S = 60.0  # run end waits this long at most for the checker to fini
 LAST_STEP_WAIT_S = 60.0  # the last step's guard waits this long at most for the checker, so its matches are agreed
 EXCHANGE_INTS = 3 * 64  # the slot in the step exchange: 64 (key, chunk, bits) triples; more wait for the next step
 SLOT = "matched"
+
+
+def _all_set(bits: int, lo: int, hi: int) -> bool:
+    """Whether bits ``lo`` .. ``hi - 1`` are all set (an empty range: False)."""
+    mask = (1 << (hi - lo)) - 1 if hi > lo else 0
+    return bool(mask) and (bits >> lo) & mask == mask
 
 
 class Contamination(Plugin):
@@ -119,8 +125,9 @@ class Contamination(Plugin):
         """judge's verdict, called only when cheap bounds on the bits say some variant may be dirty (no near duplicates
         online): a joined row's full verdict takes about 140 us, and most matched rows are far from dirty."""
         o = self.options
-        if not any(may_be_dirty(self._shape(example, variant), matched, o.dirty_fraction, o.dirty_span)
-                   for variant, matched in bits.items()):
+        if not any(may_be_dirty(self._shape(example, variant), bits.get(lane_of(variant), 0), o.dirty_fraction, o.dirty_span,
+                                bits.get(lane_of(variant, ROW_START), 0), bits.get(lane_of(variant, ROW_END), 0))
+                   for variant in {lane // LANES for lane in bits}):
             return False
         verdict = self._judge(example, bits)
         if verdict["status"] != "dirty":
@@ -215,7 +222,10 @@ class Contamination(Plugin):
             groups.setdefault((hit.example, hit.row), {}).setdefault(hit.variant, []).append(hit)
             self._tallies.setdefault(hit.example, Tally()).add(hit, f"rank {job.rank} step {job.step} micro-batch {job.micro} row {hit.row}", "", 3)
         for (example, row), by_variant in groups.items():
-            new = max(self.ledger.add(example, variant, [h.offset for h in hits]) for variant, hits in by_variant.items())
+            new = 0
+            for variant, hits in by_variant.items():
+                new = max(new, self.ledger.add(example, lane_of(variant), [h.offset for h in hits]))
+                self._note_row_edges(example, variant, hits)
             if not new:
                 continue  # nothing this rank had not seen of the example: not a sighting
             hits = [h for variant_hits in by_variant.values() for h in variant_hits]
@@ -223,6 +233,20 @@ class Contamination(Plugin):
             sample = job.ids[row] if job.ids is not None and row < len(job.ids) else None
             remember(self._sightings.setdefault(example, []),
                      Sighting(job.step, job.micro, job.rank, row, sample, start, new, found.rows[row, start:end].copy()))
+
+    def _note_row_edges(self, example: int, variant: int, hits: list[Any]) -> None:
+        """Record the matched windows that start or end their training row (where training may have cut a copied line),
+        but not those whose ``n - 1`` windows before (a start) or after (an end) are all matched already: they change
+        no span (``copied_spans`` fills those windows between a row's end and the next row's start, or the span goes on
+        through them), and re-judging the row for them would cost the step end a verdict."""
+        assert self.ledger is not None
+        matched = self.ledger.combined(example).get(lane_of(variant), 0)
+        starts = [h.offset for h in hits if h.row_start and not _all_set(matched, max(h.offset - h.length + 1, 0), h.offset)]
+        ends = [h.offset for h in hits if h.row_end and not _all_set(matched, h.offset + 1, h.offset + h.length)]
+        if starts:
+            self.ledger.add(example, lane_of(variant, ROW_START), starts)
+        if ends:
+            self.ledger.add(example, lane_of(variant, ROW_END), ends)
 
     # -- per step: agree over ranks which examples became dirty; the reporter reports -------------------------------
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from harness.lib.ngrams import NgramIndex
-from harness.lib.overlap_ledger import MatchLedger
+from harness.lib.overlap_ledger import LANES, MatchLedger, lane_of
 
 
 def state_of(index: NgramIndex, ledger: MatchLedger) -> dict[str, Any]:
-    """``{"agreed": [[eval set, id, variant, windows, bits as hex], ...], "reported": [[eval set, id], ...]}`` (JSON)."""
-    agreed = [[index.examples[e].eval_set, index.examples[e].example_id, v, index.windows_of(e, v), format(b, "x")]
-              for e, per in sorted(ledger.agreed.items()) for v, b in sorted(per.items()) if b]
+    """``{"agreed": [[eval set, id, variant, windows, bits as hex, kind], ...], "reported": [[eval set, id], ...]}`` (JSON;
+    kind: ``harness.lib.overlap_ledger``'s lanes, absent in states written before it: matched windows)."""
+    agreed = [[index.examples[e].eval_set, index.examples[e].example_id, lane // LANES, index.windows_of(e, lane // LANES),
+               format(b, "x"), lane % LANES]
+              for e, per in sorted(ledger.agreed.items()) for lane, b in sorted(per.items()) if b]
     reported = [[index.examples[e].eval_set, index.examples[e].example_id] for e in sorted(ledger.reported)]
     return {"agreed": agreed, "reported": reported}  # the same on every rank: a resume agrees on what was reported
 
@@ -29,12 +31,13 @@ def restore(index: NgramIndex, ledger: MatchLedger, state: dict[str, Any]) -> in
     restored = 0
     for item in state.get("agreed") or []:
         try:
-            eval_set, example_id, variant, windows, bits = item
+            eval_set, example_id, variant, windows, bits = item[:5]
+            kind = int(item[5]) if len(item) > 5 else 0
             e = where.get((str(eval_set), str(example_id)))
-            if e is None or not 0 <= int(variant) < len(index.examples[e].variants):
+            if e is None or not 0 <= int(variant) < len(index.examples[e].variants) or not 0 <= kind < LANES:
                 continue
             if index.windows_of(e, int(variant)) == int(windows):  # the same example as at save time
-                ledger.restore(e, int(variant), int(bits, 16) & ((1 << int(windows)) - 1))
+                ledger.restore(e, lane_of(int(variant), kind), int(bits, 16) & ((1 << int(windows)) - 1))
                 restored += 1
         except (TypeError, ValueError):
             continue  # a hand-edited or foreign state: what cannot be read is not restored

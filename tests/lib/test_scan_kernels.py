@@ -163,3 +163,15 @@ def test_query_rows_finds_the_same_hits_either_way_and_never_across_rows(numpy_o
     monkeypatch.setattr(ngrams, "KERNELS", KERNELS)
     fast = sorted((h.row, h.position) for h in index.query_rows(rows))
     assert fast == slow == expected and len(expected) >= 20 and all(r != 30 or p < 33 for r, p in expected)
+
+
+def test_hits_say_when_their_window_starts_or_ends_its_training_row() -> None:
+    """The contamination judgement tells a training block boundary from other text by the row's edges (issue 43)."""
+    eval_units = np.arange(100, 140, dtype=np.int64)
+    index = NgramIndex.build([EvalExample("eval", "0", None, [eval_units])], 4, 0, 1)
+    rows = np.stack([np.r_[eval_units[10:20], 7, 8], np.r_[7, 8, eval_units[:10]]]).astype(np.int64)
+    edges = {(h.row, h.offset): (h.row_start, h.row_end) for h in index.query_rows(rows)}
+    assert edges[(0, 10)] == (True, False) and edges[(0, 16)] == (False, False) and edges[(1, 6)] == (False, True)
+    assert not any(start or end for (row, offset), (start, end) in edges.items() if (row, offset) not in {(0, 10), (1, 6)})
+    segments = index.query_segments(rows.reshape(-1), np.array([0, 12]))
+    assert {(h.row, h.offset): (h.row_start, h.row_end) for h in segments} == edges

@@ -318,7 +318,7 @@ def test_checkpoint_state_round_trips_the_agreed_windows_and_skips_what_changed(
     import numpy as np
 
     from harness.lib.ngrams import EvalExample, NgramIndex
-    from harness.lib.overlap_ledger import MatchLedger, example_keys
+    from harness.lib.overlap_ledger import ROW_END, MatchLedger, example_keys, lane_of
     from harness.plugins.contamination.state import restore, state_of
 
     def build(lengths: list[int]) -> tuple[NgramIndex, MatchLedger]:
@@ -326,13 +326,16 @@ def test_checkpoint_state_round_trips_the_agreed_windows_and_skips_what_changed(
         return NgramIndex.build(examples, 13, 10, 8), MatchLedger(example_keys((e.eval_set, e.example_id) for e in examples))
 
     index, ledger = build([64, 64, 200])
-    ledger.add(0, 0, [1, 2, 3])
-    ledger.add(2, 0, [0, 70, 150])
+    ledger.add(0, lane_of(0), [1, 2, 3])
+    ledger.add(0, lane_of(0, ROW_END), [3])  # a training row ended at window 3: the row's edge goes on with a resume
+    ledger.add(2, lane_of(0), [0, 70, 150])
     ledger.agree([ledger.outgoing(None)], lambda e, bits: False)
     state = json.loads(json.dumps(state_of(index, ledger)))
     fresh_index, fresh = build([64, 64, 100])  # q2 changed: 88 windows, not 188
-    assert restore(fresh_index, fresh, state) == 1 and fresh.agreed == {0: {0: 0b1110}}
+    assert restore(fresh_index, fresh, state) == 2 and fresh.agreed == {0: {lane_of(0): 0b1110, lane_of(0, ROW_END): 0b1000}}
     assert restore(fresh_index, fresh, {"agreed": [["quiz", "q0", 0, 52, "zz"], ["quiz"], None]}) == 0  # unreadable: skipped
+    older = build([64])  # a state written before rows' edges were kept: five fields, matched windows
+    assert restore(*older, {"agreed": [["quiz", "q0", 0, 52, "6"]]}) == 1 and older[1].agreed == {0: {lane_of(0): 0b110}}
 
 
 def test_a_masked_lm_run_finds_a_planted_eval_example_through_its_masks(make_trainer: Any, tokenizer: Any, lm_rows: Any, tmp_path: Path) -> None:

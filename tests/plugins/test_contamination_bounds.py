@@ -14,7 +14,7 @@ import pytest
 
 from harness.lib.copied_spans import copied_spans, crossing_windows, inner_bits
 from harness.lib.ngrams import EvalExample, NgramIndex
-from harness.lib.overlap_ledger import bits_of
+from harness.lib.overlap_ledger import LANES, MATCHED, ROW_END, ROW_START, bits_of, lane_of
 from harness.lib.span_bounds import RowShape, has_run, spread
 
 N = 13
@@ -38,7 +38,10 @@ def _block(lengths: list[int], first: int = 1) -> tuple[np.ndarray, np.ndarray]:
 def _before(plugin: Any, example: int, bits: dict[int, int]) -> bool:
     """The step-end verdict as it was: a joined row with any matched window inside a line went to the full judgement."""
     may = False
-    for variant, matched in bits.items():
+    for lane, matched in bits.items():
+        variant, kind = divmod(lane, LANES)
+        if kind != MATCHED:
+            continue
         x = plugin.index.examples[example]
         units, cuts = x.variants[variant], x.cuts_of(variant)
         window = min(plugin.index.n, len(units))
@@ -165,7 +168,10 @@ def test_the_bounded_verdict_equals_the_full_judgement_on_random_rows() -> None:
                 window = min(n, len(row))
                 crossing = crossing_windows(len(row), window, row_cuts)
                 if v == 0 or rng.random() < 0.5:
-                    bits[v] = _matched(rng, len(crossing), window, crossing, row_cuts)
+                    matched = bits[lane_of(v)] = _matched(rng, len(crossing), window, crossing, row_cuts)
+                    for kind, run_edges in ((ROW_START, matched & ~(matched << 1)), (ROW_END, matched & ~(matched >> 1))):
+                        edges = bits_of(o for o in range(len(crossing)) if rng.random() < 0.15)  # training rows' edges:
+                        bits[lane_of(v, kind)] = matched & (run_edges | edges) & rng.choice([edges, -1])  # at runs' ends, any
             expected = _before(plugin, 0, bits)
             plugin._judge = counted
             calls = 0
@@ -188,7 +194,7 @@ def _same_shape(units: int, window: int, cuts: np.ndarray) -> None:
     if shape.joined:
         assert shape.coverable == every.coverable and shape.crossing == inner_bits(~crossing)
         every_bit = (1 << len(crossing)) - 1  # all windows matched: the bound on whole lines holds what copied_spans copies
-        bound = sum(units for needed, either, units in shape.lines if every_bit & needed == needed and (not either or every_bit & either))
+        bound = sum(units for needed, first, last, own, units in shape.lines if every_bit & needed == needed)
         assert bound >= every.copied and (bound == every.copied or min(np.diff([0, *cuts.tolist(), units])) < window)
 
 
