@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.core.appendfile import open_append
+from harness.core.appendfile import shared_appender
 from harness.core.codes import INTERNAL_PLUGIN_ERROR
 from harness.core.distributed import all_gather_guarded, broadcast_guarded, failures
 from harness.core.findings import FindingCode, Severity
@@ -290,8 +290,7 @@ class GradSync(Plugin):
             "slices_compared": len(self._zero.pieces) if self._zero is not None and gathered[0].get("zero_local") is not None else 0,
             "data_wait_s": [round(t[0] / t[2], 6) if t[2] else None for t in (g["timing"] for g in gathered)],
         }
-        with open_append(ctx.path("grad_sync.jsonl")) as handle:
-            handle.write(dumps(record) + "\n")
+        shared_appender(ctx.path("grad_sync.jsonl")).write(dumps(record) + "\n")  # a full disk holds it: never raises
 
     def _compare_exact(self, ctx: Any, step: int, per_rank: list[list[Any] | None], code: str, what: str,
                        replica_groups: list[tuple[int, ...]]) -> bool:

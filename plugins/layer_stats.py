@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, IO
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.core.appendfile import open_append
+from harness.core.appendfile import LineAppender
 from harness.core.findings import FindingCode, Severity
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
@@ -108,7 +108,7 @@ class LayerStats(Plugin):
     def __init__(self) -> None:
         self.options = LayerStatsOptions()
         self.groups = LayerGroups()
-        self._file: IO[str] | None = None
+        self._file: LineAppender | None = None  # a full disk holds its lines: never raises into training
         self._handles: list[Any] = []
         self._reset()
 
@@ -147,7 +147,7 @@ class LayerStats(Plugin):
         if isinstance(self.optimizer, torch.optim.Optimizer):
             self._handles = [self.optimizer.register_step_pre_hook(self._before_update),
                              self.optimizer.register_step_post_hook(self._after_update)]
-        self._file = open_append(ctx.path(FILE))
+        self._file = LineAppender(ctx.path(FILE))
         update = "from the Adam state" if self.adam else "by snapshot" if self.options.update_snapshot else "not measured"
         log.info("layer_stats: %d groups (%d blocks with attention probes) every %d steps; update ratio %s",
                  len(self.groups), len(self.attention.blocks), self.options.interval, update)
@@ -298,7 +298,6 @@ class LayerStats(Plugin):
         judged = judge_step(step, self.groups.names, values, self.baselines, limits)
         if self._file is not None:
             self._file.write("".join(dumps(r) + "\n" for r in judged.rows))  # strict JSON ("nan", "inf")
-            self._file.flush()
         for metric, flags in judged.flags.items():
             code = CODE_OF[metric].code
             if not flags:

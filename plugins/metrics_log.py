@@ -16,11 +16,11 @@ Go read a line with a NaN loss; readers take numbers through ``as_float``.
 from __future__ import annotations
 
 import time
-from typing import IO, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harness.core.appendfile import open_append
+from harness.core.appendfile import LineAppender
 from harness.core.hookspecs import hookimpl
 from harness.core.plugin import Plugin
 from harness.core.strictjson import dumps
@@ -47,16 +47,16 @@ class MetricsLog(Plugin):
 
     def __init__(self) -> None:
         self.options = MetricsLogOptions()
-        self._logged: IO[str] | None = None
-        self._steps: IO[str] | None = None
+        self._logged: LineAppender | None = None  # never raise into training: a full disk holds the lines until it can write
+        self._steps: LineAppender | None = None
         self._pending: list[tuple[Any, ...]] = []  # per step, until the next flush
         self._tokens = 0  # token positions processed by all ranks (rank 0's count x world size), restored at resume
 
     @hookimpl
     def on_run_start(self, ctx: Any) -> None:
         if ctx.is_main:
-            self._logged = open_append(ctx.path("metrics.jsonl"))
-            self._steps = open_append(ctx.path("steps.jsonl"))
+            self._logged = LineAppender(ctx.path("metrics.jsonl"))
+            self._steps = LineAppender(ctx.path("steps.jsonl"))
         self._tokens = 0
         self._pending = []
 
@@ -81,7 +81,6 @@ class MetricsLog(Plugin):
     def on_log(self, ctx: Any, step: int, logs: dict[str, float]) -> None:
         if self._logged is not None:
             self._logged.write(dumps({"step": step, **logs}, default=float) + "\n")
-            self._logged.flush()
         self._flush()
 
     @hookimpl
@@ -104,7 +103,6 @@ class MetricsLog(Plugin):
         lines = [dumps({k: _host(v) for k, v in _record(pending).items()}) for pending in self._pending]
         self._pending = []
         self._steps.write("\n".join(lines) + "\n")
-        self._steps.flush()
 
 
 def _record(pending: tuple[Any, ...]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import pytest
@@ -49,6 +50,20 @@ def repetitive_rows(tokenizer: Any) -> Any:
     from harness.lib.tiny import corpus_lines, lm_dataset
 
     return lm_dataset(tokenizer, seq_len=32, n_rows=96, lines=corpus_lines()[:4])
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 16 MB tmpfs mounted at ``tmp_path/tmpfs`` (a disk a test may fill); skipped where mounting is not allowed."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (root and mount(8) are needed): {done.stderr.strip()[:200]}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 @pytest.fixture

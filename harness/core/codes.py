@@ -51,7 +51,15 @@ CHECKPOINT_INCOMPLETE = FindingCode(
     "A checkpoint folder lacks files of a finished save (killed mid-save); resume_from_checkpoint=True passed over it.",
     "resume#checkpoint_incomplete",
 )
+RUN_DIR_WRITE_FAILED = FindingCode(
+    "RUN_DIR_WRITE_FAILED",
+    Severity.WARNING,
+    "The harness could not write to the run directory for a while (a full disk or quota, an I/O error); training went "
+    "on and what was held in memory was written once it could.",
+    "harness-core#run_dir_write_failed",
+)
 CORE_CODES: tuple[FindingCode, ...] = (
+    RUN_DIR_WRITE_FAILED,
     INTERNAL_PLUGIN_ERROR,
     PLUGIN_DISABLED,
     PLUGIN_STOP,

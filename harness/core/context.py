@@ -1,12 +1,15 @@
 """The run context handed to every hook, and the findings hub behind ``ctx.report``."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
 from harness.core.actions import Action, strongest
+from harness.core.appendfile import HOLD_BYTES, OUTAGES
+from harness.core.codes import RUN_DIR_WRITE_FAILED
 from harness.core.console import Console
 from harness.core.deferred import DeferredReads
 from harness.core.errors import HarnessError
@@ -286,6 +289,28 @@ class RunContext:
             except Exception:  # noqa: BLE001 - an observer (a tracker) is never worth a finding lost or a step
                 pass
 
+    def note_write_outages(self, final: bool = False) -> None:
+        """Retry what the run's files hold while their folder could not be written (every few seconds; all of it at
+        ``final``), and record each outage that is over as a ``RUN_DIR_WRITE_FAILED`` finding. At ``final`` an outage
+        still going on is recorded too (held, it is written if the folder takes writes before the process ends)."""
+        OUTAGES.retry(force=final)
+        over = OUTAGES.take_over() + (list(OUTAGES.active.values()) if final else [])
+        for outage in over:
+            seconds = (outage.until or time.time()) - outage.since
+            how = "until the end of the run" if outage.until is None else f"for {seconds:.0f} s"
+            lost = (f"; {outage.dropped} line(s) past the {HOLD_BYTES >> 20} MB a file may hold were dropped"
+                    if outage.dropped else "; nothing was lost")
+            self.report(
+                RUN_DIR_WRITE_FAILED.code,
+                f"the harness could not write to {outage.folder} {how} ({outage.error}, errno {outage.errno}); training "
+                f"went on, and what the harness wrote there meanwhile ({', '.join(sorted(outage.files))}) was held in "
+                f"memory and written once it could{lost}.",
+                plugin="harness",
+                evidence={"folder": outage.folder, "errno": outage.errno, "error": outage.error, "since": round(outage.since, 3),
+                          "until": None if outage.until is None else round(outage.until, 3), "seconds": round(seconds, 1),
+                          "dropped_lines": outage.dropped, "files": sorted(outage.files)},
+            )
+
     def agree(self) -> Action:
         """Collective at the step guard: the strongest pending action of all ranks, findings moved to rank 0.
 
@@ -295,6 +320,8 @@ class RunContext:
         (``ctx.share``), which ``ctx.shared`` then returns on every rank.
         """
         votes: list[int]
+        if OUTAGES.active or OUTAGES.over:  # a folder of the run could not be written: retry, and record it once over
+            self.note_write_outages()
         if self.world_size == 1 and alone():  # the exchange would hand this rank its own row back (and meets nobody)
             self.exchange.loop_back()
             agreed, outgoing = self.pending_action, len(self._hub.outbox)

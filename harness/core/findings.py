@@ -8,7 +8,6 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-import os
 import threading
 import time
 import uuid
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from harness.core.appendfile import open_append
+from harness.core.appendfile import LineAppender
 from harness.core.jsonl import read_jsonl
 from harness.core.strictjson import dumps
 
@@ -147,26 +146,22 @@ class FindingsFile:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._seen: set[str] = {f.id for f in read_findings(self.path)} if self.path.exists() else set()
-        self._handle = open_append(self.path)
+        self._file = LineAppender(self.path, fsync=True)  # never raises: a full disk holds the line until it can write
 
     def append(self, finding: Finding) -> bool:
-        """Write ``finding`` unless a finding with the same id is already in the file."""
+        """Write ``finding`` (or hold it, while the folder cannot be written) unless the file already has its id."""
         with self._lock:
             if finding.id in self._seen:
                 return False
-            self._handle.write(finding.to_json() + "\n")
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
+            self._file.write(finding.to_json() + "\n")
             self._seen.add(finding.id)
             return True
 
     def close(self) -> None:
         with self._lock:
-            if not self._handle.closed:
-                self._handle.close()
+            self._file.close()
 
 
 def read_findings(path: Path, skipped: dict[str, int] | None = None) -> list[Finding]:

@@ -43,10 +43,11 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections import deque
 import weakref
 from pathlib import Path
 
-from harness.core.appendfile import ends_torn
+from harness.core.appendfile import OUTAGES, ends_torn
 
 try:
     import fcntl
@@ -119,7 +120,7 @@ class MappedLines:
 
     def __init__(self, path: str | os.PathLike[str], window: int = WINDOW) -> None:
         """Opens ``path`` for appending: a killed writer's unwritten NULs are cut off and a torn last line is closed with a
-        newline first, so the first new line starts on a line of its own (``appendfile.open_append`` does the same)."""
+        newline first, so the first new line starts on a line of its own (``appendfile.LineAppender`` does the same)."""
         self.path = Path(path)
         self._window = max(mmap.ALLOCATIONGRANULARITY, window - window % mmap.ALLOCATIONGRANULARITY)
         self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -127,6 +128,8 @@ class MappedLines:
         self._base = 0  # file offset of the mapping's first byte
         self._room = 0  # bytes the mapping holds
         self._pid = os.getpid()
+        self._held: deque[bytes] = deque()  # lines a full disk refused, in order
+        self._failure: OSError | None = None
         _OPEN.add(self)
         self.owner = _lock(self._fd)  # the file's only live writer: it may map and trim
         # False where a fault could SIGBUS, and once a mapping could not be made
@@ -145,11 +148,48 @@ class MappedLines:
         """Append ``data`` (whole lines, newline-terminated): a copy into the mapping on the common path."""
         start = self.end - self._base
         stop = start + len(data)
-        if self._map is not None and stop <= self._room:
+        if self._map is not None and stop <= self._room and not self._held:
             self._map[start:stop] = data
             self.end += len(data)
             return
+        self._held.append(data)
+        self.drain()
+
+    def _put(self, data: bytes) -> None:
+        """``write`` without holding: into the mapping, or elsewhere; raises what the disk raises."""
+        start = self.end - self._base
+        if self._map is not None and start + len(data) <= self._room:
+            self._map[start : start + len(data)] = data
+            self.end += len(data)
+            return
         self._write_elsewhere(data)
+
+    @property
+    def holding(self) -> int:
+        """Lines a failed write (a full disk) left in memory, written by the next write or ``drain`` that succeeds."""
+        return sum(chunk.count(b"\n") for chunk in self._held)
+
+    def drain(self) -> bool:
+        """Write what is held; never raises an ``OSError`` into training (``harness.core.appendfile.OUTAGES`` says it)."""
+        try:
+            while self._held:
+                before = self.end
+                try:
+                    self._put(self._held[0])
+                except OSError:
+                    if self.owner and self.end > before:  # a head written before the error: not written twice
+                        self._held[0] = self._held[0][self.end - before :]
+                    raise
+                self._held.popleft()
+        except OSError as exc:
+            if self._failure is None:
+                OUTAGES.failed(self, exc)
+            self._failure = exc
+            return False
+        if self._failure is not None:
+            self._failure = None
+            OUTAGES.written(self)
+        return True
 
     def _write_elsewhere(self, data: bytes) -> None:
         """The mapping is full (or there is none yet): map the next window, else write to the file."""
@@ -161,7 +201,7 @@ class MappedLines:
             if not data:
                 return
         if self.mapped and self._remap(len(data)):
-            self.write(data)
+            self._put(data)
             return
         self._write_plainly(data)
 
@@ -212,6 +252,8 @@ class MappedLines:
         """Unmap, cut the unwritten rest of the window off, close (``fsync`` first with ``sync``)."""
         if self._fd is None:
             return
+        if self._held and os.getpid() == self._pid:
+            self.drain()  # the last chance for what a full disk held (lost if it still cannot be written)
         if os.getpid() != self._pid:  # a forked child's copy (where the fork handler did not run): not its file to cut
             self._forget()
             return

@@ -93,6 +93,7 @@ class RunLifecycle:
             self.ctx.status = status
             try:
                 self.ctx.manager.hooks.on_run_end(self.ctx, status, error)
+                self.ctx.note_write_outages(final=True)  # what the plugins' run ends held, written where it can be, and said
                 self._finish_run(status, error)
             finally:  # also after a KeyboardInterrupt while the report is written
                 self._release_lock()

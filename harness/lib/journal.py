@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from harness.core.appendfile import open_append
+from harness.core.appendfile import LineAppender
 from harness.core.strictjson import dumps
 
 
@@ -25,15 +25,14 @@ class Journal:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.cursor_path = self.path.with_suffix(f"{self.path.suffix}.{cursor}")
         self._lock = threading.Lock()
-        self._handle = open_append(self.path)
+        self._file = LineAppender(self.path)  # a full disk holds the records until it can write; training goes on
 
     def append(self, records: list[dict[str, Any]]) -> None:
         if not records:
             return
         text = "".join(dumps(r, separators=(",", ":")) + "\n" for r in records)  # strict JSON: a NaN metric as "nan"
         with self._lock:
-            self._handle.write(text)
-            self._handle.flush()
+            self._file.write(text)
 
     @property
     def cursor(self) -> int:
@@ -72,5 +71,4 @@ class Journal:
 
     def close(self) -> None:
         with self._lock:
-            if not self._handle.closed:
-                self._handle.close()
+            self._file.close()

@@ -11,19 +11,21 @@ both in step with this model.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from harness.core.actions import HarnessStop
-from harness.core.appendfile import open_append
+from harness.core.appendfile import shared_appender
 from harness.core.findings import FindingCode, Severity
 from harness.core.strictjson import dumps
 from harness.lib.fingerprints import optimizer_tensors, param_tensors
 from harness.testing.module_faults import ModuleFaults
 from harness.testing.oom_fault import OomRaiser
 from harness.testing.checkpoint_fault import truncate_weights
+from harness.testing.disk_fault import fill_disk, free_disk
 from harness.testing.rerun_faults import NanBatch, RankNan
 from harness.testing.rng_fault import reseed_sampler
 from harness.testing.signal_fault import send_signal_once
@@ -123,6 +125,10 @@ class FaultOptions(BaseModel):
     truncate_checkpoint_at_step: int | None = Field(
         None, description="Right after the save of this step (rank 0, before the harness marks the save complete), cut the "
         "checkpoint's weights file to half its size (a truncated write).")
+    fill_disk_at_step: int | None = Field(
+        None, description="At the end of this step (rank 0), fill the file system under output_dir (a test's small tmpfs: one "
+        "with more than 256 MB free is refused) until writes fail with ENOSPC.")
+    free_disk_at_step: int | None = Field(None, description="At the end of this step (rank 0), free what fill_disk_at_step wrote.")
     snapshot_steps: list[int] = Field(
         default_factory=list, description="Record whether params and optimizer state changed across these steps (one line per step in "
         "fault_injector.rank-<r>.jsonl)."
@@ -445,6 +451,9 @@ class FaultInjector(Plugin):
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:
         self._maybe_raise("on_step_end", step)
+        if ctx.is_main and step in (self.options.fill_disk_at_step, self.options.free_disk_at_step):
+            out = Path(ctx.trainer.args.output_dir)
+            fill_disk(out) if step == self.options.fill_disk_at_step else free_disk(out)
         self._maybe_report(ctx, "on_step_end", step)
         if step in self.options.advance_scheduler_at_steps and metrics.get("skipped"):
             advance_scheduler(ctx.trainer)
@@ -465,5 +474,4 @@ class FaultInjector(Plugin):
         }
         self.snapshots.append(record)
         self._before = {}
-        with open_append(ctx.path(f"fault_injector.rank-{ctx.rank}.jsonl")) as handle:
-            handle.write(dumps(record) + "\n")
+        shared_appender(ctx.path(f"fault_injector.rank-{ctx.rank}.jsonl")).write(dumps(record) + "\n")

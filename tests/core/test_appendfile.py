@@ -89,15 +89,17 @@ def _metrics_log(name: str) -> Callable[[Path], tuple[Path, list[Any]]]:
     return run
 
 
-def _open_append(tmp: Path) -> tuple[Path, list[Any]]:
-    from harness.core.appendfile import open_append
+def _line_appender(tmp: Path) -> tuple[Path, list[Any]]:
+    from harness.core.appendfile import LineAppender
 
     path = tmp / "any.jsonl"
     _tear(path)
-    with open_append(path) as handle:
-        handle.write('{"n": 1}\n')
-    with open_append(path) as handle:  # a file that ends well gets no blank line
-        handle.write('{"n": 2}\n')
+    first = LineAppender(path)
+    first.write('{"n": 1}\n')
+    first.close()
+    second = LineAppender(path)  # a file that ends well gets no blank line
+    second.write('{"n": 2}\n')
+    second.close()
     assert path.read_text().splitlines() == [TORN, '{"n": 1}', '{"n": 2}']
     return path, [r["n"] for r in _intact(path)]
 
@@ -108,7 +110,7 @@ APPENDERS = {
     "ledger": (_ledger, [("start", 1), (None, 1), ("start", 2)]),
     "metrics.jsonl": (_metrics_log("metrics.jsonl"), [1]),
     "steps.jsonl": (_metrics_log("steps.jsonl"), [1]),
-    "open_append": (_open_append, [1, 2]),
+    "LineAppender": (_line_appender, [1, 2]),
 }
 
 
@@ -121,8 +123,9 @@ def test_appenders_start_on_a_fresh_line_after_a_torn_line(name: str, tmp_path: 
 
 
 def test_no_appender_opens_a_file_for_append_directly() -> None:
-    """Every append-only file of the harness goes through ``open_append`` (the grep of item 5, kept true)."""
-    pattern = re.compile(r"""open\([^)]*["'](a|ab|a\+)["']""")
+    """Every append-only file of the harness goes through ``LineAppender`` (the grep of item 5, kept true): never a torn
+    line glued to a record, never a full disk raised into training."""
+    pattern = re.compile(r"""open\([^)]*["'](a|ab|a\+)["']|O_APPEND""")
     offenders = [
         f"{path.relative_to(REPO)}:{n}"
         for folder in ("harness", "plugins", "stages")
