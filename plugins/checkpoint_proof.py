@@ -138,7 +138,8 @@ class CheckpointProof(Plugin):
         started = time.perf_counter()
         trainer = ctx.trainer
         job = Job(Path(trainer.args.output_dir), Path(checkpoint_dir), step, _layout(trainer, ctx.world_size),
-                  rtol=self.options.loss_rtol, rank_wait_s=self.options.rank_wait_s, raw_resume=resumes_by_saved_names(trainer))
+                  rtol=self.options.loss_rtol, rank_wait_s=self.options.rank_wait_s, raw_resume=resumes_by_saved_names(trainer),
+                  not_saved=ctx.unsaved_states.get(step))
         self._take_reference(ctx, trainer, job)
         job.save_cost_s = time.perf_counter() - started
         self._worker.submit(job)

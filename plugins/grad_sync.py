@@ -495,6 +495,7 @@ class GradSync(Plugin):
     @hookimpl
     def report_sections(self, run: Any) -> Any:
         """The replica checks of ``grad_sync.jsonl``: how many, how many in sync, the steps that were not."""
+        from harness.lib.textsafe import md_escape
         from harness.report.model import ReportSection, md_table
         from harness.report.record import read_jsonl
 
@@ -503,8 +504,10 @@ class GradSync(Plugin):
             return None
         bad = [c for c in checks if not c.get("in_sync", True)]
         first = checks[0]
-        text = (f"{len(checks)} cross-rank checks ({first.get('parallelism')}, {first.get('ranks')} ranks) between steps "
-                f"{checks[0].get('step')} and {checks[-1].get('step')}: {len(checks) - len(bad)} in sync, {len(bad)} not. "
+        # what grad_sync.jsonl holds is data (a received run directory): escaped, never markdown or HTML of its own
+        text = (f"{len(checks)} cross-rank checks ({md_escape(first.get('parallelism'))}, {md_escape(first.get('ranks'))} ranks) "
+                f"between steps {md_escape(checks[0].get('step'))} and {md_escape(checks[-1].get('step'))}: "
+                f"{len(checks) - len(bad)} in sync, {len(bad)} not. "
                 "One line per check in [grad_sync.jsonl](grad_sync.jsonl).\n\n")
         if bad:
             text += md_table(["step", "weights compared", "gradients compared", "ZeRO slices compared"],

@@ -21,7 +21,6 @@ first update by default; the rest warn. The data position is read from
 """
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter, deque
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from harness.lib.capture import can_recompute, per_sample_loss, recompute_losses
-from harness.lib.checkpoints import STATE_DIR
+from harness.lib.checkpoints import STATE_DIR, read_state_file
 from harness.core.findings import Finding, FindingCode, Severity
 from harness.core.jsonl import read_jsonl
 from harness.core.strictjson import as_float
@@ -370,7 +369,9 @@ class ResumeCheck(Plugin):
         elif not state_file.is_file():
             why = f"{state_dir.name}/{state_file.name} is missing (the save was interrupted on this rank, or it ran with another world size)"
         else:
-            why = f"{state_dir.name}/{state_file.name} has no resume_check entry (resume_check was off when it was saved, or the file is unreadable)"
+            problem = read_state_file(Path(checkpoint_dir), ctx.rank)[1]
+            why = (f"{state_dir.name}/{state_file.name} cannot be used: {problem}" if problem is not None else
+                   f"{state_dir.name}/{state_file.name} has no resume_check entry (resume_check was off when it was saved)")
         self.report(
             RESUME_UNCHECKED.code,
             f"resumed from {Path(checkpoint_dir).name} without verifying it: {why}. Weights, optimizer state, scheduler, RNG "
@@ -636,7 +637,6 @@ BATCH_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 # the step exchange's slot in which data_hash (a required plugin) shares every rank's sample hashes of the step, read here
 # by name: the one-set comparison needs no collective of its own
 DATA_HASH, DATA_HASH_SLOT = "data_hash", "hashes"
-STATE_BYTES = 64 << 20  # a received checkpoint is data: a larger state file is not read
 
 
 def _batch_geometry(config: dict[str, Any], world_size: Any) -> tuple[int, int, int, int] | None:
@@ -662,15 +662,9 @@ def _state_of_rank_0(checkpoint_dir: Path, rank: int) -> dict[str, Any] | None:
     Its weights, optimizer state (when not partitioned), scheduler, training
     arguments and reference batch are those of every data-parallel replica.
     """
-    path = checkpoint_dir / STATE_DIR / "rank-0.json"
-    if rank == 0 or path.is_symlink() or not path.is_file():
+    if rank == 0:
         return None
-    try:
-        if path.stat().st_size > STATE_BYTES:
-            return None
-        state = json.loads(path.read_text(encoding="utf-8")).get("resume_check")
-    except (OSError, ValueError, AttributeError):
-        return None
+    state = read_state_file(checkpoint_dir, 0)[0].get("resume_check")
     world = state.get("world_size") if isinstance(state, dict) else None
     return state if isinstance(world, int) and world <= rank else None
 

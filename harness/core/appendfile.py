@@ -24,6 +24,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,6 +55,7 @@ class Holder(Protocol):
     """A file writer that holds what it could not write (``LineAppender``, the ledger's ``MappedLines``)."""
 
     path: Path
+    failure: OSError | None  # the error of the last write, while it failed
 
     @property
     def holding(self) -> int: ...
@@ -143,6 +145,22 @@ class Outages:
 OUTAGES = Outages()
 
 
+def attempt_write(holder: Holder, action: Callable[[], None]) -> bool:
+    """Run ``action`` (a write of ``holder``'s); an ``OSError`` is kept as ``holder.failure`` and told to ``OUTAGES``
+    (once, as the outage begins), never raised; the first success after one ends it. True when ``action`` succeeded."""
+    try:
+        action()
+    except OSError as exc:
+        if holder.failure is None:
+            OUTAGES.failed(holder, exc)
+        holder.failure = exc
+        return False
+    if holder.failure is not None:
+        holder.failure = None
+        OUTAGES.written(holder)
+    return True
+
+
 def _errno_text(exc: OSError) -> str:
     name = errno_module.errorcode.get(exc.errno or 0)
     return f"[Errno {exc.errno}{' ' + name if name else ''}] {exc.strerror or exc}"
@@ -209,17 +227,7 @@ class LineAppender:
         return sum(chunk.count(b"\n") for chunk in self._held)
 
     def _try(self, action: Any, *args: Any) -> bool:
-        try:
-            action(*args)
-        except OSError as exc:
-            if self.failure is None:
-                OUTAGES.failed(self, exc)
-            self.failure = exc
-            return False
-        if self.failure is not None:
-            self.failure = None
-            OUTAGES.written(self)
-        return True
+        return attempt_write(self, lambda: action(*args))
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -58,8 +58,16 @@ RUN_DIR_WRITE_FAILED = FindingCode(
     "on and what was held in memory was written once it could.",
     "harness-core#run_dir_write_failed",
 )
+HARNESS_STATE_NOT_SAVED = FindingCode(
+    "HARNESS_STATE_NOT_SAVED",
+    Severity.WARNING,
+    "The harness could not write its plugin state or its completion marker into a checkpoint; a resume from it is "
+    "not verified.",
+    "harness-core#harness_state_not_saved",
+)
 CORE_CODES: tuple[FindingCode, ...] = (
     RUN_DIR_WRITE_FAILED,
+    HARNESS_STATE_NOT_SAVED,
     INTERNAL_PLUGIN_ERROR,
     PLUGIN_DISABLED,
     PLUGIN_STOP,

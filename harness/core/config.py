@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import select
+import stat
+import time
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +37,7 @@ from harness.core.options import (
     ResolvedConfig,
 )
 from harness.core.registry import entry_for
+from harness.core.safe_yaml import MAX_YAML_BYTES, load_yaml, short_repr
 
 __all__ = [
     "CONFIG_ENV", "CORE_KEYS", "NAMES_CODES", "ONLY_ENV", "PLUGINS_ENV", "REFERENCE_HINT", "REPORT_PLOTS_ENV", "Catalog",
@@ -42,23 +46,72 @@ __all__ = [
 ]
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
-    """Read a YAML mapping, with errors that name the file and the line."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError([f"harness config file '{path}' does not exist. Fix: pass an existing YAML file with --config (or HARNESS_CONFIG)."])
-    if path.is_dir():
-        raise ConfigError([f"harness config file '{path}' is a folder. Fix: pass the YAML file itself with --config (or HARNESS_CONFIG)."])
+CONFIG_READ_S = 30.0  # a config given through a pipe (``--config <(envsubst < t.yaml)``) must be written within this
+
+
+def read_config_text(path: str | os.PathLike[str]) -> str:
+    """The text of a config file as given: a regular file, or a pipe (read once, to its end); at most
+    ``MAX_YAML_BYTES``. Anything else (a device such as /dev/zero, a socket, a folder) is a ConfigError naming it."""
+    shown = str(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        line = path.read_bytes()[: exc.start].count(b"\n") + 1
-        raise ConfigError([f"harness config file '{path}' is not UTF-8 text (byte {exc.object[exc.start]:#04x} on line {line}). "
-                           "Fix: save it as UTF-8 YAML."]) from None
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ConfigError([f"harness config file '{shown}' does not exist. Fix: pass an existing YAML file with --config (or HARNESS_CONFIG)."]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"harness config file '{shown}' is a folder. Fix: pass the YAML file itself with --config (or HARNESS_CONFIG)."]) from None
     except OSError as exc:
-        raise ConfigError([f"harness config file '{path}' cannot be read ({exc.strerror or exc}). Fix: pass a YAML file you can read."]) from None
+        raise ConfigError([f"harness config file '{shown}' cannot be read ({exc.strerror or exc}). Fix: pass a YAML file you can read."]) from None
     try:
-        data = yaml.safe_load(text)
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ConfigError([f"harness config file '{shown}' is a folder. Fix: pass the YAML file itself with --config (or HARNESS_CONFIG)."])
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            raise ConfigError([f"harness config file '{shown}' is not a regular file or a pipe (a device or a socket). "
+                               "Fix: pass a YAML file, or a pipe that carries one (--config <(envsubst < t.yaml))."])
+        data = _read_capped(fd, stat.S_ISFIFO(mode), shown)
+    except OSError as exc:
+        raise ConfigError([f"harness config file '{shown}' cannot be read ({exc.strerror or exc}). Fix: pass a YAML file you can read."]) from None
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError([f"harness config file '{shown}' is not UTF-8 text (byte {data[exc.start]:#04x} on line {line}). "
+                           "Fix: save it as UTF-8 YAML."]) from None
+
+
+def _read_capped(fd: int, pipe: bool, shown: str) -> bytes:
+    """All of ``fd`` up to ``MAX_YAML_BYTES`` (a pipe: until its writer closes it, waiting ``CONFIG_READ_S`` at most)."""
+    chunks: list[bytes] = []
+    size = 0
+    deadline = time.monotonic() + CONFIG_READ_S
+    while True:
+        if pipe:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise ConfigError([f"harness config file '{shown}' is a pipe that sent no end of file within {CONFIG_READ_S:.0f} s. "
+                                   "Fix: close the pipe's writing end after the YAML, or pass a file."])
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_YAML_BYTES:
+            raise ConfigError([f"harness config file '{shown}' holds more than {MAX_YAML_BYTES >> 20} MB. "
+                               "Fix: pass the harness config (a few KB of YAML), not another file."])
+
+
+def read_yaml(path: Path, text: str | None = None) -> dict[str, Any]:
+    """Read a YAML mapping (from ``path``, or ``text`` read from it already), with errors that name the file and line."""
+    path = Path(path)
+    if text is None:
+        text = read_config_text(path)
+    try:
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         where = ""
         mark = getattr(exc, "problem_mark", None)
@@ -126,11 +179,11 @@ def _explain(error: dict[str, Any], source: str, model: type[BaseModel], catalog
     if error.get("type") in ("literal_error", "enum"):  # a choice (an action, a mode): list the valid ones
         valid = re.findall(r"'([^']*)'", str((error.get("ctx") or {}).get("expected", "")))
         return (
-            f"harness config error in {source}, key '{key}' ({owner}): {value!r} is not a valid value."
+            f"harness config error in {source}, key '{key}' ({owner}): {short_repr(value)} is not a valid value."
             f"{did_you_mean(str(value), valid)} Valid values: {', '.join(valid)}. Fix: use one of them ({REFERENCE_HINT})."
         )
     return (
-        f"harness config error in {source}, key '{key}' ({owner}): {error.get('msg')}; got {value!r}. "
+        f"harness config error in {source}, key '{key}' ({owner}): {error.get('msg')}; got {short_repr(value)}. "
         f"Fix: give a value of the right type ({REFERENCE_HINT})."
     )
 
@@ -267,8 +320,12 @@ def load_config(
     catalog: Catalog,
     extra_plugins: list[str] | None = None,
     only: list[str] | None = None,
+    source: str | None = None,
 ) -> ResolvedConfig:
-    """Load from a path, a dict, or (None) the ``HARNESS_CONFIG``/``HARNESS_PLUGINS``/``HARNESS_ONLY`` environment."""
+    """Load from a path, a dict, or (None) the ``HARNESS_CONFIG``/``HARNESS_PLUGINS``/``HARNESS_ONLY`` environment.
+
+    ``source``: the name errors give the file (``harness wrap`` reads a pipe once, then validates a private copy).
+    """
     extra = list(extra_plugins or [])
     if config is None:
         extra += _names(os.environ.get(PLUGINS_ENV, ""))
@@ -279,8 +336,9 @@ def load_config(
         return resolve_config({}, catalog, "<defaults>", extra, only)
     if isinstance(config, dict):
         return resolve_config(config, catalog, "<inline config>", extra, only)
-    path = Path(config).resolve()
-    return resolve_config(read_yaml(path), catalog, str(path), extra, only)
+    path = Path(os.path.abspath(config))  # not resolved: /dev/fd/63 (a shell's <(...)) is a link to no path
+    shown = Path(source) if source else path
+    return resolve_config(read_yaml(shown, read_config_text(path)), catalog, str(shown), extra, only)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any, Literal, TextIO
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from harness.core.findings import Finding, Severity
+from harness.core.terminal_text import terminal_text
 
 QUIET_ENV = "HARNESS_QUIET"
 PREFIX = "[harness]"
@@ -139,6 +140,7 @@ def write_stderr(text: str, stream: TextIO | None = None) -> None:
     target = stream if stream is not None else sys.stderr
     if target is None:  # pythonw, or a closed descriptor replaced by None
         return
+    text = terminal_text(text)  # a finding's message may carry a received run's or the data's control sequences
     try:
         bars = sys.modules.get("tqdm") if stream is None else None
         if bars is not None:

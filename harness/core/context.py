@@ -117,6 +117,7 @@ class RunContext:
         self.step = 0
         self.micro_step = 0
         self.resumed_from: Path | None = None
+        self.unsaved_states: dict[int, str] = {}  # step -> why this rank's harness state of that save was not written
         # the batches are masked-LM ones (the HF layer decides at the run's start, harness.lib.hashing.masked_lm_run):
         # a sample is hashed from its original tokens, which the labels hold where the collator masked the input
         self.masked_lm = False

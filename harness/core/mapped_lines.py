@@ -47,7 +47,7 @@ from collections import deque
 import weakref
 from pathlib import Path
 
-from harness.core.appendfile import OUTAGES, ends_torn
+from harness.core.appendfile import attempt_write, ends_torn
 
 try:
     import fcntl
@@ -129,7 +129,7 @@ class MappedLines:
         self._room = 0  # bytes the mapping holds
         self._pid = os.getpid()
         self._held: deque[bytes] = deque()  # lines a full disk refused, in order
-        self._failure: OSError | None = None
+        self.failure: OSError | None = None  # the last write's error, while writes fail (a full disk)
         _OPEN.add(self)
         self.owner = _lock(self._fd)  # the file's only live writer: it may map and trim
         # False where a fault could SIGBUS, and once a mapping could not be made
@@ -171,25 +171,18 @@ class MappedLines:
 
     def drain(self) -> bool:
         """Write what is held; never raises an ``OSError`` into training (``harness.core.appendfile.OUTAGES`` says it)."""
-        try:
-            while self._held:
-                before = self.end
-                try:
-                    self._put(self._held[0])
-                except OSError:
-                    if self.owner and self.end > before:  # a head written before the error: not written twice
-                        self._held[0] = self._held[0][self.end - before :]
-                    raise
-                self._held.popleft()
-        except OSError as exc:
-            if self._failure is None:
-                OUTAGES.failed(self, exc)
-            self._failure = exc
-            return False
-        if self._failure is not None:
-            self._failure = None
-            OUTAGES.written(self)
-        return True
+        return attempt_write(self, self._write_held)
+
+    def _write_held(self) -> None:
+        while self._held:
+            before = self.end
+            try:
+                self._put(self._held[0])
+            except OSError:
+                if self.owner and self.end > before:  # a head written before the error: not written twice
+                    self._held[0] = self._held[0][self.end - before :]
+                raise
+            self._held.popleft()
 
     def _write_elsewhere(self, data: bytes) -> None:
         """The mapping is full (or there is none yet): map the next window, else write to the file."""

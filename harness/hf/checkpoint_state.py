@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from harness.core.codes import CHECKPOINT_INCOMPLETE
+from harness.core.codes import CHECKPOINT_INCOMPLETE, HARNESS_STATE_NOT_SAVED
 from harness.core.context import RunContext
 from harness.core.errors import NoCompleteCheckpointError
 from harness.lib import checkpoints
@@ -62,13 +62,28 @@ class CheckpointState:
             checkpoints.write_state_file(checkpoint_dir, target.name, text)
             written = True
         except (OSError, UnsafePathError) as exc:
-            log.error("harness: could not write plugin state to %s: %s", target, exc)
+            self._not_saved(step, checkpoint_dir, f"its plugin state {target.relative_to(checkpoint_dir)}", exc)
         manager.hooks.on_checkpoint_save(ctx, step, checkpoint_dir)
         if written:  # last: a checkpoint is complete for the harness only with every rank's marker
             try:
                 checkpoints.write_marker(checkpoint_dir, ctx.rank, ctx.world_size, step)
             except (OSError, UnsafePathError) as exc:
-                log.error("harness: could not mark %s complete: %s", checkpoint_dir, exc)
+                self._not_saved(step, checkpoint_dir, "its completion marker", exc)
+
+    def _not_saved(self, step: int, checkpoint_dir: Path, what: str, exc: BaseException) -> None:
+        """A harness part of a save that could not be written: said as a finding (the proof then waits for no marker of
+        this rank's: it knows none will come). The Trainer's own files are the Trainer's: its save went on."""
+        errno = getattr(exc, "errno", None)
+        reason = f"{type(exc).__name__}{f' [Errno {errno}]' if errno else ''}: {getattr(exc, 'strerror', None) or exc}"
+        self.ctx.unsaved_states[step] = f"rank {self.ctx.rank} could not write {what} ({reason})"
+        self.ctx.report(
+            HARNESS_STATE_NOT_SAVED.code,
+            f"the harness could not write {what} into {checkpoint_dir.name} ({reason}): the Trainer's checkpoint was saved, "
+            "but a resume from it is not verified (resume_check has nothing to compare with) and the harness does not count "
+            "it complete. Free space or fix the folder's permissions; the next save writes it again.",
+            step=step, plugin="harness",
+            evidence={"checkpoint": str(checkpoint_dir), "what": what, "errno": errno, "error": str(exc)[:300]},
+        )
 
     # -- resume ----------------------------------------------------------------------------------------
 
@@ -194,12 +209,9 @@ class CheckpointState:
 
 
 def read_state(checkpoint_dir: Path, rank: int) -> dict[str, Any]:
-    """This rank's stored plugin states of ``checkpoint_dir`` ({} when absent or unreadable)."""
-    path = Path(checkpoint_dir) / STATE_DIR / f"rank-{rank}.json"
-    if not path.exists():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        log.warning("harness: unreadable plugin state %s; plugins resume without it", path)
-        return {}
+    """This rank's stored plugin states of ``checkpoint_dir`` ({} when absent; what cannot be used is said and left out)."""
+    states, problem = checkpoints.read_state_file(checkpoint_dir, rank)
+    if problem is not None:
+        log.warning("harness: the plugin state %s cannot be used (%s); the plugins resume without it",
+                    Path(checkpoint_dir) / STATE_DIR / checkpoints.state_name(rank), problem)
+    return states

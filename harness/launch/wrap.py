@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -33,8 +34,9 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from harness.core.terminal_text import terminal_text
 from harness.launch.autoattach import CARRIER_ENV, SITE_DIR, WRAP_ENV
-from harness.core.config import CONFIG_ENV, ONLY_ENV, PLUGINS_ENV, Catalog, effective_selection, load_config
+from harness.core.config import CONFIG_ENV, ONLY_ENV, PLUGINS_ENV, Catalog, effective_selection, load_config, read_config_text
 from harness.core.console import QUIET_ENV, quiet_from_env
 from harness.core.errors import ConfigError, HarnessError
 from harness.launch.light_imports import heavy_imports_deferred
@@ -69,7 +71,21 @@ def wrap_environment(
     return env
 
 
-def validate(config: str | None, plugins: Sequence[str], only: Sequence[str] | None = None) -> None:
+def config_for_job(config: str | None, folder: str) -> str | None:
+    """The config file the job reads: ``config`` itself, or, for a pipe (``--config <(envsubst < t.yaml)``), which can be
+    read only once, a private copy of what it carried, in ``folder``."""
+    try:
+        regular = not config or stat.S_ISREG(os.stat(config).st_mode)
+    except OSError:
+        regular = True  # missing or unreadable: validation says so, naming it
+    if regular:
+        return config
+    copy = Path(folder) / "config.yaml"
+    copy.write_text(read_config_text(config), encoding="utf-8")
+    return str(copy)
+
+
+def validate(config: str | None, plugins: Sequence[str], only: Sequence[str] | None = None, source: str | None = None) -> None:
     """Fail before the job starts (and before it allocates anything) if the config is wrong.
 
     The plugins' modules are imported with torch and the other frameworks deferred
@@ -78,7 +94,7 @@ def validate(config: str | None, plugins: Sequence[str], only: Sequence[str] | N
     """
     with heavy_imports_deferred():
         resolved = load_config(config if config else {}, Catalog.build(), extra_plugins=list(plugins),
-                               only=list(only) if only is not None else None)
+                               only=list(only) if only is not None else None, source=source)
     for note in resolved.notes:
         sys.stderr.write(f"harness wrap: note: {note}.\n")
 
@@ -96,14 +112,15 @@ def run_wrapped(command: Sequence[str], config: str | None = None, plugins: Sequ
     for note in selection.notes:
         sys.stderr.write(f"harness wrap: note: {note}.\n")
     config, plugins, only = selection.config, selection.plugins, selection.only
-    try:
-        validate(config, plugins, only)
-    except ConfigError as exc:
-        if selection.from_env:  # say where a value the user did not type here came from
-            raise ConfigError([*exc.problems, f"(The selection came from the environment: {', '.join(selection.from_env)}.)"]) from None
-        raise
     stop_dir = tempfile.mkdtemp(prefix="harness-wrap-")  # private (0700): the job's stop markers, read after it ends
     try:
+        try:
+            given, config = config, config_for_job(config, stop_dir)
+            validate(config, plugins, only, source=given)
+        except ConfigError as exc:
+            if selection.from_env:  # say where a value the user did not type here came from
+                raise ConfigError([*exc.problems, f"(The selection came from the environment: {', '.join(selection.from_env)}.)"]) from None
+            raise
         base = {**os.environ, QUIET_ENV: "1"} if quiet else None
         status = _run(command, wrap_environment(config, plugins, base=base, stop_dir=stop_dir, only=only))
         stops = [n for n in read_markers(stop_dir) if n.ends_training]
@@ -123,7 +140,7 @@ def _print_summary(runs: dict[Path, float | None]) -> None:
     from harness.launch.summary import closing_summary
 
     try:
-        sys.stderr.write(closing_summary(runs))
+        sys.stderr.write(terminal_text(closing_summary(runs)))  # finding messages and errors of the run: data, shown inert
         sys.stderr.flush()
     except (OSError, ValueError):  # stderr closed or gone
         pass

@@ -47,6 +47,7 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from harness.lib.safe_paths import safe_mkdir, safe_write_text
 
@@ -66,6 +67,41 @@ def marker_name(rank: int) -> str:
 
 def state_name(rank: int) -> str:
     return f"rank-{rank}.json"
+
+
+STATE_BYTES = 64 << 20  # a received checkpoint is data: a larger harness state file is not read
+
+
+def read_state_file(checkpoint_dir: Path, rank: int) -> tuple[dict[str, Any], str | None]:
+    """The plugin states in ``<checkpoint>/harness_state/rank-<rank>.json`` and, when they cannot be used, why not.
+
+    A checkpoint is data (it may have been copied or received): a link, a
+    file that is not a regular one or is larger than ``STATE_BYTES``, text
+    that is not JSON (or nested too deep to parse), a top level that is not
+    an object, and an entry that is not an object are each taken as absent,
+    with the reason, never raised into the resumed training. ``({}, None)``
+    when there is no such file.
+    """
+    path = Path(checkpoint_dir) / STATE_DIR / state_name(rank)
+    if not path.is_symlink() and not path.exists():
+        return {}, None
+    try:
+        if path.is_symlink() or not path.is_file():
+            return {}, "it is a link or not a regular file"
+        if path.stat().st_size > STATE_BYTES:
+            return {}, f"it is larger than {STATE_BYTES >> 20} MB"
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        return {}, f"it cannot be read ({type(exc).__name__}: {exc})"
+    except RecursionError:
+        return {}, "it is nested too deep to read"
+    except ValueError as exc:
+        return {}, f"it is not JSON ({str(exc)[:80]})"
+    if not isinstance(data, dict):
+        return {}, f"it holds a JSON {type(data).__name__}, not an object of plugin states"
+    bad = sorted(str(k) for k, v in data.items() if not isinstance(v, dict))
+    states = {str(k): v for k, v in data.items() if isinstance(v, dict)}
+    return states, (f"the entries of {', '.join(bad[:5])} are not JSON objects" if bad else None)
 
 
 def write_state_file(checkpoint_dir: Path, name: str, text: str) -> Path:

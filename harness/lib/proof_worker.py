@@ -60,6 +60,7 @@ class Job:
     rtol: float | None = None
     rank_wait_s: float = 120.0
     wait_for_ranks: bool = True  # wait for every rank's harness save marker (written after all on_checkpoint_save hooks)
+    not_saved: str | None = None  # why this rank's harness state of the save was not written (no marker will come)
     save_cost_s: float = 0.0
 
 
@@ -95,8 +96,12 @@ def prove(job: Job) -> Outcome:
     started = time.perf_counter()
     out = Outcome(job)
     linked = job.wait_for_ranks and (job.checkpoint / STATE_DIR).is_symlink()  # the saves refused to write through it: no marker will come
-    late = wait_for_ranks(job.checkpoint, job.layout.world_size, job.rank_wait_s) if job.wait_for_ranks and not linked else []
-    if linked:
+    waits = job.wait_for_ranks and not linked and job.not_saved is None
+    late = wait_for_ranks(job.checkpoint, job.layout.world_size, job.rank_wait_s) if waits else []
+    if job.not_saved is not None:  # this rank knows its own marker will never come
+        out.loud = True
+        out.unverified.append(f"{job.not_saved}, so its part of the save is not marked complete")
+    elif linked:
         out.loud = True
         out.unverified.append(f"its {STATE_DIR} folder is a link; the harness writes nothing through a link, so no rank's "
                               "part of the save is marked complete")

@@ -18,6 +18,7 @@ import yaml
 from harness.core.findings import Finding, findings_path, iter_findings, read_findings
 from harness.core.jsonl import read_jsonl  # noqa: F401 - re-exported: plugins read their own JSONL files with it
 from harness.core.strictjson import as_float  # re-exported: a number from a record field ("nan"/"inf" strings included)
+from harness.core.safe_yaml import MAX_YAML_BYTES, UnsafeYaml, load_yaml, short_repr
 from harness.lib.rank_markers import ENDED, RankEnd, read_markers, short_error
 from harness.lib.rundir import LockHolder, read_holder
 from harness.lib.runinfo import INTERRUPTED, read_run_info, status_of
@@ -338,9 +339,10 @@ def read_run_config(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
     if not path.is_file():
         return {}, []
     try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        data = load_yaml(path.read_bytes()[: MAX_YAML_BYTES + 1].decode("utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError) as exc:
-        return {}, [f"config.yaml could not be read ({type(exc).__name__}): the run's plugins and options are left out."]
+        why = f": {exc.problem}" if isinstance(exc, UnsafeYaml) else ""
+        return {}, [f"config.yaml could not be read ({type(exc).__name__}{why}): the run's plugins and options are left out."]
     if data is None:
         return {}, []
     if not isinstance(data, dict):
@@ -350,7 +352,7 @@ def read_run_config(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
     plugins = data.get("plugins")
     if plugins is not None and not (isinstance(plugins, list) and all(isinstance(p, str) for p in plugins)):
         kept = [p for p in plugins if isinstance(p, str)] if isinstance(plugins, list) else []
-        problems.append(f"config.yaml: 'plugins' is not a list of names (got {repr(plugins)[:80]}): "
+        problems.append(f"config.yaml: 'plugins' is not a list of names (got {short_repr(plugins)}): "
                         + (f"only {', '.join(kept)} kept." if kept else "the run's plugins are left out."))
         data["plugins"] = kept
     return data, problems

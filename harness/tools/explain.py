@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.console import shorten
+from harness.core.terminal_text import terminal_text
 from harness.core.errors import HarnessError, did_you_mean
 from harness.lib.hang_summary import RANK_HANG_CODE, hang_summary
 from harness.lib.playbook import find_section, load_library
@@ -48,6 +49,11 @@ def scan_or_fail(path: Path) -> tuple[list[Path], list[Path]]:
 MESSAGE_CHARS = 600  # of a finding's message, as the HTML report's table shows it
 
 
+def _say(text: str = "") -> None:
+    """One line of ``explain`` on stdout: what a run directory holds is data, its control characters shown, not sent."""
+    sys.stdout.write(terminal_text(text) + "\n")
+
+
 def print_explain(path: Path, width: int = 100) -> int:
     """The verdict and, for each finding code, what happened and the first step of its playbook."""
     from harness.report.build import group_findings, next_step
@@ -57,40 +63,40 @@ def print_explain(path: Path, width: int = 100) -> int:
     for n, run_dir in enumerate(run_dirs_or_fail(path)):
         run = RunRecord.load(run_dir)
         if n:
-            print()
-        print(f"== {run_dir}")
+            _say()
+        _say(f"== {run_dir}")
         verdict = verdict_of(run)
-        print(textwrap.fill(f"Verdict: {_clip(verdict.line(), where='run.json and findings.jsonl')}", width, subsequent_indent="  "))
+        _say(textwrap.fill(f"Verdict: {_clip(verdict.line(), where='run.json and findings.jsonl')}", width, subsequent_indent="  "))
         for note in run.damage_notes():
-            print(textwrap.fill(f"Note: {_clip(note, where='the file it names')}", width, subsequent_indent="  "))
+            _say(textwrap.fill(f"Note: {_clip(note, where='the file it names')}", width, subsequent_indent="  "))
         groups = group_findings(run)
         explained: set[str] = set()
         for group in groups:
-            print()
+            _say()
             head = f"[{group.severity.value}] {group.code} x{group.count} (step {group.step_range}): {_clip(group.message)}"
-            print(textwrap.fill(head, width, subsequent_indent="    "))
+            _say(textwrap.fill(head, width, subsequent_indent="    "))
             if group.code == RANK_HANG_CODE and group.code not in explained:  # the ranks' watchdogs: which one stopped first
-                print(_fill(f"stalled first: {hang_summary(group.findings, run)}", width))
+                _say(_fill(f"stalled first: {hang_summary(group.findings, run)}", width))
             if group.code in explained:
-                print("  next: as above")
+                _say("  next: as above")
                 continue
             explained.add(group.code)
-            print(_fill(f"next: {next_step(group, run.output_dir)}", width))
+            _say(_fill(f"next: {next_step(group, run.output_dir)}", width))
             if group.playbook is not None:
-                print(f"  more: harness playbook {group.code}   (playbooks/{group.playbook.link})")
+                _say(f"  more: harness playbook {group.code}   (playbooks/{group.playbook.link})")
         for symptom in symptoms_of(run):
             section = find_section(symptom.topic)
-            print()
-            print(textwrap.fill(f"[worth a look] {symptom.topic}: {symptom.why}", width, subsequent_indent="    "))
+            _say()
+            _say(textwrap.fill(f"[worth a look] {symptom.topic}: {symptom.why}", width, subsequent_indent="    "))
             if section is not None and section.next_step:
-                print(_fill(f"next: {section.next_step.replace('<output_dir>', str(run.output_dir))}", width))
-                print(f"  more: harness playbook {symptom.topic}")
+                _say(_fill(f"next: {section.next_step.replace('<output_dir>', str(run.output_dir))}", width))
+                _say(f"  more: harness playbook {symptom.topic}")
         if not groups:
-            print("No findings." if run.findings_known else f"No findings could be read: {run.findings_unknown} (see the note above).")
+            _say("No findings." if run.findings_known else f"No findings could be read: {run.findings_unknown} (see the note above).")
         after = run_next_step(run, verdict.label)
         if after is not None:
-            print()
-            print(_fill(f"next: {after}", width))
+            _say()
+            _say(_fill(f"next: {after}", width))
     return 0
 
 

@@ -24,6 +24,7 @@ import torch
 from harness.lib.capture import lm_inputs, per_sample_loss, set_rng_state
 from harness.lib.sample_grads import Blame, blame_rows
 from harness.core.errors import HarnessError
+from harness.core.terminal_text import terminal_text
 
 
 @dataclass
@@ -256,6 +257,7 @@ def print_replay(capture_dir: Path, checkpoint: Path | None, rank: int | None, d
     """The CLI: print the table; exit 0 when the captured numbers are reproduced, 1 when they are not."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     if tolerance is not None and not (math.isfinite(tolerance) and tolerance >= 0):
         raise HarnessError(f"--tolerance {tolerance:g} is not a tolerance. Fix: pass a number of 0 or more, e.g. 1e-4.")
@@ -276,7 +278,9 @@ def print_replay(capture_dir: Path, checkpoint: Path | None, rank: int | None, d
     meta, used, exact, rows, blame = replay_with_blame(capture_dir, checkpoint, rank, device)
     if device != captured_on:
         console.print(f"[yellow]the capture ran on {captured_on}, this replay on {device}: kernels differ, expect small differences.[/yellow]")
-    table = Table(title=f"{meta['code']} at step {meta['step']}, rank {meta['rank']}: per-sample loss and grad norm on {used}")
+    # the capture's fields and the sample text are data: plain Text (no rich markup, no OSC 8 link), controls shown inert
+    table = Table(title=Text(terminal_text(f"{meta['code']} at step {meta['step']}, rank {meta['rank']}: per-sample loss and "
+                                           f"grad norm on {used}")))
     for column in ("suspect", "micro-batch", "row", "sample id", "captured", "replayed", "|diff|", "captured grad norm",
                    "replayed grad norm", "text"):
         if column == "text":
@@ -286,10 +290,11 @@ def print_replay(capture_dir: Path, checkpoint: Path | None, rank: int | None, d
     for i, row in enumerate(rows, 1):
         diff = row.diff
         table.add_row(
-            str(i), str(row.micro_batch), str(row.row), str(row.sample_id), "-" if row.captured is None else f"{row.captured:.5f}",
+            str(i), str(row.micro_batch), str(row.row), Text(terminal_text(str(row.sample_id))),
+            "-" if row.captured is None else f"{row.captured:.5f}",
             f"{row.replayed:.5f}", "-" if diff is None else f"{diff:.2e}",
             "-" if row.captured_grad_norm is None else f"{row.captured_grad_norm:.4g}",
-            "-" if row.grad_norm is None else f"{row.grad_norm:.4g}", row.text.replace("\n", " "),
+            "-" if row.grad_norm is None else f"{row.grad_norm:.4g}", Text(terminal_text(row.text.replace("\n", " "))),
         )
     console.print(table)
     console.print(f"per-sample gradient norms: {blame.method} ({blame.seconds:.3g} s" + (f"; {blame.why}" if blame.why else "") + ")",

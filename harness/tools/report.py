@@ -18,6 +18,7 @@ from typing import Any
 from harness.core.catalog import Catalog
 from harness.core.config import resolve_config
 from harness.core.errors import HarnessError, RunDirNotWritableError
+from harness.core.terminal_text import terminal_text
 from harness.core.manager import HarnessPluginManager
 from harness.core.options import CORE_KEYS, ResolvedConfig
 from harness.lib.runinfo import read_run_info
@@ -120,8 +121,8 @@ def print_report(path: Path, plots: bool, out: Path | None = None) -> int:
             sys.stderr.write(f"harness: {run_dir}: {exc}\n")
             refused = True
             continue
-        print(f"{run_dir}: {files.report.verdict.line()}")
+        print(terminal_text(f"{run_dir}: {files.report.verdict.line()}"))  # the verdict quotes the run's error: data
         print(f"  {files.html}\n  {files.markdown}")
         for note in files.report.notes:
-            print(f"  note: {note}")
+            print(terminal_text(f"  note: {note}"))
     return 2 if refused else 0

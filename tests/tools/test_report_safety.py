@@ -310,7 +310,7 @@ def test_report_escapes_text_from_training_data(tmp_path: Path) -> None:
 
     evil = f"[click me]({EVIL}) {SCRIPT} ![img]({EVIL}.png) <{EVIL}>"
     out = tmp_path / "run"
-    run_dir = make_run(out, plugins=["contamination"], findings=[
+    run_dir = make_run(out, plugins=["contamination", "grad_sync"], findings=[
         _finding(message=f"loss was nan on {evil}", evidence={f"[ev]({EVIL})": "captures/step-2/capture.rank-0.json"}),
         _finding(code=f"[X]({EVIL})", id="weird001", playbook=None, action=SCRIPT)])
     capture = run_dir / "captures" / "step-2"
@@ -327,10 +327,14 @@ def test_report_escapes_text_from_training_data(tmp_path: Path) -> None:
         "checked_tokens": 100, "eval_sets": {f"set {SCRIPT}": {"dirty": 1}},
         "examples": [{"eval_set": f"set {SCRIPT}", "id": f"[eval id]({EVIL})", "status": "dirty", "matched_fraction": 1.0,
                       "longest_span": 20, "documents_hit": 1}]}))
+    (run_dir / "grad_sync.jsonl").write_text(json.dumps({  # every field the grad_sync section prints, as a payload (issue 44 item 7)
+        "step": evil, "parallelism": SCRIPT, "ranks": f"[ranks]({EVIL})", "in_sync": False, "params_compared": SCRIPT,
+        "grads_compared": f"<{EVIL}>", "slices_compared": f"![s]({EVIL}.png)"}) + "\n")
     result = harness_cli("report", str(out), "--no-plots")
     assert result.returncode == 0, result.stderr[-3000:]
     html = (run_dir / "report.html").read_text(encoding="utf-8")
     assert "<script>" not in html and 'href="http' not in html and 'src="http' not in html
+    assert "Replica consistency" in html and "[ranks](" in html
     assert "[eval id](" in html and "&lt;script&gt;" in html  # shown, as text
     # the markdown files, rendered by a renderer that allows raw HTML: still no tag, no link, no image from the data
     permissive = MarkdownIt("commonmark", {"html": True}).enable("table")
@@ -379,3 +383,33 @@ def test_a_damaged_capture_file_is_said_in_the_report_not_offered_to_replay(tmp_
     markdown = (run_dir / "report.md").read_text(encoding="utf-8")
     row = next(line for line in markdown.splitlines() if "capture.rank-0.json could not be read" in line)
     assert "harness replay" not in row, row
+
+
+# -- issue 44 item 5: terminal control sequences from a run directory never reach the terminal --------------------------
+
+CLEAR, TITLE, CLIPBOARD = "\x1b[2J", "\x1b]0;owned\x07", "\x1b]52;c;ZWNobyBwd25lZA==\x07"
+
+
+def test_control_sequences_in_a_received_run_are_shown_escaped_never_sent(tmp_path: Path) -> None:
+    """A finding message and run.json's error carry clear-screen, window-title and clipboard (OSC 52) sequences:
+    explain, report and the console line print them as visible escapes (today they went to the terminal raw)."""
+    from harness.core.findings import Finding, Severity
+    from harness.core.terminal_text import terminal_text
+
+    out = tmp_path / "run"
+    make_run(out, findings=[_finding(message=f"loss was nan {CLEAR}{TITLE}{CLIPBOARD} at step 2")], run_json={
+        "attempts": [{"started": 1_700_000_000.0, "resumed_from": None, "start_step": 0, "status": "crashed",
+                      "ended": 1_700_000_100.0, "end_step": 2, "error": f"RuntimeError: boom {CLIPBOARD}"}]})
+    for args in (("explain", str(out)), ("report", str(out), "--no-plots")):
+        done = harness_cli(*args)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "\x1b" not in done.stdout + done.stderr and "\x07" not in done.stdout + done.stderr, args
+    assert "\\x1b]52;c;ZWNobyBwd25lZA==\\x07" in harness_cli("explain", str(out)).stdout
+    import io
+
+    from harness.core.console import Console
+
+    live = io.StringIO()  # the live console line of a finding made in training (its message quotes the data)
+    Console(stream=live).show(Finding(code="X", severity=Severity.WARNING, plugin="p", message=f"bad {TITLE} text", step=1))
+    assert "\x1b" not in live.getvalue() and "bad \\x1b]0;owned\\x07 text" in live.getvalue()
+    assert terminal_text("tab\tand\nnewline kept\x9b") == "tab\tand\nnewline kept\\x9b"
