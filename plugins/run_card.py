@@ -15,7 +15,6 @@ shard group.
 from __future__ import annotations
 
 import _thread
-import json
 import logging
 import os
 import statistics
@@ -27,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from harness.lib.cost import duration, memory_per_device, peak_for
 from harness.core.hookspecs import hookimpl
+from harness.core.received import read_received_json
 from harness.core.plugin import Plugin
 from harness.lib.textsafe import counted
 from harness.core.strictjson import dumps
@@ -179,8 +179,10 @@ class RunCard(Plugin):
         from harness.report.model import ReportSection, md_table
 
         try:
-            card = json.loads((run.run_dir / CARD_FILE).read_text(encoding="utf-8"))
+            card = read_received_json(run.run_dir / CARD_FILE)  # a received run's file: never a link, a FIFO or a device
         except (OSError, ValueError):
+            return None
+        if not isinstance(card, dict):
             return None
         memory = card.get("memory_per_device_bytes") or {}
         rows = [["parameters", f"{card.get('parameters'):,}"],

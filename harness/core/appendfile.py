@@ -231,7 +231,13 @@ class LineAppender:
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # never through a link (a received run may plant one: the write would land outside the run); a hard-linked
+        # file is another copy's too (refused at attach, ``harness.lib.rundir.refuse_links``; here it is an outage)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        if os.fstat(self._fd).st_nlink > 1:
+            os.close(self._fd)
+            self._fd = None
+            raise OSError(errno_module.EMLINK, f"{self.path.name} is a hard link shared with another file: not written")
         self._torn = self._torn or ends_torn(self.path)
 
     def _write(self, data: bytes) -> None:

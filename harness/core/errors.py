@@ -29,6 +29,10 @@ class RunDirNotWritableError(RunDirError):
     """The run directory cannot be created or written (permissions, a file in the path, a read-only mount)."""
 
 
+class RunDirLinkedError(RunDirError):
+    """The run directory holds a link (symbolic or hard) where the harness writes: its writes would land elsewhere."""
+
+
 class RunDirLockedError(RunDirError):
     """Another live process holds the run directory's lock: two runs would write the same files."""
 

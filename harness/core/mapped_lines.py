@@ -41,6 +41,7 @@ end of its file.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from collections import deque
@@ -123,7 +124,12 @@ class MappedLines:
         newline first, so the first new line starts on a line of its own (``appendfile.LineAppender`` does the same)."""
         self.path = Path(path)
         self._window = max(mmap.ALLOCATIONGRANULARITY, window - window % mmap.ALLOCATIONGRANULARITY)
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        # never through a link, never a hard-linked file (refused at attach: ``harness.lib.rundir.refuse_links``)
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        if os.fstat(self._fd).st_nlink > 1:
+            os.close(self._fd)
+            self._fd = None
+            raise OSError(errno.EMLINK, f"{self.path} is a hard link shared with another file: the ledger does not write it")
         self._map: mmap.mmap | None = None
         self._base = 0  # file offset of the mapping's first byte
         self._room = 0  # bytes the mapping holds

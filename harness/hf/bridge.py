@@ -58,6 +58,7 @@ class Bridge:
         dist = DistInfo(rank=args.process_index, world_size=args.world_size, local_rank=args.local_process_index)
         run_dir = Path(resolved.model.output_dir or args.output_dir or "trainer_output") / "harness"
         rundir.check_writable(run_dir)  # a clear error now, not a PermissionError from inside train()
+        rundir.refuse_links(run_dir)  # a copied or received run may hold links: writes through them land elsewhere
         if dist.is_main:
             refuse_if_locked(run_dir)  # before config.yaml (or anything else) is written
         if dist.is_main and show_notes:

@@ -25,10 +25,11 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
-from harness.core.errors import RunDirLockedError, RunDirNotWritableError
+from harness.core.errors import RunDirLinkedError, RunDirLockedError, RunDirNotWritableError
 
 log = logging.getLogger("harness")
 LOCK_NAME = ".lock"
@@ -57,6 +58,41 @@ def check_writable(run_dir: Path) -> None:
             ".output_dir, or `output_dir` in the harness config), or make the folder writable for this user "
             f"(e.g. `chown -R $(id -u) {run_dir.parent}`), or free the disk / remount it read-write."
         ) from exc
+
+
+LINK_WALK_ENTRIES = 50_000  # entries of a run directory looked at for links at attach, at most
+
+
+def refuse_links(run_dir: Path) -> None:
+    """A ``RunDirLinkedError`` when the run directory (copied or received, resumed into) holds a symbolic link or a
+    hard-linked file: appending findings or step records, or rewriting the ledger, would write through it into a file
+    outside the run or into another copy of it. Folders are not followed; the walk stops after ``LINK_WALK_ENTRIES``."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or run_dir.is_symlink():
+        return
+    found: list[str] = []
+    seen = 0
+    for root, dirs, files in os.walk(run_dir):  # does not descend into linked folders (followlinks=False)
+        for name in dirs + files:
+            seen += 1
+            path = Path(root) / name
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISLNK(info.st_mode):
+                found.append(f"{path.relative_to(run_dir)} (a symbolic link to {os.readlink(path)})")
+            elif stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+                found.append(f"{path.relative_to(run_dir)} (a hard link: {info.st_nlink} names share it)")
+        if seen >= LINK_WALK_ENTRIES or len(found) >= 5:
+            break
+    if found:
+        raise RunDirLinkedError(
+            f"the run directory {run_dir} holds links where the harness writes: {'; '.join(found[:5])}. Appending to them "
+            "would change files outside this run (or another copy of it), so training does not start. Fix: replace each "
+            "link with a real copy of its file (`cp --remove-destination \"$(readlink -f FILE)\" FILE`), or copy the run "
+            "with `cp -r` rather than `cp -al` or `cp -s`, or start in a fresh output_dir."
+        )
 
 
 def _first_non_directory(path: Path) -> Path | None:

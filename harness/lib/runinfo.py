@@ -7,7 +7,6 @@ that the last attempt never reached its end. One entry per ``train()`` call
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import socket
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.core.received import RefusedFile, read_received_json
 from harness.core.strictjson import dumps
 from harness.lib.tokens import count_parameters
 from harness.lib.trainer_kind import NOT_TOKEN_LOSS
@@ -31,10 +31,13 @@ def read_run_info(run_dir: Path, problems: list[str] | None = None) -> dict[str,
     """The run's ``run.json`` (an empty record when missing or unreadable; ``problems`` is told of an unreadable one)."""
     path = Path(run_dir) / RUN_FILE
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_received_json(path)  # never a link, a FIFO or a device; capped
+    except FileNotFoundError:
+        return {"attempts": []}
     except (OSError, ValueError) as exc:
-        if problems is not None and path.exists():
-            problems.append(f"{UNREADABLE} ({type(exc).__name__}): the attempts and the run card are not known.")
+        if problems is not None:
+            why = str(exc) if isinstance(exc, RefusedFile) else type(exc).__name__
+            problems.append(f"{UNREADABLE} ({why}): the attempts and the run card are not known.")
         return {"attempts": []}
     if not isinstance(data, dict):
         return {"attempts": []}

@@ -32,6 +32,8 @@ def build_report(run: RunRecord, plugin_sections: SectionsProvider | None = None
     if not (run.run_dir / "run.json").exists():
         notes.append("run.json is missing: the run card and the attempts are incomplete (a run from before the report existed?).")
     notes.extend(run.damage_notes())
+    if len(run.attempts) > ATTEMPTS_SHOWN:
+        notes.append(f"run.json records {len(run.attempts):,} train() calls; the attempts table shows the last {ATTEMPTS_SHOWN}.")
     drawn = []
     if plots:
         try:
@@ -58,10 +60,15 @@ def build_report(run: RunRecord, plugin_sections: SectionsProvider | None = None
     )
 
 
+ATTEMPTS_SHOWN = 100  # the report's attempts table: the last this many train() calls (run.json may hold thousands)
+
+
 def attempts_with_outcome(run: RunRecord) -> list[dict[str, Any]]:
-    """run.json's attempts, each with ``outcome``: how it ended, in words (a stop names its step and cause)."""
+    """run.json's attempts (the last ``ATTEMPTS_SHOWN``), each with ``outcome``: how it ended, in words (a stop names its
+    step and cause)."""
     rows = []
-    for index, attempt in enumerate(run.attempts):
+    first = max(0, len(run.attempts) - ATTEMPTS_SHOWN)
+    for index, attempt in enumerate(run.attempts[first:], first):
         status = attempt_status(attempt) if "status" in attempt else "?"
         outcome = "never recorded its end (killed?)" if status == "running" else str(status)
         if status == INTERRUPTED:
@@ -110,7 +117,7 @@ def _evidence(run: RunRecord, findings: list[Any]) -> list[tuple[str, str]]:
 def captures_section(run: RunRecord) -> ReportSection | None:
     """The batches captured at findings (``captures/step-<N>/``), with their most suspect sample."""
     rows = []
-    for summary in sorted(run.run_dir.glob("captures/step-*/capture.rank-*.json"), key=_capture_order):
+    for summary in sorted(_capture_files(run.run_dir), key=_capture_order):
         data = _read_json(summary)
         samples = data.get("samples") or []
         top = samples[0] if samples and isinstance(samples[0], dict) else {}
@@ -133,6 +140,15 @@ def captures_section(run: RunRecord) -> ReportSection | None:
     return ReportSection("Captured batches", text + md_table(headers, rows), "harness")
 
 
+def _capture_files(run_dir: Path) -> list[Path]:
+    """``captures/step-*/capture.rank-*.json``, no linked folder followed (a received run's link may point anywhere)."""
+    root = run_dir / "captures"
+    if root.is_symlink() or not root.is_dir():
+        return []
+    return [file for folder in root.iterdir() if folder.name.startswith("step-") and not folder.is_symlink() and folder.is_dir()
+            for file in folder.iterdir() if file.name.startswith("capture.rank-") and file.name.endswith(".json")]
+
+
 def _suspect(sample: dict[str, Any]) -> str:
     if not sample:
         return "-"
@@ -149,10 +165,10 @@ def _capture_order(path: Path) -> tuple[int, str]:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    import json
+    from harness.core.received import read_received_json
 
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_received_json(path)  # a received run's file: never a link, a FIFO or a device
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

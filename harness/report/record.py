@@ -18,6 +18,7 @@ import yaml
 from harness.core.findings import Finding, findings_path, iter_findings, read_findings
 from harness.core.jsonl import read_jsonl  # noqa: F401 - re-exported: plugins read their own JSONL files with it
 from harness.core.strictjson import as_float  # re-exported: a number from a record field ("nan"/"inf" strings included)
+from harness.core.received import RefusedFile, read_received_bytes
 from harness.core.safe_yaml import MAX_YAML_BYTES, UnsafeYaml, load_yaml, short_repr
 from harness.lib.rank_markers import ENDED, RankEnd, read_markers, short_error
 from harness.lib.rundir import LockHolder, read_holder
@@ -54,8 +55,8 @@ class RunRecord:
             run_dir=run_dir,
             info=read_run_info(run_dir, problems),
             findings=sorted(findings, key=lambda f: (f.step if f.step is not None else -1, f.time)),
-            steps=list(read_jsonl(run_dir / "steps.jsonl", unreadable, require_step=True)),
-            logs=list(read_jsonl(run_dir / "metrics.jsonl", unreadable)),
+            steps=list(read_jsonl(run_dir / "steps.jsonl", unreadable, require_step=True, problems=problems)),
+            logs=list(read_jsonl(run_dir / "metrics.jsonl", unreadable, problems=problems)),
             config=config,
             unreadable=unreadable,
             problems=problems,
@@ -77,8 +78,11 @@ class RunRecord:
 
     @property
     def attempts(self) -> list[dict[str, Any]]:
-        """The ``train()`` calls; one that never recorded its end is ``killed`` (or still running)."""
-        return list(self.info.get("attempts", []))
+        """The ``train()`` calls; one that never recorded its end is ``killed`` (or still running). The one list, read
+        once (a copy per use made a run.json of 200,000 attempts quadratic); callers do not change it."""
+        if "attempts" not in self._cache:
+            self._cache["attempts"] = list(self.info.get("attempts", []))
+        return self._cache["attempts"]
 
     @property
     def last_status(self) -> str:
@@ -336,10 +340,12 @@ def read_run_config(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
     what is damaged, said in ``problems``; the report is built without it.
     """
     path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
+    if not path.is_file() and not path.is_symlink():
         return {}, []
     try:
-        data = load_yaml(path.read_bytes()[: MAX_YAML_BYTES + 1].decode("utf-8"))
+        data = load_yaml(read_received_bytes(path, MAX_YAML_BYTES + 1).decode("utf-8"))
+    except RefusedFile as exc:
+        return {}, [f"{exc}: the run's plugins and options are left out."]
     except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError) as exc:
         why = f": {exc.problem}" if isinstance(exc, UnsafeYaml) else ""
         return {}, [f"config.yaml could not be read ({type(exc).__name__}{why}): the run's plugins and options are left out."]

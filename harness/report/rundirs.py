@@ -5,11 +5,11 @@ path (the demo writes several nested runs).
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
+from harness.core.received import read_received_json
 from harness.lib.runinfo import RUN_FILE, RUN_FORMAT
 from harness.report.record import read_run_config
 
@@ -94,7 +94,7 @@ def is_run_dir(candidate: Path) -> bool:
 
 def _read_json_object(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, RecursionError, ValueError):
+        data = read_received_json(path)  # never a link, a FIFO or a device; capped
+    except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

@@ -11,7 +11,6 @@ compares the losses.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from contextlib import AbstractContextManager, nullcontext
@@ -24,6 +23,7 @@ import torch
 from harness.lib.capture import lm_inputs, per_sample_loss, set_rng_state
 from harness.lib.sample_grads import Blame, blame_rows
 from harness.core.errors import HarnessError
+from harness.core.received import read_received_json
 from harness.core.terminal_text import terminal_text
 
 
@@ -79,8 +79,8 @@ def read_capture(capture_file: Path) -> dict[str, Any]:
     """``capture.rank-<r>.json`` as data, checked: a damaged or hand-edited file is a HarnessError naming the key."""
     fix = "Fix: use the capture folder as the run wrote it (copy it again from the run directory)."
     try:
-        meta = json.loads(capture_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        meta = read_received_json(capture_file)  # never a link, a FIFO or a device; capped
+    except (OSError, ValueError) as exc:
         raise HarnessError(f"{capture_file} cannot be read as JSON ({exc}). {fix}") from None
     if not isinstance(meta, dict):
         raise HarnessError(f"{capture_file} holds a JSON {type(meta).__name__}, not the capture's object. {fix}")

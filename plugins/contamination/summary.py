@@ -105,15 +105,18 @@ def report_section(run_dir: Path) -> Any:
     """Per eval set: examples clean/partial/dirty (worst over ranks), the dirtiest ones, the id lists."""
     from urllib.parse import quote
 
+    from harness.core.received import read_received_json
     from harness.lib.textsafe import md_escape
     from harness.report.model import Raw, ReportSection, md_table
 
     summaries = []
     for path in sorted(run_dir.glob("contamination/summary.rank-*.json")):
         try:
-            summaries.append(json.loads(path.read_text(encoding="utf-8")))
+            summary = read_received_json(path)  # a received run's file: never a link, a FIFO or a device
         except (OSError, ValueError):
             continue  # one unreadable rank costs its numbers, not the section
+        if isinstance(summary, dict):
+            summaries.append(summary)
     if not summaries:
         return None
     worst: dict[tuple[str, str], dict[str, Any]] = {}

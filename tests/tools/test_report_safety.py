@@ -413,3 +413,65 @@ def test_control_sequences_in_a_received_run_are_shown_escaped_never_sent(tmp_pa
     Console(stream=live).show(Finding(code="X", severity=Severity.WARNING, plugin="p", message=f"bad {TITLE} text", step=1))
     assert "\x1b" not in live.getvalue() and "bad \\x1b]0;owned\\x07 text" in live.getvalue()
     assert terminal_text("tab\tand\nnewline kept\x9b") == "tab\tand\nnewline kept\\x9b"
+
+
+# -- issue 44 item 2: FIFOs, devices and links in a received run directory neither hang nor feed the readers ----------
+
+def test_fifos_devices_and_linked_folders_are_refused_and_the_commands_exit_0(tmp_path: Path) -> None:
+    """steps.jsonl and grad_sync.jsonl are FIFOs, metrics.jsonl and run_card.json links to /dev/zero, captures/step-77
+    a link to a folder outside the run: report and explain return at once with notes, list no outside capture and
+    read nothing from /dev/zero (today: report, explain and resume-point hang forever on the FIFO; /dev/zero grew them
+    to 23 GB)."""
+    out = tmp_path / "run"
+    run_dir = make_run(out, plugins=["metrics_log", "grad_sync", "run_card"], findings=[_finding()])
+    for name in ("steps.jsonl", "grad_sync.jsonl"):
+        (run_dir / name).unlink(missing_ok=True)
+        os.mkfifo(run_dir / name)
+    for name in ("metrics.jsonl", "run_card.json"):
+        (run_dir / name).unlink(missing_ok=True)
+        (run_dir / name).symlink_to("/dev/zero")
+    outside = tmp_path / "elsewhere" / "step-77"
+    outside.mkdir(parents=True)
+    (outside / "capture.rank-0.json").write_text(json.dumps({"code": "OUTSIDE", "step": 77, "rank": 0, "samples": []}))
+    (run_dir / "captures").mkdir()
+    (run_dir / "captures" / "step-77").symlink_to(outside)
+    report = harness_cli("report", str(out), "--no-plots", timeout=60)
+    assert report.returncode == 0, report.stderr[-3000:]
+    markdown = (run_dir / "report.md").read_text(encoding="utf-8")
+    assert "steps.jsonl is a FIFO: not read" in markdown and "metrics.jsonl is a symbolic link: not followed" in markdown
+    assert "OUTSIDE" not in markdown and "step-77" not in markdown
+    explain = harness_cli("explain", str(out), timeout=60)
+    assert explain.returncode == 0 and "steps.jsonl is a FIFO" in explain.stdout, explain.stderr[-3000:]
+    resume = harness_cli("resume-point", str(out), timeout=60)
+    assert resume.returncode in (0, 1) and "Traceback" not in resume.stderr, resume.stderr[-3000:]
+
+
+def test_an_overlong_line_costs_that_line_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.core import jsonl
+
+    monkeypatch.setattr(jsonl, "LINE_MAX_BYTES", 1000)
+    path = tmp_path / "steps.jsonl"
+    path.write_text(json.dumps({"step": 1}) + "\n" + json.dumps({"step": 2, "pad": "x" * 5000}) + "\n" + json.dumps({"step": 3}) + "\n")
+    skipped: dict[str, int] = {}
+    assert [r["step"] for r in jsonl.read_jsonl(path, skipped)] == [1, 3] and skipped == {"steps.jsonl": 1}
+
+
+# -- issue 44 item 11: large or deeply nested well-formed input ---------------------------------------------------------
+
+def test_a_run_json_of_many_attempts_or_deep_nesting_is_read_once_or_noted(tmp_path: Path) -> None:
+    """run.json with 100,000 attempts (today: report still running after 120 s, each use copied the list) and one nested
+    300,000 deep (today: a RecursionError traceback in report, explain and resume-point)."""
+    attempt = {"started": 1_700_000_000.0, "resumed_from": None, "start_step": 0, "status": "completed",
+               "ended": 1_700_000_100.0, "end_step": 4}
+    many = tmp_path / "many"
+    make_run(many, findings=[_finding()], run_json={"attempts": [attempt] * 100_000})
+    report = harness_cli("report", str(many), "--no-plots", timeout=300)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "run.json records 100,000 train() calls; the attempts table shows the last 100." in (many / "harness" / "report.md").read_text()
+    deep = tmp_path / "deep"
+    run_dir = make_run(deep, findings=[_finding()])
+    (run_dir / "run.json").write_text('{"attempts": ' + "[" * 300_000 + "]" * 300_000 + "}")
+    for args in (("report", str(deep), "--no-plots"), ("explain", str(deep)), ("resume-point", str(deep))):
+        done = harness_cli(*args, timeout=120)
+        assert "Traceback" not in done.stderr and "RecursionError" not in done.stderr, (args, done.stderr[-2000:])
+    assert "run.json could not be read (ValueError)" in (run_dir / "report.md").read_text()
