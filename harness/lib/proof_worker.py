@@ -98,13 +98,13 @@ def prove(job: Job) -> Outcome:
     linked = job.wait_for_ranks and (job.checkpoint / STATE_DIR).is_symlink()  # the saves refused to write through it: no marker will come
     waits = job.wait_for_ranks and not linked and job.not_saved is None
     late = wait_for_ranks(job.checkpoint, job.layout.world_size, job.rank_wait_s) if waits else []
-    if job.not_saved is not None:  # this rank knows its own marker will never come
-        out.loud = True
-        out.unverified.append(f"{job.not_saved}, so its part of the save is not marked complete")
-    elif linked:
+    if linked:
         out.loud = True
         out.unverified.append(f"its {STATE_DIR} folder is a link; the harness writes nothing through a link, so no rank's "
                               "part of the save is marked complete")
+    elif job.not_saved is not None:  # this rank knows its own marker will never come
+        out.loud = True
+        out.unverified.append(f"{job.not_saved}, so its part of the save is not marked complete")
     elif late:
         out.loud = True
         out.unverified.append(f"rank(s) {late} did not finish their part of the save within {job.rank_wait_s:g} s "
