@@ -261,6 +261,7 @@ class DataHash(Plugin):
         self._iterable: str | None = None  # the training dataset's class when it is an IterableDataset
         self._previous: list[int] | None = None  # the hashes of the micro-batch checked last
         self._same_run = 0  # micro-batches before this one in a row with exactly its samples
+        self._calls = 0  # train() calls this plugin has started (a second one from step 0 is a new series)
 
     def setup(self, ctx: Any) -> None:
         self._seen = SeenTable(self.options.seen_capacity)
@@ -286,10 +287,18 @@ class DataHash(Plugin):
             ctx.reserve(DATASET_SLOT, DATASET_WIDTH, owner=self.name)
         resumed = str(ctx.resumed_from) if ctx.resumed_from is not None else None
         resume_step = trainer.state.global_step if resumed is not None else None  # one ledger pass serves the whole resume
+        # another train() call of this process from the start, on the weights the earlier one trained: a new series (its
+        # samples are no repeats of the earlier call's, and it supersedes none of its steps), said once
+        new_series = self._calls > 0 and resumed is None and trainer.state.global_step == 0
+        self._calls += 1
+        if new_series and ctx.is_main:
+            log.info("data_hash: train() was called again from step 0 on the trained weights; the ledger counts it as a new "
+                     "series (attempt numbers go on), not as a resume.")
+        self._seen, self._content_ids = self._seen.clear(), self._content_ids.clear()  # per call, as in a new process
         if self._writer is not None:  # a writer an earlier call left open would hold the ledger's lock
             self._writer.close()
         self._writer = LedgerWriter(ctx.run_dir, ctx.rank, self.options.fsync_every, resume_step=resume_step)
-        self._writer.start(trainer.state.global_step, ctx.world_size, resumed)
+        self._writer.start(trainer.state.global_step, ctx.world_size, resumed, new_series=new_series)
         self._epoch = self._step_epoch = self._current_epoch(trainer)
         self._pending, self._read, self._shared_step, self._unchecked = [], None, None, []
         policy = getattr(getattr(ctx, "options", None), "policy", None) or {}

@@ -191,6 +191,24 @@ class LineAppender:
         self._lock = threading.Lock()
         with self._lock:
             self._try(self._open)
+        _APPENDERS.add(self)
+
+    def reopen_if_removed(self) -> bool:
+        """When the file was removed under this writer (its folder deleted by hand mid-run): a new one at the same
+        path (folders made again), written from now on; True then. One ``fstat``, at checkpoints and at the end only."""
+        with self._lock:
+            if self._fd is None:
+                return False
+            try:
+                if os.fstat(self._fd).st_nlink > 0:
+                    return False
+                os.close(self._fd)
+            except OSError:
+                return False
+            self._fd = None
+            self._torn = False
+            self._try(self._open)
+            return True
 
     def write(self, text: str) -> bool:
         """Append ``text`` (whole lines); False when it is held (not written yet) or dropped."""
@@ -271,6 +289,15 @@ class LineAppender:
             data = self._held.popleft()
             self._held_bytes -= len(data)
             self._write(data)
+
+
+_APPENDERS: weakref.WeakSet[LineAppender] = weakref.WeakSet()  # every appender of this process (``reopen_removed``)
+
+
+def reopen_removed() -> list[Path]:
+    """Every appender of this process whose file was removed (a run directory deleted mid-run), writing a new file at
+    its path now; their paths."""
+    return [appender.path for appender in list(_APPENDERS) if appender.reopen_if_removed()]
 
 
 SHARED_OPEN = 32  # files kept open by ``shared_appender`` (then the least recently used one that holds nothing is closed)

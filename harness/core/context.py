@@ -118,6 +118,7 @@ class RunContext:
         self.micro_step = 0
         self.resumed_from: Path | None = None
         self.unsaved_states: dict[int, str] = {}  # step -> why this rank's harness state of that save was not written
+        self.run_dir_recreated = False  # the run directory was deleted mid-run and made again (said once)
         # the batches are masked-LM ones (the HF layer decides at the run's start, harness.lib.hashing.masked_lm_run):
         # a sample is hashed from its original tokens, which the labels hold where the collator masked the input
         self.masked_lm = False
@@ -413,6 +414,11 @@ class RunContext:
         for finding in arrived:
             self.findings.append(finding)
             self._announce(finding)
+
+    def write_findings_again(self) -> None:
+        """This rank's findings file was removed and made anew (``harness.hf.run_dir_recovery``): what this process
+        holds goes into it again (rank 0: every rank's findings it has; another rank: its own)."""
+        self._hub.file.write_again([f for f in self.findings if self.is_main or f.rank == self.rank])
 
     def close(self) -> None:
         self._hub.close()

@@ -159,6 +159,13 @@ class FindingsFile:
             self._seen.add(finding.id)
             return True
 
+    def write_again(self, findings: list[Finding]) -> None:
+        """The file was removed and made anew (a run directory deleted mid-run): write ``findings`` into it again."""
+        with self._lock:
+            self._seen = set()
+        for finding in findings:
+            self.append(finding)
+
     def close(self) -> None:
         with self._lock:
             self._file.close()

@@ -85,6 +85,12 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def reopen_removed_lines() -> list[Path]:
+    """Every line writer of this process whose file was removed (a run directory deleted mid-run), writing a new file
+    at its path now; their paths."""
+    return [writer.path for writer in list(_OPEN) if writer.reopen_if_removed()]
+
+
 def file_system(path: str | os.PathLike[str]) -> str | None:
     """The type of the file system holding ``path`` (Linux's ``/proc/self/mountinfo``; None where it cannot be told)."""
     target = os.path.realpath(path)
@@ -238,6 +244,23 @@ class MappedLines:
         if self._map is not None:
             self._map.close()
             self._map, self._room = None, 0
+
+    def reopen_if_removed(self) -> bool:
+        """When the file was removed under this writer (its folder deleted mid-run): close it and write a new one at
+        the same path from now on (folders made again); True then. What the removed file held is gone with it."""
+        if self._fd is None or os.getpid() != self._pid:
+            return False
+        try:
+            if os.fstat(self._fd).st_nlink > 0:
+                return False
+        except OSError:
+            return False
+        held, self._held = self._held, deque()
+        self.close()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.__init__(self.path, self._window)  # type: ignore[misc]  # the same writer, on the new file
+        self._held = held
+        return True
 
     def sync(self) -> None:
         """Everything written is on disk (``fsync``; the mapped pages are the file's own)."""

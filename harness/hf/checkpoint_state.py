@@ -22,6 +22,7 @@ from harness.core.codes import CHECKPOINT_INCOMPLETE, HARNESS_STATE_NOT_SAVED
 from harness.core.context import RunContext
 from harness.core.errors import NoCompleteCheckpointError
 from harness.lib import checkpoints
+from harness.hf.run_dir_recovery import recover_run_dir
 from harness.lib.safe_paths import UnsafePathError
 
 log = logging.getLogger("harness")
@@ -40,6 +41,7 @@ class CheckpointState:
 
     def save(self, step: int) -> None:
         ctx, manager = self.ctx, self.ctx.manager
+        recover_run_dir(ctx)  # a run directory deleted since the last save is made again before anything is written there
         checkpoint_dir = Path(self.trainer.args.output_dir) / f"checkpoint-{step}"
         states: dict[str, str] = {}
         for name in manager.names:

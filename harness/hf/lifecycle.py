@@ -22,6 +22,7 @@ from harness.core.distributed import close_process_group_at_exit
 from harness.core.errors import HarnessStopped
 from harness.hf.actions import ActionExecutor
 from harness.hf.checkpoint_state import CheckpointState
+from harness.hf.run_dir_recovery import recover_run_dir
 from harness.lib import rundir
 from harness.lib.rank_markers import ENDED, RUNNING, is_communication_error, marker_path, read_marker, short_error, write_marker
 from harness.lib.stops import StopNotice
@@ -92,6 +93,7 @@ class RunLifecycle:
                 status = "stopped"
             self.ctx.status = status
             try:
+                recover_run_dir(self.ctx)  # deleted mid-run: made again before the plugins' run ends write there
                 self.ctx.manager.hooks.on_run_end(self.ctx, status, error)
                 self.ctx.note_write_outages(final=True)  # what the plugins' run ends held, written where it can be, and said
                 self._finish_run(status, error)
@@ -196,8 +198,7 @@ class RunLifecycle:
             self._collect_rank_ends(status, error)
             self._after_run_end()
             known = len(ctx.findings)  # what comes after this came while the trackers closed
-            end_attempt(ctx.run_dir, recorded_status(status, error), int(self.trainer.state.global_step), error, self._attempt,
-                        ranks=self._rank_ends())
+            self._record_end(recorded_status(status, error), int(self.trainer.state.global_step), error)
             if ctx.options.report:
                 files = self._write_report()
         except Exception:  # noqa: BLE001 - the report must never turn a finished run into a crash
@@ -209,6 +210,19 @@ class RunLifecycle:
                 self._write_report()
             except Exception:  # noqa: BLE001
                 log.exception("harness: the report could not be rewritten with the last findings")
+
+    def _record_end(self, status: str, end_step: int, error: BaseException | None) -> None:
+        """How this call ended: in the run lock first (it needs no new space), then in run.json. run.json that cannot be
+        replaced (a full disk, a read-only remount) is said on the console, and the readers take the end from the lock
+        instead of calling the run killed."""
+        ctx = self.ctx
+        in_lock = rundir.record_end(self._lock_dir or ctx.run_dir, status, end_step)
+        try:
+            end_attempt(ctx.run_dir, status, end_step, error, self._attempt, ranks=self._rank_ends())
+        except OSError as exc:
+            kept = f"; the end is kept in {rundir.lock_path(ctx.run_dir)}, which report and explain read" if in_lock else ""
+            log.error("harness: run.json could not be updated at the end (%s: %s): training %s at step %d%s.",
+                      type(exc).__name__, exc.strerror or exc, status, end_step, kept)
 
     def _write_report(self) -> Any:
         from harness.report import write_report

@@ -537,8 +537,11 @@ class LedgerWriter:
         self.fsync_every = max(1, fsync_every)
         self._steps = 0
 
-    def start(self, step: int, world_size: int, resumed_from: str | None) -> None:
-        self._write({"event": "start", "attempt": self.attempt, "step": step, "world_size": world_size, "resumed_from": resumed_from})
+    def start(self, step: int, world_size: int, resumed_from: str | None, new_series: bool = False) -> None:
+        """The attempt's start line; ``new_series``: a ``train()`` call from the start on weights an earlier call of the
+        same process trained (its steps count again from 1 and supersede nothing of the earlier calls)."""
+        record = {"event": "start", "attempt": self.attempt, "step": step, "world_size": world_size, "resumed_from": resumed_from}
+        self._write({**record, "new_series": True} if new_series else record)
         self.sync()
         if self._scan is not None and self._handle is not None:
             stat = os.stat(self.path)
@@ -607,17 +610,21 @@ def read_ledger(path: str | Path) -> Any:
     ``row``, ``sample_id``, ``sample_hash``, ``batch_hash`` and
     ``superseded`` (True for steps an interrupted attempt trained past the
     checkpoint that a later attempt, on any rank, resumed from: their updates
-    were lost).
+    were lost; a later ``train()`` call of the same process that started over
+    on the trained weights supersedes nothing).
     """
     import pandas as pd
 
     rows: list[dict[str, Any]] = []
     starts: dict[tuple[int, int], int] = {}
+    series_starts: set[int] = set()  # attempts that began a new series (another train() call of the same process)
     for file in sorted(_run_dir(Path(path)).joinpath(LEDGER_DIR).glob("rank-*.jsonl")):
         rank = int(file.stem.split("-", 1)[1])
         for record in iter_records(file):
             if record.get("event") == "start":
                 starts[(rank, record["attempt"])] = int(record["step"])
+                if record.get("new_series") is True:
+                    series_starts.add(record["attempt"])
                 continue
             ids = record.get("sample_ids") or [None] * len(record["sample_hashes"])
             for i, (sample_hash, sample_id) in enumerate(zip(record["sample_hashes"], ids)):
@@ -637,8 +644,13 @@ def read_ledger(path: str | Path) -> Any:
     # attempts are the run's (one number on every rank): a later attempt on any rank supersedes what this one trained past
     # its start (a rank left out of a resume on fewer processes has no start line of its own after its steps)
     attempts = {attempt for _, attempt in starts} | {row["attempt"] for row in rows}
+
+    def series(attempt: int) -> int:  # a second train() call from step 0 on trained weights supersedes nothing before it
+        return sum(1 for s in series_starts if s <= attempt)
+
     later_start = {
-        attempt: min((s for (_, a), s in starts.items() if a > attempt), default=None) for attempt in attempts
+        attempt: min((s for (_, a), s in starts.items() if a > attempt and series(a) == series(attempt)), default=None)
+        for attempt in attempts
     }
     for row in rows:
         cut = later_start.get(row["attempt"])

@@ -28,6 +28,7 @@ import socket
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 from harness.core.errors import RunDirLinkedError, RunDirLockedError, RunDirNotWritableError
 
@@ -148,6 +149,55 @@ def acquire(run_dir: Path, holder: int) -> None:
     _HELD[key] = (fd, {holder})
 
 
+def retake(run_dir: Path) -> bool:
+    """When the lock file this process holds was removed (the run directory deleted mid-run): take the lock again on a
+    new lock file, for the same holders; True then. A second run that took the folder meanwhile is said, not fought."""
+    key = os.path.realpath(lock_path(run_dir))
+    held = _HELD.get(key)
+    if held is None:
+        return False
+    fd, holders = held
+    try:
+        if os.fstat(fd).st_nlink > 0:
+            return False
+    except OSError:
+        return False
+    del _HELD[key]
+    os.close(fd)
+    try:
+        for holder in sorted(holders):
+            acquire(run_dir, holder)
+    except RunDirLockedError as exc:
+        log.warning("harness: could not take the run lock of %s again: %s", run_dir, exc)
+        return False
+    return True
+
+
+def record_end(run_dir: Path, status: str, end_step: int | None) -> bool:
+    """Write how this process's train() call ended into the run lock it holds (``end`` beside pid, host and since).
+
+    The readers consult it when run.json still says the call is running (run.json could not be replaced at the end:
+    a full disk, a read-only remount), so such a call is not taken for a killed one. The lock file exists and is
+    open already, and its few hundred bytes stay within the block it has: this write needs no new space. False when
+    this process holds no lock there or the write failed.
+    """
+    held = _HELD.get(os.path.realpath(lock_path(run_dir)))
+    if held is None:
+        return False
+    fd = held[0]
+    try:
+        current = json.loads(os.pread(fd, 4096, 0).decode("utf-8").strip() or "{}")
+        if not isinstance(current, dict):
+            current = {}
+        current["end"] = {"status": status, "end_step": end_step, "ended": time.time()}
+        data = json.dumps(current).encode()
+        old = os.fstat(fd).st_size
+        os.pwrite(fd, data + b" " * max(0, old - len(data)), 0)  # padded over the old text: no truncation, no new block
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def release(run_dir: Path, holder: int) -> None:
     """Drop ``holder``'s share of the lock; the lock goes when the last holder in this process lets go."""
     import fcntl
@@ -184,10 +234,12 @@ HOST_CHARS = 64  # of a host name a lock file names, as shown (a received run di
 class LockHolder:
     """Who the lock file of a run directory names, and whether that process holds the lock now on this host."""
 
-    __slots__ = ("pid", "host", "since", "here", "alive")
+    __slots__ = ("pid", "host", "since", "here", "alive", "end")
 
-    def __init__(self, pid: int, host: str | None, since: float | None, here: bool, alive: bool) -> None:
+    def __init__(self, pid: int, host: str | None, since: float | None, here: bool, alive: bool,
+                 end: dict[str, Any] | None = None) -> None:
         self.pid, self.host, self.since, self.here, self.alive = pid, host, since, here, alive
+        self.end = end  # how that process's last train() call ended, when it recorded it here (``record_end``)
 
     def __repr__(self) -> str:
         return f"LockHolder(pid={self.pid}, host={self.host!r}, here={self.here}, alive={self.alive})"
@@ -227,7 +279,9 @@ def read_holder(run_dir: Path) -> LockHolder | None:
         since = float(since) if isinstance(since, (int, float)) and not isinstance(since, bool) else None
         here = host is not None and host == socket.gethostname()
         alive = here and _holds_lock(fd, pid)
-        return LockHolder(pid, _shown_host(host), since, here=here, alive=alive)
+        end = data.get("end")
+        end = end if isinstance(end, dict) and isinstance(end.get("status"), str) else None
+        return LockHolder(pid, _shown_host(host), since, here=here, alive=alive, end=end)
     except (OSError, ValueError, RecursionError):
         return None
     finally:

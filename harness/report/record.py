@@ -70,7 +70,26 @@ class RunRecord:
             lines = "1 line" if count == 1 else f"{count} lines"
             notes.append(f"{lines} of {name} could not be read and {'was' if count == 1 else 'were'} skipped "
                          "(a torn last line after a kill, or a damaged/edited file).")
+        end = self.lock_end()
+        if end is not None:
+            notes.append(f"run.json could not be updated at the end of the last train() call; how it ended ({end['status']}"
+                         f"{' at step ' + str(end['end_step']) if _is_int(end.get('end_step')) else ''}) is taken from the "
+                         "run lock (.lock).")
         return notes + self.problems
+
+    def lock_end(self) -> dict[str, Any] | None:
+        """How the last train() call ended, from the run lock, when run.json still says it runs but the process that held
+        the lock has let it go after recording its end there (run.json could not be replaced: ``rundir.record_end``)."""
+        attempts = self.attempts
+        if not attempts or attempt_status(attempts[-1]) != "running":
+            return None
+        holder = self.lock_holder()
+        if holder is None or holder.alive or holder.end is None:
+            return None
+        started, ended = as_float(attempts[-1].get("started")), as_float(holder.end.get("ended"))
+        if started is not None and (ended is None or ended < started):
+            return None  # an earlier call's end
+        return holder.end
 
     @property
     def output_dir(self) -> Path:
@@ -90,7 +109,10 @@ class RunRecord:
         if not self.attempts:
             return "unknown"
         status = attempt_status(self.attempts[-1])
-        return "killed" if status == "running" else status
+        if status != "running":
+            return status
+        end = self.lock_end()  # run.json could not record the end, the lock did: not killed
+        return str(end["status"]) if end is not None else "killed"
 
     def lock_holder(self) -> LockHolder | None:
         """Who the run lock (``.lock``) names and whether that process holds it on this host now (read once: a process
@@ -146,6 +168,9 @@ class RunRecord:
         recorded = attempts[index].get("end_step")
         if _is_int(recorded):
             return recorded
+        end = self.lock_end() if index % len(attempts) == len(attempts) - 1 else None
+        if end is not None and _is_int(end.get("end_step")):
+            return int(end["end_step"])
         start, end = self._window(index)
         inside = [r["step"] for r in self.steps if _is_int(r.get("step")) and _within(as_float(r.get("time")), start, end)]
         inside += [f.step for f in self.attempt_findings(index) if _is_int(f.step)]

@@ -129,6 +129,8 @@ class FaultOptions(BaseModel):
         None, description="At the end of this step (rank 0), fill the file system under output_dir (a test's small tmpfs: one "
         "with more than 256 MB free is refused) until writes fail with ENOSPC.")
     free_disk_at_step: int | None = Field(None, description="At the end of this step (rank 0), free what fill_disk_at_step wrote.")
+    fill_disk_at_run_end: bool = Field(False, description="Fill the file system under output_dir as fill_disk_at_step does, in "
+                                       "the run end after every other plugin's (before the harness records how the call ended).")
     snapshot_steps: list[int] = Field(
         default_factory=list, description="Record whether params and optimizer state changed across these steps (one line per step in "
         "fault_injector.rank-<r>.jsonl)."
@@ -444,9 +446,11 @@ class FaultInjector(Plugin):
         if step in self.options.snapshot_steps:
             self._before = {"params": param_tensors(model), "optimizer": optimizer_tensors(optimizer)}
 
-    @hookimpl
+    @hookimpl(trylast=True)  # after the other plugins' run ends (the ledger frees its unwritten window in its own)
     def on_run_end(self, ctx: Any) -> None:
         self._maybe_report(ctx, "on_run_end", ctx.step)
+        if ctx.is_main and self.options.fill_disk_at_run_end:
+            fill_disk(Path(ctx.trainer.args.output_dir))
 
     @hookimpl
     def on_step_end(self, ctx: Any, step: int, metrics: dict[str, Any]) -> None:

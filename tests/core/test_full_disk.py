@@ -122,3 +122,25 @@ def test_training_goes_on_when_the_run_directory_fills_up(small_tmpfs: Path, mak
     assert "findings.jsonl" in failed["evidence"]["files"] and failed["evidence"]["dropped_lines"] == 0
     assert not findings_of(out, "INTERNAL_PLUGIN_ERROR") and not findings_of(out, "PLUGIN_DISABLED")
     assert _said(caplog, "cannot write to") == 1 and _said(caplog, "can be written again") == 1
+
+
+def test_a_run_json_that_cannot_be_replaced_at_the_end_is_no_killed_run(small_tmpfs: Path, make_trainer: Any,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 44 item 8: the disk fills as the run ends, so run.json cannot be replaced at the end. The console says so
+    and the end is kept in the run lock: the verdict is the completed run's, with a note (today: 'killed: pid N no
+    longer holds its run lock' for a run that completed with exit 0)."""
+    from harness.report.record import RunRecord
+    from harness.report.verdict import verdict_of
+
+    caplog.set_level(logging.WARNING, logger="harness")
+    out = small_tmpfs / "out"
+    trainer = make_trainer(output_dir=out, max_steps=5)
+    harness.attach(trainer, plugins=["harness.testing:FaultInjector"], config={"fault_injector": {"fill_disk_at_run_end": True}})
+    trainer.train()
+    assert "run.json could not be updated at the end" in caplog.text and "training completed at step 5" in caplog.text
+    free_disk(out)
+    run = RunRecord.load(out / "harness")
+    assert run.last_status == "completed" and run.attempt_end_step(-1) == 5
+    verdict = verdict_of(run)
+    assert "killed" not in verdict.reason and "training completed at step 5" in verdict.reason, verdict.reason
+    assert any("taken from the run lock" in note for note in run.damage_notes())

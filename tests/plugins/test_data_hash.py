@@ -494,3 +494,21 @@ def test_rows_beyond_the_exchanges_slot_make_data_skipped_unchecked_said_and_cou
     from harness.plugins.data_hash import DATA_SKIPPED_UNCHECKED
 
     assert DATA_SKIPPED_UNCHECKED.severity.value == "info"
+
+
+def test_a_second_train_call_from_step_0_is_a_new_series_not_a_resume(make_trainer: Any, tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 44 item 14: ``trainer.train()`` twice on the same Trainer (the second call trains the trained weights from
+    step 0 on the same data). Today: DATA_REPEATED at each of call 2's steps and call 1's rows marked superseded."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="harness")
+    trainer = make_trainer(output_dir=tmp_path / "run", max_steps=4)
+    harness.attach(trainer)
+    trainer.train()
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert findings_of(tmp_path / "run", "DATA_REPEATED") == []
+    ledger = read_ledger(tmp_path / "run")
+    assert sorted(ledger["attempt"].unique()) == [1, 2] and not ledger["superseded"].any()
+    assert sum("counts it as a new series" in r.getMessage() for r in caplog.records) == 1
