@@ -53,24 +53,29 @@ def read_config_text(path: str | os.PathLike[str]) -> str:
     """The text of a config file as given: a regular file, or a pipe (read once, to its end); at most
     ``MAX_YAML_BYTES``. Anything else (a device such as /dev/zero, a socket, a folder) is a ConfigError naming it."""
     shown = str(path)
+
+    def unreadable(exc: OSError) -> ConfigError:
+        return ConfigError([f"harness config file '{shown}' cannot be read ({exc.strerror or exc}). Fix: pass a YAML file you can read."])
+
+    folder = ConfigError([f"harness config file '{shown}' is a folder. Fix: pass the YAML file itself with --config (or HARNESS_CONFIG)."])
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise ConfigError([f"harness config file '{shown}' does not exist. Fix: pass an existing YAML file with --config (or HARNESS_CONFIG)."]) from None
     except IsADirectoryError:
-        raise ConfigError([f"harness config file '{shown}' is a folder. Fix: pass the YAML file itself with --config (or HARNESS_CONFIG)."]) from None
+        raise folder from None
     except OSError as exc:
-        raise ConfigError([f"harness config file '{shown}' cannot be read ({exc.strerror or exc}). Fix: pass a YAML file you can read."]) from None
+        raise unreadable(exc) from None
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
-            raise ConfigError([f"harness config file '{shown}' is a folder. Fix: pass the YAML file itself with --config (or HARNESS_CONFIG)."])
+            raise folder
         if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
             raise ConfigError([f"harness config file '{shown}' is not a regular file or a pipe (a device or a socket). "
                                "Fix: pass a YAML file, or a pipe that carries one (--config <(envsubst < t.yaml))."])
         data = _read_capped(fd, stat.S_ISFIFO(mode), shown)
     except OSError as exc:
-        raise ConfigError([f"harness config file '{shown}' cannot be read ({exc.strerror or exc}). Fix: pass a YAML file you can read."]) from None
+        raise unreadable(exc) from None
     finally:
         os.close(fd)
     try:

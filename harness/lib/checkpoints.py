@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.core.received import RefusedFile, read_received_json
 from harness.lib.safe_paths import safe_mkdir, safe_write_text
 
 STATE_DIR = "harness_state"
@@ -83,19 +84,15 @@ def read_state_file(checkpoint_dir: Path, rank: int) -> tuple[dict[str, Any], st
     when there is no such file.
     """
     path = Path(checkpoint_dir) / STATE_DIR / state_name(rank)
-    if not path.is_symlink() and not path.exists():
-        return {}, None
     try:
-        if path.is_symlink() or not path.is_file():
-            return {}, "it is a link or not a regular file"
-        if path.stat().st_size > STATE_BYTES:
-            return {}, f"it is larger than {STATE_BYTES >> 20} MB"
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        return {}, f"it cannot be read ({type(exc).__name__}: {exc})"
-    except RecursionError:
-        return {}, "it is nested too deep to read"
-    except ValueError as exc:
+        data = read_received_json(path, STATE_BYTES)  # the one safe opener of received files: no link, FIFO or device
+    except FileNotFoundError:
+        return {}, None
+    except RefusedFile as exc:
+        return {}, str(exc)
+    except OSError as exc:
+        return {}, f"it cannot be read ({type(exc).__name__}: {exc.strerror or exc})"
+    except ValueError as exc:  # not UTF-8, not JSON, or nested too deep to parse
         return {}, f"it is not JSON ({str(exc)[:80]})"
     if not isinstance(data, dict):
         return {}, f"it holds a JSON {type(data).__name__}, not an object of plugin states"

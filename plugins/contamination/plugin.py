@@ -240,9 +240,12 @@ class Contamination(Plugin):
         no span (``copied_spans`` fills those windows between a row's end and the next row's start, or the span goes on
         through them), and re-judging the row for them would cost the step end a verdict."""
         assert self.ledger is not None
+        edges = [h for h in hits if h.row_start or h.row_end]
+        if not edges:
+            return  # the common case: a row's windows inside it (at most two of a row's windows touch its edges)
         matched = self.ledger.combined(example).get(lane_of(variant), 0)
-        starts = [h.offset for h in hits if h.row_start and not _all_set(matched, max(h.offset - h.length + 1, 0), h.offset)]
-        ends = [h.offset for h in hits if h.row_end and not _all_set(matched, h.offset + 1, h.offset + h.length)]
+        starts = [h.offset for h in edges if h.row_start and not _all_set(matched, max(h.offset - h.length + 1, 0), h.offset)]
+        ends = [h.offset for h in edges if h.row_end and not _all_set(matched, h.offset + 1, h.offset + h.length)]
         if starts:
             self.ledger.add(example, lane_of(variant, ROW_START), starts)
         if ends:
