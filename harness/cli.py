@@ -141,7 +141,7 @@ def _cmd_scan(args: argparse.Namespace) -> int:
 
     options = ScanOptions(n=args.n, dirty_fraction=args.dirty_fraction, partial_fraction=args.partial_fraction,
                           template_min_examples=args.template_min_examples, near_dup=args.near_dup,
-                          near_dup_threshold=args.near_dup_threshold)
+                          near_dup_threshold=args.near_dup_threshold, scale_to_text=not args.no_scale_to_text)
     clean = None
     from harness.lib.documents import ScanError
 
@@ -277,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument("--out", default="contamination", metavar="DIR", help="where the report and id lists go (default: contamination)")
     scan.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes scanning the training data (default: cpu count)")
     scan.add_argument("-n", type=int, default=13, help="n-gram length in words or tokens (default: 13)")
+    scan.add_argument("--no-scale-to-text", action="store_true",
+                      help="with --tokenizer: count -n in tokens as given (by default -n and the dirty span are scaled up when "
+                      "the tokenizer holds fewer than about 3.2 characters of eval text per token, to about the text 13 tokens "
+                      "of a usual tokenizer hold)")
     scan.add_argument("--dirty-fraction", type=float, default=0.5, help="dirty from this matched fraction of an example's n-grams (default: 0.5)")
     scan.add_argument("--partial-fraction", type=float, default=0.0, help="partial above this matched fraction (default: 0: any match)")
     scan.add_argument("--template-min-examples", type=int, default=10, help="leave out n-grams shared by this many eval examples (templates; default 10, 0 keeps all)")

@@ -79,8 +79,10 @@ class CopiedSpans:
 
     @property
     def joined(self) -> bool:
-        """The sequence joins lines or documents: more than one of them holds a whole window."""
-        return self.segments > 1
+        """The sequence joins lines or documents and some of its windows lie inside one: judged by its training spans,
+        even when only one line holds a whole window (a copied line of 43 tokens in a 64-token block whose other line
+        is shorter than a window is still two thirds of the block)."""
+        return self.crossing > 0
 
     @property
     def covered(self) -> int:
@@ -103,13 +105,16 @@ class CopiedSpans:
         line is no evidence: a phrase its template shares with many training lines is as likely as a copy."""
         edges = sorted(self.edges)
         regions = [(start, end) for start, end in self.spans if self.long_span and end - start >= self.long_span]
-        slack = self.window - 1
+        slack, w = self.window - 1, self.window
+        starts, ends = sorted(self.row_starts), sorted(self.row_ends)
         for start, end in self.spans:
             lines = edges[max(bisect_right(edges, start) - 1, 0) : bisect_left(edges, end) + 1]
             for a, b in zip(lines, lines[1:]):  # the lines this span reaches into, [a, b)
                 s, e = max(start, a), min(end, b)
-                cut_after = b - e <= slack and e - self.window in self.row_ends  # training's row ended inside the line
-                cut_before = s - a <= slack and s in self.row_starts
+                # a training row ended inside the line, within window - 1 units of its end, at a window of the span (windows
+                # of other rows may go on past it: the same template words); or a row started so near its start
+                cut_after = _any_between(ends, max(b - slack - w, s), e - w)
+                cut_before = _any_between(starts, s, min(a + slack, e - w))
                 if (s == a and (e == b or cut_after)) or (e == b and cut_before):
                     regions.append((a, b))
         copied, reach = 0, 0
@@ -138,6 +143,12 @@ class CopiedSpans:
     @property
     def longest(self) -> int:
         return max((end - start for start, end in self.spans), default=0)
+
+
+def _any_between(ascending: list[int], lo: int, hi: int) -> bool:
+    """Whether some value of ``ascending`` lies in ``[lo, hi]``."""
+    i = bisect_left(ascending, lo)
+    return i < len(ascending) and ascending[i] <= hi
 
 
 def copied_spans(offsets: list[int] | np.ndarray, units: int, window: int, crossing: np.ndarray,

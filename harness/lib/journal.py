@@ -19,17 +19,21 @@ from harness.core.strictjson import dumps
 
 
 class Journal:
-    def __init__(self, path: Path, cursor: str = "cursor") -> None:
-        """``cursor`` names the reader: several readers may deliver the same journal independently."""
+    def __init__(self, path: Path, cursor: str = "cursor", writable: bool = True) -> None:
+        """``cursor`` names the reader: several readers may deliver the same journal independently. ``writable``
+        False: only delivered from (an earlier process's journal), never appended to."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.cursor_path = self.path.with_suffix(f"{self.path.suffix}.{cursor}")
         self._lock = threading.Lock()
-        self._file = LineAppender(self.path)  # a full disk holds the records until it can write; training goes on
+        # a full disk holds the records until it can write; training goes on
+        self._file = LineAppender(self.path) if writable else None
 
     def append(self, records: list[dict[str, Any]]) -> None:
         if not records:
             return
+        if self._file is None:
+            raise ValueError(f"{self.path} is an earlier process's journal: delivered from, never appended to")
         text = "".join(dumps(r, separators=(",", ":")) + "\n" for r in records)  # strict JSON: a NaN metric as "nan"
         with self._lock:
             self._file.write(text)
@@ -71,4 +75,5 @@ class Journal:
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            if self._file is not None:
+                self._file.close()

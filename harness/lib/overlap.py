@@ -6,7 +6,8 @@ before training and the plugin during it call the same example dirty.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ class ScanOptions:
     dirty_fraction: float = 0.5
     partial_fraction: float = 0.0
     dirty_span: int = 32  # a training span of this many units makes an example dirty whatever its fraction (0: off)
+    scale_to_text: bool = True  # token thresholds scaled up for a tokenizer with short tokens (scaled_to_text)
     max_locations: int = 5
     snippet_chars: int = 160
     min_length: int = 4
@@ -34,6 +36,69 @@ class ScanOptions:
     near_dup_threshold: float = 0.8
     shingle: int = 5
     num_perm: int = 128
+
+
+# -- thresholds counted in text ------------------------------------------------------------------------------
+
+REFERENCE_CHARS_PER_UNIT = 4.0  # English through a 32k-50k token BPE vocabulary (GPT-2's, Llama's): what n and dirty_span count
+MIN_TEXT_SCALE = 1.25  # a tokenizer within this factor of the reference keeps n and dirty_span as given
+MAX_TEXT_SCALE = 8.0  # bytes or characters of a script with long words: no more than this
+TEXT_SAMPLE = 256  # eval examples measured (evenly spread, so every rank measures the same ones)
+
+
+@dataclass(frozen=True)
+class TextScale:
+    """How many characters of eval text a token holds, and the factor ``n`` and ``dirty_span`` were scaled by."""
+
+    chars_per_unit: float
+    factor: float
+
+    def line(self, given: ScanOptions, scaled: ScanOptions, how_to_keep: str) -> str:
+        """The one line that says the thresholds were scaled, and how to keep them as given."""
+        span = f" and a dirty span as {scaled.dirty_span} instead of {given.dirty_span}" if given.dirty_span else ""
+        return (f"the tokenizer holds {self.chars_per_unit:.1f} characters of eval text per token (about "
+                f"{REFERENCE_CHARS_PER_UNIT:g} is usual), so n-grams count {scaled.n} tokens instead of {given.n}{span}: "
+                f"about the text that many tokens hold with a usual tokenizer, not a few words any template repeats. "
+                f"To count tokens as given: {how_to_keep}.")
+
+
+def eval_chars_per_unit(examples: list[EvalExample], decode: Any = None) -> float | None:
+    """Characters of eval text per unit over an even sample of the examples (their text, else their units decoded
+    with ``decode``); None when nothing could be measured."""
+    if not examples:
+        return None
+    chars = units = 0
+    for example in examples[:: max(1, len(examples) // TEXT_SAMPLE)][:TEXT_SAMPLE]:
+        ids = example.variants[0] if example.variants else None
+        if ids is None or not len(ids):
+            continue
+        text = example.text
+        if text is None and decode is not None:
+            try:
+                text = str(decode([int(t) for t in ids]))
+            except Exception:  # noqa: BLE001 - a tokenizer that cannot decode its own ids: not measured
+                text = None
+        if text is None:
+            continue
+        chars += len(text.strip())
+        units += len(ids)
+    return chars / units if units and chars else None
+
+
+def scaled_to_text(options: ScanOptions, chars_per_unit: float | None) -> tuple[ScanOptions, TextScale | None]:
+    """``options`` with ``n`` and ``dirty_span`` scaled up to hold about the text they hold with a usual tokenizer,
+    when the eval text's tokens are much shorter (a small vocabulary, bytes, characters); else ``options`` as given.
+
+    A 13-gram of a 512-token vocabulary is three or four words, which sentence templates share; the same 13 tokens of
+    GPT-2's vocabulary are about ten words. Never scaled down: a long-token vocabulary keeps the thresholds given.
+    """
+    if not options.scale_to_text or chars_per_unit is None or chars_per_unit <= 0:
+        return options, None
+    factor = min(REFERENCE_CHARS_PER_UNIT / chars_per_unit, MAX_TEXT_SCALE)
+    if factor < MIN_TEXT_SCALE:
+        return options, None
+    scaled = replace(options, n=math.ceil(options.n * factor), dirty_span=math.ceil(options.dirty_span * factor))
+    return scaled, TextScale(round(chars_per_unit, 2), round(factor, 2))
 
 
 # -- front ends: text -> units ---------------------------------------------------------------------------

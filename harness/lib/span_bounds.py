@@ -61,7 +61,7 @@ class RowShape:
     windows: int  # all window offsets
     inner: int  # bitset: the counted windows (inside one line or document; all of them when no line holds one)
     counted: int  # how many
-    joined: bool  # more than one line or document holds a whole window (judged by its training spans)
+    joined: bool  # some windows cross a line or document break, some do not (judged by its training spans)
     crossing: int = 0  # bitset: windows across a line break (joined rows only, like the fields below)
     breaks: tuple[int, ...] = ()  # per line break, ascending: the windows across it
     lines: tuple[tuple[int, int, int, int, int], ...] = ()  # per line a span may count: windows it needs, its first
@@ -90,8 +90,6 @@ class RowShape:
             part = inner & ((1 << max(min(end, total) - start, 0)) - 1) << start if start < total else 0
             if part:
                 lines.append(((part & -part).bit_length() - 1, part.bit_length() - 1))
-        if len(lines) < 2:
-            return cls(window, total, inner, inner.bit_count(), False)
         # copied_spans' coverable: each counted window covers up to the next one's start, the last one whole
         coverable = sum(last - first for first, last in lines) + window
         coverable += sum(min(following[0] - last, window) for (_, last), following in zip(lines, lines[1:]))

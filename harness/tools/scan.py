@@ -15,6 +15,7 @@ an evaluation can be rerun on the clean subset.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ from harness.lib.allocator import keep_freed_memory
 from harness.lib.documents import TEXT_SUFFIXES, ScanError, document_files, iter_documents  # noqa: F401 - re-exported
 from harness.lib.ngrams import EvalExample, Hit, NgramIndex, normalise_words, word_units  # noqa: F401
 from harness.lib.ordered_pool import OrderedPool
-from harness.lib.overlap import FrontEnd, ScanOptions, Tally, judge, load_eval_examples  # noqa: F401 - re-exported
+from harness.lib.overlap import (FrontEnd, ScanOptions, Tally, eval_chars_per_unit, judge, load_eval_examples,  # noqa: F401 - re-exported
+                                 scaled_to_text)
 from harness.lib.text_ranges import LINE_FILES, RANGE_BYTES, byte_ranges
 from harness.tools.scan_work import Done, Scanner, Work
 
@@ -133,6 +135,8 @@ class ScanResult:
     index_windows: int
     templates_dropped: int
     front_end: str
+    options: ScanOptions = ScanOptions()  # as judged: n and dirty_span scaled to the tokens' text
+    scale_note: str | None = None  # the line saying they were scaled, when they were
 
     def frame(self) -> Any:
         import pandas as pd
@@ -156,6 +160,12 @@ def scan(train: list[str], evals: list[str], field: str = "text", tokenizer: Any
     for path in train:
         document_files(Path(path))  # a missing path fails before any work
     examples = load_eval_examples(evals, eval_field or field, front, id_field)
+    given, scale = options, None
+    if front.kind == "tokens":  # words are words: counted as given
+        options, scale = scaled_to_text(options, eval_chars_per_unit(examples))
+    note = scale.line(given, options, "pass --no-scale-to-text") if scale is not None else None
+    if note is not None and progress:
+        print(f"harness scan: {note}", file=sys.stderr)
     index = NgramIndex.build(examples, options.n, options.template_min_examples, options.min_length)
     near = NearDuplicates(examples, options) if options.near_dup else None
     scanner = Scanner(index, front, field, id_field, options.snippet_chars, near)
@@ -174,7 +184,7 @@ def scan(train: list[str], evals: list[str], field: str = "text", tokenizer: Any
                 merged.add(scanner.run(work))
                 bar.update(task, completed=merged.documents, description=f"scanning training documents ({merged.units:,} units)")
     rows = [judge(index, e, merged.tallies.get(e), options) for e in range(len(examples))]
-    return ScanResult(rows, merged.documents, merged.units, index.windows, index.templates_dropped, front.kind)
+    return ScanResult(rows, merged.documents, merged.units, index.windows, index.templates_dropped, front.kind, options, note)
 
 
 class _Merged:
@@ -238,7 +248,7 @@ def write_outputs(result: ScanResult, out: Path | str) -> dict[str, Path]:
     paths["markdown"].write_text(
         f"# Contamination scan\n\n{result.documents:,} training documents ({result.units:,} {result.front_end}) against "
         f"{len(result.rows):,} eval examples ({result.index_windows:,} indexed n-grams, {result.templates_dropped:,} template "
-        f"n-grams left out).\n\n## Per eval set\n\n{markdown_table(summary)}\n\n## Most contaminated\n\n"
+        f"n-grams left out).{f' Note: {result.scale_note}' if result.scale_note else ''}\n\n## Per eval set\n\n{markdown_table(summary)}\n\n## Most contaminated\n\n"
         f"{markdown_table(worst)}\n",
         encoding="utf-8",
     )
@@ -342,7 +352,7 @@ def print_scan(train: list[str], evals: list[str], field: str, tokenizer_dir: st
         for note in wrapped_text_notes(train, options.n):
             console.print(f"note: {note}", style="yellow", markup=False, highlight=False, soft_wrap=True)  # a path whole
     if clean is not None:
-        written = decontaminate.write_clean(result, train, evals, field, eval_field, id_field, tokenizer, options, clean,
+        written = decontaminate.write_clean(result, train, evals, field, eval_field, id_field, tokenizer, result.options, clean,
                                             near_factory=NearDuplicates, checked=True, workers=workers)
         console.print(decontaminate.summary_line(written))
     return 1 if (frame["status"] == "dirty").any() else 0

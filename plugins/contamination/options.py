@@ -58,6 +58,12 @@ class ContaminationOptions(BaseModel):
                                                                 "(n-grams across a line or document boundary of a joined row not counted).")
     dirty_span: int = Field(32, ge=0, description="An example is dirty whatever its fraction when it holds a training span this many "
                                                   "tokens long (consecutive matched n-grams within a line or document; 0: off).")
+    scale_to_text: bool = Field(True, description="`n` and `dirty_span` count tokens of a usual tokenizer (about 4 characters of "
+                                                  "English per token: GPT-2's, Llama's). When the run's tokenizer holds fewer "
+                                                  "characters of the eval text per token (a small vocabulary, bytes, characters), "
+                                                  "both are scaled up to hold about as much text, said once on the console "
+                                                  "(a 13-gram of a 512-token vocabulary is three words, which templates share). "
+                                                  "false: count tokens as given.")
     partial_fraction: float = Field(0.0, ge=0, le=1, description="Run-end status partial above this fraction (below dirty_fraction: "
                                                                   "summary and report only, no finding).")
     check_split_overlap: bool = Field(True, description="EVAL_SPLIT_OVERLAP: compare the Trainer's train and eval rows before training.")

@@ -14,7 +14,7 @@ from harness.lib.capture import sample_ids
 from harness.lib.documents import ScanError
 from harness.lib.hashing import dataset_hashes, sample_tokens
 from harness.lib.ngrams import EvalExample, NgramIndex
-from harness.lib.overlap import FrontEnd, ScanOptions, Tally, judge
+from harness.lib.overlap import FrontEnd, ScanOptions, Tally, eval_chars_per_unit, judge, scaled_to_text
 from harness.lib.overlap_ledger import LANES, ROW_END, ROW_START, Bits, MatchLedger, example_keys, lane_of, tally_from_bits
 from harness.lib.span_bounds import RowShape, may_be_dirty
 
@@ -63,6 +63,7 @@ class Contamination(Plugin):
         self._max_steps = 0
         self._shapes: dict[tuple[int, int], RowShape] = {}  # (example, variant) -> what the bounds on its matches need
         self._verdicts: dict[int, tuple[Bits, dict[str, Any]]] = {}  # dirty verdicts of this settle, for their reports
+        self._scaled: ScanOptions | None = None  # the options as this run judges by them, once the eval sets are indexed
 
     @property
     def checked_tokens(self) -> int:
@@ -74,7 +75,7 @@ class Contamination(Plugin):
     def on_run_start(self, ctx: Any, trainer: Any) -> None:
         self.index, self.checker, self.ledger, self._buffer = None, None, None, None  # a second train() call starts from nothing
         self._tallies, self._sightings, self._exchanged, self._worker_error_reported = {}, {}, None, False
-        self._shapes, self._verdicts = {}, {}
+        self._shapes, self._verdicts, self._scaled = {}, {}, None
         self._max_steps = int(getattr(getattr(trainer, "state", None), "max_steps", 0) or 0)
         watching = bool(self.options.eval_sets) or (self.options.trainer_eval and getattr(trainer, "eval_dataset", None) is not None)
         self._shared = ctx.world_size > 1 and watching
@@ -98,7 +99,8 @@ class Contamination(Plugin):
             examples += trainer_eval_examples(trainer.eval_dataset, self._tokenizer)
         if not examples:
             return
-        self.index = NgramIndex.build(examples, self.options.n, self.options.template_min_examples, self.options.min_length)
+        self._scaled = self._scaled_options(ctx, examples)
+        self.index = NgramIndex.build(examples, self._scaled.n, self.options.template_min_examples, self.options.min_length)
         self.ledger = MatchLedger(example_keys((e.eval_set, e.example_id) for e in examples))
         self.ledger.reported |= self._reported_before(ctx)
         self.checker = Checker(self.index)
@@ -112,19 +114,34 @@ class Contamination(Plugin):
         return {e for e, x in enumerate(self.index.examples) if (x.eval_set, x.example_id) in names} if names else set()
 
     @property
-    def _scan_options(self) -> ScanOptions:
+    def _judging(self) -> ScanOptions:
+        """The thresholds this run judges by: ``n`` and ``dirty_span`` as scaled at run start, else as given."""
+        return self._scaled if self._scaled is not None else self._given_options()
+
+    def _given_options(self) -> ScanOptions:
         o = self.options
         return ScanOptions(n=o.n, template_min_examples=o.template_min_examples, dirty_fraction=o.dirty_fraction,
-                           partial_fraction=o.partial_fraction, dirty_span=o.dirty_span, min_length=o.min_length)
+                           partial_fraction=o.partial_fraction, dirty_span=o.dirty_span, min_length=o.min_length,
+                           scale_to_text=o.scale_to_text)
+
+    def _scaled_options(self, ctx: Any, examples: list[EvalExample]) -> ScanOptions:
+        """The options as given, or with ``n`` and ``dirty_span`` scaled to the eval text's characters per token (the
+        same on every rank: measured on the same examples); said once on the console."""
+        given = self._given_options()
+        decode = getattr(self._tokenizer, "decode", None)
+        scaled, scale = scaled_to_text(given, eval_chars_per_unit(examples, decode))
+        if scale is not None and ctx.is_main:
+            log.info("contamination: " + scale.line(given, scaled, "set contamination.scale_to_text: false in the harness config"))
+        return scaled
 
     def _judge(self, example: int, bits: Bits) -> dict[str, Any]:
         assert self.index is not None
-        return judge(self.index, example, tally_from_bits(bits, self._tallies.get(example)), self._scan_options)
+        return judge(self.index, example, tally_from_bits(bits, self._tallies.get(example)), self._judging)
 
     def _is_dirty(self, example: int, bits: Bits) -> bool:
         """judge's verdict, called only when cheap bounds on the bits say some variant may be dirty (no near duplicates
         online): a joined row's full verdict takes about 140 us, and most matched rows are far from dirty."""
-        o = self.options
+        o = self._judging
         if not any(may_be_dirty(self._shape(example, variant), bits.get(lane_of(variant), 0), o.dirty_fraction, o.dirty_span,
                                 bits.get(lane_of(variant, ROW_START), 0), bits.get(lane_of(variant, ROW_END), 0))
                    for variant in {lane // LANES for lane in bits}):
@@ -311,7 +328,7 @@ class Contamination(Plugin):
             return
         verdict = verdict if verdict is not None else self._verdict(example)
         message, step, evidence = finding(self.index.examples[example], verdict, self.index.n, kept, ranks, self._snippet,
-                                          self.options.dirty_span)
+                                          self._judging.dirty_span)
         evidence["agreed"] = agreed  # False: judged at run end on this rank's late matches alone (no exchange is left)
         self.report(CONTAMINATION.code, message, step=step, evidence=evidence, limit=self.options.max_reports)
 
@@ -373,13 +390,13 @@ class Contamination(Plugin):
         self._verdicts.clear()
         rows = [self._judge(e, self.ledger.combined(e)) for e in range(len(self.index.examples))]
         out = ctx.path("contamination", f"summary.rank-{ctx.rank}.json").parent
-        per_set = write_summary(out, ctx.rank, rows, self.checked_tokens, finished, self.options.dirty_span)
+        per_set = write_summary(out, ctx.rank, rows, self.checked_tokens, finished, self._judging.dirty_span, self._judging.n)
         if ctx.is_main:
             self._report_summary(ctx, rows)
         for name, counts in per_set.items():
             ctx.log_metrics({f"contamination/{name}/{status}": counts.get(status, 0) for status in ("clean", "partial", "dirty")})
         if ctx.is_main:
-            log.info(console_line(rows, self.options.dirty_fraction, self.options.dirty_span))
+            log.info(console_line(rows, self._judging.dirty_fraction, self._judging.dirty_span))
         if not finished and self.checker.error is None and not self._worker_error_reported:
             self._worker_error_reported = True
             raise RuntimeError(f"contamination: the background checker did not finish within {RUN_END_WAIT_S:.0f} s at run end; "
@@ -390,12 +407,12 @@ class Contamination(Plugin):
     def _report_summary(self, ctx: Any, rows: list[dict[str, Any]]) -> None:
         """CONTAMINATION_SUMMARY: per eval set with a dirty row, how many rows hold training spans (the findings per
         example stop at ``max_reports``); not again when an earlier attempt in this run directory said the same."""
-        o = self.options
+        o = self._judging
         findings = read_run_findings(ctx.run_dir)  # every rank's and every earlier attempt's findings
         named = {(str(f.evidence.get("eval_set")), str(f.evidence.get("example_id"))) for f in findings if f.code == CONTAMINATION.code}
         counts = span_counts(rows, o.dirty_span, named)
         message = summary_message(counts, o.dirty_span, o.dirty_fraction, o.n, f"contamination/dirty_ids.rank-{ctx.rank}.txt",
-                                  f"contamination/summary.rank-{ctx.rank}.json", o.max_reports)
+                                  f"contamination/summary.rank-{ctx.rank}.json", self.options.max_reports)
         if message is None:
             return
         evidence = {"eval_sets": counts, "dirty_span": o.dirty_span, "dirty_fraction": o.dirty_fraction, "n": o.n}

@@ -12,6 +12,7 @@ import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
 from harness.core.strictjson import dumps
 
 STATUSES = ("clean", "partial", "dirty")
@@ -19,13 +20,13 @@ ORDER = {"too_short": 0, "clean": 0, "partial": 1, "dirty": 2}
 
 
 def write_summary(out: Path, rank: int, rows: list[dict[str, Any]], checked_tokens: int, complete: bool,
-                  dirty_span: int = 0) -> dict[str, Counter[str]]:
+                  dirty_span: int = 0, n: int = 0) -> dict[str, Counter[str]]:
     """The summary and the id lists of one rank (atomically: rank 0's report may read them at any moment)."""
     per_set: dict[str, Counter[str]] = {}
     for row in rows:
         per_set.setdefault(row["eval_set"], Counter())[row["status"]] += 1
     summary = {"rank": rank, "checked_tokens": checked_tokens, "eval_sets": {k: dict(v) for k, v in per_set.items()},
-               "complete": complete, "dirty_span": dirty_span,
+               "complete": complete, "dirty_span": dirty_span, "n": n,
                "long_spans": {name: c["long_spans"] for name, c in span_counts(rows, dirty_span).items()},
                "examples": [{k: v for k, v in r.items() if k != "locations"} for r in rows if r["status"] != "clean"]}
     tmp = out / f".summary.rank-{rank}.json.tmp"
@@ -123,6 +124,7 @@ def report_section(run_dir: Path) -> Any:
     totals: dict[str, int] = {}
     long_spans: dict[str, int] = {}
     span = max((int(s.get("dirty_span") or 0) for s in summaries), default=0)
+    n = max((int(s.get("n") or 0) for s in summaries), default=0)  # 0: a summary written before it was kept
     for summary in summaries:
         for name, counts in summary.get("eval_sets", {}).items():
             totals[name] = max(totals.get(name, 0), sum(counts.values()))
@@ -137,7 +139,7 @@ def report_section(run_dir: Path) -> Any:
         hit = Counter(e["status"] for (s, _), e in worst.items() if s == name)
         rows.append([name, total, total - hit["partial"] - hit["dirty"], hit["partial"], hit["dirty"], long_spans.get(name, 0)])
     text = (f"Eval examples met in the training batches of this run ({sum(s.get('checked_tokens', 0) for s in summaries):,} "
-            "training tokens checked; an example counts at its worst over ranks; n-grams across a line or document boundary "
+            f"training tokens checked{f'; n-grams of {n} tokens' if n else ''}; an example counts at its worst over ranks; n-grams across a line or document boundary "
             "inside a joined row are not counted; partial examples share some n-grams with training, below the dirty "
             "fraction (and, in a joined row, shorter than the dirty span), and are not reported as findings).\n\n")
     text += md_table(["eval set", "examples", "clean", "partial", "dirty", f"training spans >= {span} tokens"], rows) + "\n\n"

@@ -24,6 +24,7 @@ from harness.lib.journal import Journal
 from harness.core.offline import disable_telemetry
 from harness.plugins.mlflow.evidence import SystemMetrics, artifact_records, last_checkpoint
 from harness.plugins.mlflow.options import MlflowOptions
+from harness.plugins.mlflow.outboxes import leftovers, write_target
 from harness.plugins.mlflow.target import JoinedRun, describe_target, end_stale_hold, env_tags, hf_mlflow_callback, join_run
 from harness.plugins.mlflow.writer import (
     MlflowWriter,
@@ -102,9 +103,12 @@ class MlflowTracker(Plugin):
         )
         session = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         journal = Journal(ctx.run_dir / "mlflow" / f"outbox-{session}.jsonl")
+        write_target(journal.path, uri, run_id)
+        earlier = self._earlier_journals(journal.path, uri, run_id, resumed=ctx.resumed_from is not None)
         self.writer = MlflowWriter(
             target, journal, run_file=ctx.run_dir / "mlflow" / "run.json",
             flush_interval_s=o.flush_interval_s, retry_interval_s=o.retry_interval_s, batch_size=o.batch_size,
+            earlier=earlier,
         )
         if not uri.startswith(("http://", "https://", "databricks")):
             # A local store costs seconds of CPU once (imports, schema migrations): pay them here, before
@@ -115,6 +119,28 @@ class MlflowTracker(Plugin):
         self._queue_params(ctx)
         if o.system_metrics:
             self._system_metrics = SystemMetrics(self.writer)
+
+    def _earlier_journals(self, current: Path, uri: str, run_id: str | None, resumed: bool) -> list[Journal]:
+        """The journals earlier processes of this run directory left undelivered (killed while the tracker was down):
+        those for this run, to deliver before this job's own; the others named in a finding (they wait for a job that
+        logs to their run)."""
+        found = leftovers(current.parent, current)
+        mine = [one for one in found if one.belongs_to(uri, run_id, resumed)]
+        others = [one for one in found if one not in mine]
+        if mine:
+            log.info("harness mlflow: %d journal(s) of earlier processes hold records MLflow never got; delivering "
+                     "them first: %s", len(mine), ", ".join(one.describe() for one in mine))
+        if others:
+            self.report(
+                TRACKING_DEGRADED.code,
+                f"{len(others)} journal(s) of earlier processes in {current.parent} hold records MLflow never got, for "
+                f"another run than this job's ({', '.join(one.describe() for one in others[:5])}"
+                f"{' ...' if len(others) > 5 else ''}): they stay there, and a job that resumes that run from a checkpoint "
+                "of this output_dir with the same tracking URI delivers them.",
+                evidence={"journals": [str(one.path) for one in others],
+                          "unsent_bytes": {one.path.name: one.unsent_bytes for one in others}, "tracking_uri": uri},
+            )
+        return [Journal(one.path, writable=False) for one in mine]
 
     def _join(self, trainer: Any) -> JoinedRun | None:
         """HF's run (``report_to mlflow``) or the script's active run, unless the options point elsewhere."""
@@ -258,6 +284,14 @@ class MlflowTracker(Plugin):
         if self._joined is not None:
             self._joined.release(self._status)
         self._report_events(ctx)
+        if writer.earlier:
+            self.report(
+                TRACKING_DEGRADED.code,
+                f"the journals earlier processes left undelivered ({', '.join(j.path.name for j in writer.earlier)}) could "
+                f"not be delivered to {writer.target.tracking_uri} either ({writer.last_error}); they stay in "
+                f"{writer.journal.path.parent}, and the next job that resumes this run delivers them.",
+                evidence={"journals": [str(j.path) for j in writer.earlier], "error": writer.last_error},
+            )
         if unsent:
             self._replay_locally(ctx, writer)
         if self._system_metrics is not None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.lib.journal import Journal
+from harness.plugins.mlflow.outboxes import write_target
 
 log = logging.getLogger("harness.mlflow")
 
@@ -57,6 +58,7 @@ class MlflowWriter(threading.Thread):
         flush_interval_s: float = 1.0,
         retry_interval_s: float = 2.0,
         batch_size: int = 900,
+        earlier: list[Journal] | None = None,
     ) -> None:
         super().__init__(name="harness-mlflow-writer", daemon=True)
         self.target = target
@@ -65,6 +67,7 @@ class MlflowWriter(threading.Thread):
         self.flush_interval_s = flush_interval_s
         self.retry_interval_s = retry_interval_s
         self.batch_size = batch_size
+        self.earlier = list(earlier or [])  # earlier processes' journals for this run: delivered first, oldest first
         self.queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self.run_ready = threading.Event()
         self._stop_at: float | None = None
@@ -139,13 +142,13 @@ class MlflowWriter(threading.Thread):
         """Send everything after the cursor; False when the tracker failed (retry later)."""
         try:
             self._ensure_run()
-            while True:
-                records, offset = self.journal.pending(self.batch_size)
-                if not records:
-                    break
-                self._send(records)
-                self.journal.commit(offset)
-                self.delivered += len(records)
+            while self.earlier:  # before this job's own records, so that the run's history arrives in order
+                delivered = self._deliver_journal(self.earlier[0], earlier=True)
+                done = self.earlier.pop(0)
+                done.close()
+                self._event("replayed", f"delivered {delivered} record(s) that an earlier process of this run left "
+                                        f"undelivered in {done.path.name}, before this job's own")
+            self.delivered += self._deliver_journal(self.journal)
         except Exception as exc:  # noqa: BLE001 - any failure of the tracker is an outage, not a crash
             self.last_error = f"{type(exc).__name__}: {str(exc)[:300]}"
             if self.degraded_since is None:
@@ -156,6 +159,19 @@ class MlflowWriter(threading.Thread):
             self._event("recovered", f"tracker reachable again after {time.time() - self.degraded_since:.1f} s")
             self.degraded_since = None
         return True
+
+    def _deliver_journal(self, journal: Journal, earlier: bool = False) -> int:
+        """Send ``journal``'s records after its cursor, committing batch by batch; how many were sent."""
+        sent = 0
+        while True:
+            records, offset = journal.pending(self.batch_size)
+            if not records:
+                return sent
+            if earlier:  # its status and file uploads are its own process's: this job ends the run and uploads the files
+                records = [r for r in records if r.get("k") not in ("status", "a")]
+            self._send(records)
+            journal.commit(offset)
+            sent += len(records)
 
     def client(self) -> Any:
         if self._client is None:
@@ -185,6 +201,7 @@ class MlflowWriter(threading.Thread):
                 from mlflow.entities import RunTag
 
                 client.log_batch(target.run_id, tags=[RunTag(k, v) for k, v in target.tags.items()])
+        write_target(self.journal.path, target.tracking_uri, target.run_id)
         if self.run_file is not None:
             self.run_file.parent.mkdir(parents=True, exist_ok=True)
             self.run_file.write_text(json.dumps({"run_id": target.run_id, "tracking_uri": target.tracking_uri}), encoding="utf-8")

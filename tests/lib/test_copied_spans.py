@@ -160,7 +160,7 @@ def test_crossing_windows_and_inner_bits() -> None:
     assert inner_bits(crossing) == 0b0001000 and inner_bits(np.ones(3, dtype=bool)) == 0b111  # no whole line: all count
     assert crossing_windows(10, 4, None).tolist() == [False] * 7 and len(crossing_windows(3, 4, None)) == 0
     spans = copied_spans([0, 1, 2, 3, 4, 5, 6], 10, 4, crossing, np.array([3, 7]))
-    assert spans.spans == [(3, 7)] and spans.matched == 1 and spans.crossing_matched == 6 and not spans.joined
+    assert spans.spans == [(3, 7)] and spans.matched == 1 and spans.crossing_matched == 6 and spans.joined
 
 
 def test_a_line_cut_by_a_training_block_is_whole_though_template_windows_lie_between() -> None:
@@ -175,3 +175,30 @@ def test_a_line_cut_by_a_training_block_is_whole_though_template_windows_lie_bet
     row = _verdict(units, cuts, cut + template, dirty_span=0)
     assert row["longest_span"] == 40 and row["copied_fraction"] == 0.5
     assert _verdict(units, cuts, cut + template, dirty_span=0, dirty_fraction=0.5)["status"] == "dirty"
+
+
+def test_a_copied_line_is_judged_by_its_tokens_though_it_alone_holds_a_whole_window() -> None:
+    """Issue 43 trial, n-grams counted in text (23 tokens of a 512-token vocabulary): a 64-token block whose copied
+    first line (43 tokens) is the only line long enough to hold a window (here: 13 of them, the other line 10). Judged on its n-gram share alone, as a
+    single example, it was 44% matched and partial (the first 12 tokens in a training row that was not trained); it joins lines, so its copied tokens judge it (dirty). A row
+    whose only long line is not copied stays clean."""
+    first, second = _line(1, 43), _line(2, 10)
+    units, cuts = _row([first, second])
+    row = _verdict(units, cuts, [np.array(first[12:] + _line(51, 30))], dirty_span=0)  # its training row starts 12 in
+    assert row["joined"] and row["judged_share"] == "tokens" and row["copied_fraction"] == 1.0 and row["status"] == "dirty"
+    piece = _verdict(units, cuts, [np.array(_line(50, 30) + first[5:25] + _line(51, 30))], dirty_span=0)
+    assert piece["copied_fraction"] == 0.0 and piece["status"] != "dirty"  # a piece of the line is no copy
+
+
+def test_more_matches_never_undo_a_copy_cut_near_its_line_start() -> None:
+    """Issue 43 trial (eval block 13, dirty at step 24, partial at run end): a copied line whose training row starts 5
+    tokens in is copied whole; template windows another row matched just before that start moved the span's start
+    off the row start, and the line was no longer counted. The row start inside the span still says where training
+    cut it."""
+    before, line, after = _line(3, 20), _line(1, 30), _line(2, 20)
+    units, cuts = _row([before, line, after])
+    copy = [np.array(line[5:] + _line(51, 30))]  # its training row starts 5 tokens into the line
+    alone = _verdict(units, cuts, copy, dirty_span=0)
+    assert alone["copied_fraction"] == round(30 / 70, 6)  # the whole line, of the 70 tokens
+    template = [np.array(_line(52, 30) + line[1:18] + _line(53, 30))]  # windows 1-5 of the line, from another row
+    assert _verdict(units, cuts, copy + template, dirty_span=0)["copied_fraction"] == alone["copied_fraction"]

@@ -69,6 +69,8 @@ def test_clean_run_is_silent(make_trainer: Any, tokenizer: Any, tmp_path: Path) 
     assert [f for f in findings_of(out) if f["code"] in CODES] == []
     summary = json.loads((out / "harness" / "contamination" / "summary.rank-0.json").read_text())
     assert summary["eval_sets"] == {"e": {"clean": 20}} and summary["checked_tokens"] == 6 * 4 * 32
+    # the test tokenizer (256 tokens) holds about a character per token: n and dirty_span counted in text, not 13 bytes
+    assert summary["n"] > 13 and summary["dirty_span"] > 32
 
 
 def test_a_bad_eval_set_is_reported_and_training_goes_on(make_trainer: Any, tokenizer: Any, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import pytest
 
 import harness
-from conftest import EXAMPLE, FAULTS, findings_of, free_port, harness_cli, read_jsonl, torchrun, write_yaml
+from conftest import EXAMPLE, FAULTS, findings_of, free_port, harness_cli, read_jsonl, torchrun, wrapped_example, write_yaml
 from mlflow_server import MlflowServer, all_runs, metric_steps, mlflow_client, mlflow_server  # noqa: F401 (a fixture)
 from harness import hookimpl
 
@@ -202,3 +202,30 @@ def test_a_skipped_step_is_counted_under_the_name_report_to_gives_it(make_traine
     history = mlflow_client(uri).get_metric_history(run.info.run_id, "harness/skipped_steps")
     assert [(m.step, m.value) for m in history] == [(2, 1.0)]
     assert metric_steps(uri, run.info.run_id, "harness/skipped_step") == [2]
+
+
+@pytest.mark.slow
+def test_a_killed_process_records_reach_mlflow_when_its_run_resumes(tmp_path: Path) -> None:
+    """Issue 44 item 6: the tracker down from the first step, the process killed at step 9, the tracker back, the run
+    resumed from checkpoint-5: the killed process's journal is delivered into the run before the resumed job's own,
+    so its loss history starts at step 1 and its TRACKING_DEGRADED reached MLflow (before: steps 1-5 and the finding
+    never arrived, and the resumed job said nothing)."""
+    server = MlflowServer(tmp_path)  # its port is reserved; nothing listens there until start()
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {
+        "plugins": ["mlflow", FAULTS], "fault_injector": {"kill_at_step": 9},
+        "mlflow": {"tracking_uri": server.uri, "retry_interval_s": 0.5, "final_flush_timeout_s": 1, "http_timeout_s": 2}})
+    killed = wrapped_example(out, config, steps=12, save_steps=5)
+    assert killed.returncode != 0 and (out / "checkpoint-5").is_dir(), killed.stderr[-3000:]
+    assert findings_of(out, "TRACKING_DEGRADED")
+    server.start()
+    try:
+        resumed = wrapped_example(out, config, "--resume_from_checkpoint", str(out / "checkpoint-5"), steps=12, save_steps=5)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "an earlier process of this run left undelivered" in resumed.stderr + resumed.stdout
+        (run,) = all_runs(server.uri)
+        assert sorted(set(metric_steps(server.uri, run.info.run_id, "loss"))) == list(range(1, 13))
+        assert run.data.tags.get("harness.finding.TRACKING_DEGRADED", "").startswith("1 (warning)")
+        assert run.info.status == "FINISHED"  # the killed process's journal holds no status to undo it
+    finally:
+        server.stop()

@@ -110,6 +110,55 @@ def test_demo_names_each_injected_fault(tmp_path: Path, capsys: Any, monkeypatch
         for code in {f["code"] for f in findings_of(run)}:
             next_step = " ".join(find_section(code).next_step.replace("<output_dir>", str(run)).split()).split("<")[0][:60]
             assert f"] {code} x" in block and "next: " + next_step in " ".join(block.split()), (run, code)
+    _poisoned_runs_stay_inert(out, tmp_path / "poisoned", capsys, monkeypatch)
+
+
+PAYLOAD = "<script>alert(1)</script>[l](http://evil.example/a) ![i](http://evil.example/i.png) <http://evil.example/b>"
+STRUCTURAL = {"code", "severity", "plugin", "action", "id"}  # kept: a finding without them is skipped, not shown
+
+
+def _poisoned(value: Any) -> Any:
+    if isinstance(value, str):
+        return PAYLOAD
+    if isinstance(value, list):
+        return [_poisoned(v) for v in value]
+    if isinstance(value, dict):
+        return {k: v if k in STRUCTURAL else _poisoned(v) for k, v in value.items()}
+    return value
+
+
+def _poisoned_runs_stay_inert(out: Path, copies: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44 item 7: every string value of every JSON and JSONL file of the demo's three runs (findings, steps,
+    run.json, captures, ledger, contamination, packing and grad_sync records ...) replaced by a markdown and HTML
+    payload: every section of report.md and report.html shows it as text, with no tag and no live link, and explain
+    prints it without a control sequence."""
+    import json
+    import shutil
+
+    from markdown_it import MarkdownIt
+
+    permissive = MarkdownIt("commonmark", {"html": True}).enable("table")  # renders raw HTML, as some viewers do
+    for run in (out, out / "broken-resume", out / "desync"):
+        harness_dir = copies / run.name / "harness"
+        shutil.copytree(run / "harness", harness_dir, ignore=shutil.ignore_patterns("mlflow", "report", "report.*"))
+        files = [*harness_dir.rglob("*.json"), *harness_dir.rglob("*.jsonl")]
+        for path in files:
+            text = path.read_text(encoding="utf-8")
+            if path.suffix == ".json":
+                path.write_text(json.dumps(_poisoned(json.loads(text))), encoding="utf-8")
+            else:
+                lines = [_poisoned(json.loads(line)) for line in text.splitlines() if line.strip()]
+                path.write_text("".join(json.dumps(v) + "\n" for v in lines), encoding="utf-8")
+        assert len(files) > 5, files
+        reported = harness_in_process(capsys, monkeypatch, "report", str(harness_dir.parent), "--no-plots")
+        assert reported.returncode == 0, reported.stderr[-2000:]
+        html = (harness_dir / "report.html").read_text(encoding="utf-8")
+        markdown = permissive.render((harness_dir / "report.md").read_text(encoding="utf-8"))
+        for text in (html, markdown):
+            assert "alert(1)" in text  # shown, as text
+            assert "<script" not in text and 'href="http' not in text and 'src="http' not in text, run
+        explained = harness_in_process(capsys, monkeypatch, "explain", str(harness_dir.parent))
+        assert explained.returncode == 0 and "\x1b" not in explained.stdout, explained.stderr[-2000:]
 
 
 def test_every_demo_fault_is_documented_at_its_step() -> None:

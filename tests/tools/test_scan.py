@@ -346,3 +346,36 @@ def test_a_json_file_that_is_not_json_lines_says_how_to_convert_it(tmp_path: Pat
                 "bom": "starts with a UTF-8 byte-order mark. Fix: save it without one"}[case]
     with pytest.raises(ScanError, match=re.escape(expected)):
         scan([str(path)], [str(tmp_path / "e.jsonl")], progress=False)
+
+
+def _templated(rng: random.Random, count: int) -> list[str]:
+    """Sentences of one small grammar, two to a line: short phrases ("saw four owls in the morning") recur everywhere."""
+    names, verbs = ["Nadia", "Yusuf", "Dev", "Mara", "Ole", "Ines"], ["saw", "fed", "drew", "counted", "found"]
+    counts, things = ["two", "three", "four", "five"], ["owls", "boats", "kites", "lamps", "goats"]
+    times = ["in the morning", "at noon", "after the rain", "before supper"]
+
+    def sentence() -> str:
+        return f"{rng.choice(names)} {rng.choice(verbs)} {rng.choice(counts)} {rng.choice(things)} {rng.choice(times)}."
+
+    return [f"{sentence()} {sentence()}" for _ in range(count)]
+
+
+def test_a_small_vocabulary_counts_n_grams_in_text_not_in_a_few_words(tokenizer: Any, tmp_path: Path) -> None:
+    """With 256 tokens, 13 of them are three or four words: lines of one grammar share them by the dozen, and about
+    half of each unrelated eval line matched training. Scaled to the text a usual tokenizer's 13 tokens hold, only the
+    lines copied into training are dirty; counted as given (--no-scale-to-text), unrelated lines were dirty too."""
+    rng = random.Random(5)
+    train, evals = _templated(rng, 1500), _templated(rng, 60)
+    copied = set(range(0, 60, 10))
+    train += [evals[i] for i in sorted(copied)]
+    (tmp_path / "train.txt").write_text("\n".join(train) + "\n")
+    (tmp_path / "eval.txt").write_text("\n".join(evals) + "\n")
+    paths = [str(tmp_path / "train.txt")], [str(tmp_path / "eval.txt")]
+    result = scan(*paths, tokenizer=tokenizer, options=ScanOptions(n=N), progress=False)
+    assert result.scale_note is not None and f"instead of {N}" in result.scale_note and result.options.n > N
+    assert {i for i, r in enumerate(result.rows) if r["status"] == "dirty"} == copied
+    as_given = scan(*paths, tokenizer=tokenizer, options=ScanOptions(n=N, scale_to_text=False), progress=False)
+    assert as_given.scale_note is None and as_given.options.n == N
+    assert len([r for r in as_given.rows if r["status"] == "dirty"]) > len(copied)  # the trap the scaling avoids
+    words = scan(*paths, options=ScanOptions(n=N), progress=False)  # words are counted as given
+    assert words.scale_note is None and words.options.n == N
