@@ -176,14 +176,15 @@ def read_findings(path: Path, skipped: dict[str, int] | None = None) -> list[Fin
     return list(iter_findings(path, skipped))
 
 
-def iter_findings(path: Path, skipped: dict[str, int] | None = None) -> Iterator[Finding]:
+def iter_findings(path: Path, skipped: dict[str, int] | None = None, problems: list[str] | None = None,
+                  read_bytes: int | None = None) -> Iterator[Finding]:
     """The findings of a JSONL file; a line that is not valid UTF-8, not JSON or not a finding is skipped.
 
     ``skipped``, when given, counts the skipped lines under the file's name
     (the report says how many lines could not be read).
     """
     path = Path(path)
-    for record in read_jsonl(path, skipped):
+    for record in read_jsonl(path, skipped, problems=problems, read_bytes=read_bytes):
         try:
             finding = Finding.from_dict(record)
         except (RecursionError, KeyError, TypeError, ValueError):

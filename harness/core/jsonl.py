@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ LINE_MAX_BYTES = 32 << 20  # a longer line is skipped as damaged (a finding's me
 
 
 def read_jsonl(path: Path, skipped: dict[str, int] | None = None, require_step: bool = False,
-               problems: list[str] | None = None) -> Iterator[dict[str, Any]]:
+               problems: list[str] | None = None, read_bytes: int | None = None) -> Iterator[dict[str, Any]]:
     """Records of a JSONL file; torn, foreign or damaged lines (not UTF-8, not JSON, not an object, longer than
     ``LINE_MAX_BYTES``) are skipped.
 
@@ -21,7 +22,9 @@ def read_jsonl(path: Path, skipped: dict[str, int] | None = None, require_step: 
     without an integer ``step`` is damaged too (every step record has one).
     The file is opened as a received file (``harness.core.received``): a link,
     a FIFO, a device or a file past its cap yields nothing, and ``problems``
-    (when given) is told why.
+    (when given) is told why. ``read_bytes``: a larger file is read at its
+    start (three quarters of it) and its end only, so a reader of a file of
+    gigabytes returns in seconds; ``problems`` says what was left out.
     """
     path = Path(path)
     try:
@@ -33,8 +36,20 @@ def read_jsonl(path: Path, skipped: dict[str, int] | None = None, require_step: 
             problems.append(f"{exc}: its records are left out.")
         return
     with handle:
+        size = os.fstat(handle.fileno()).st_size
+        head = size if read_bytes is None or size <= read_bytes else read_bytes * 3 // 4
+        if head < size and problems is not None:
+            problems.append(f"{path.name} is {size / 2**20:,.0f} MB: its first {head / 2**20:,.0f} MB and last "
+                            f"{(read_bytes or 0) // 4 / 2**20:,.0f} MB were read, the {(size - head - (read_bytes or 0) // 4) / 2**20:,.0f} "
+                            "MB between were not (a healthy run's file is far smaller).")
+        read = 0
         while True:
+            if read >= head and head < size:  # on to the end: from the first whole line of its last quarter
+                handle.seek(max(size - (read_bytes or 0) // 4, head))
+                handle.readline(LINE_MAX_BYTES + 1)
+                head = size
             raw = handle.readline(LINE_MAX_BYTES + 1)
+            read += len(raw)
             if not raw:
                 return
             if len(raw) > LINE_MAX_BYTES and not raw.endswith(b"\n"):

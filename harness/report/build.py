@@ -93,7 +93,8 @@ def group_findings(run: RunRecord) -> list[FindingGroup]:
         by_key[(finding.code, finding.severity)].append(finding)  # a code found at two severities makes two rows
     groups = []
     for (code, severity), findings in by_key.items():
-        groups.append(FindingGroup(code, severity, findings, section_for_link(findings[0].playbook), _evidence(run, findings)))
+        groups.append(FindingGroup(code, severity, findings, section_for_link(findings[0].playbook), _evidence(run, findings),
+                                   run.left_out.get((code, severity), 0)))
     return sorted(groups, key=lambda g: (-g.severity.rank, g.steps[0] if g.steps else -1, g.code))
 
 

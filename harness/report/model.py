@@ -60,10 +60,11 @@ class FindingGroup:
     findings: list[Finding]
     playbook: Section | None
     evidence: list[tuple[str, str]] = field(default_factory=list)  # (label, path relative to the run directory)
+    left_out: int = 0  # findings of this code counted but not held (a run with thousands of them: report.record)
 
     @property
     def count(self) -> int:
-        return len(self.findings)
+        return len(self.findings) + self.left_out
 
     @property
     def steps(self) -> list[int]:

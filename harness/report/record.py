@@ -9,13 +9,15 @@ import json
 import math
 import os
 import stat
+from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import yaml
 
-from harness.core.findings import Finding, findings_path, iter_findings, read_findings
+from harness.core.findings import Finding, findings_path, iter_findings
 from harness.core.jsonl import read_jsonl  # noqa: F401 - re-exported: plugins read their own JSONL files with it
 from harness.core.strictjson import as_float  # re-exported: a number from a record field ("nan"/"inf" strings included)
 from harness.core.received import RefusedFile, read_received_bytes
@@ -38,6 +40,7 @@ class RunRecord:
     unreadable: dict[str, int] = field(default_factory=dict)  # file name -> lines (or 1: the whole file) skipped
     problems: list[str] = field(default_factory=list)  # what else could not be read, one sentence each
     findings_unknown: str | None = None  # why findings.jsonl was not read (missing, not a file, a link, unreadable); None: read
+    left_out: dict[tuple[str, Any], int] = field(default_factory=dict)  # (code, severity) -> findings counted, not held
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # what is read on demand, once
 
     @property
@@ -50,7 +53,8 @@ class RunRecord:
         run_dir = Path(run_dir)
         unreadable: dict[str, int] = {}
         config, problems = read_run_config(run_dir)
-        findings, findings_unknown = read_findings_of(run_dir, unreadable, problems)
+        sample = FindingSample()
+        findings, findings_unknown = read_findings_of(run_dir, unreadable, problems, sample)
         return cls(
             run_dir=run_dir,
             info=read_run_info(run_dir, problems),
@@ -61,6 +65,7 @@ class RunRecord:
             unreadable=unreadable,
             problems=problems,
             findings_unknown=findings_unknown,
+            left_out=dict(sample.left_out),
         )
 
     def damage_notes(self) -> list[str]:
@@ -303,7 +308,8 @@ def error_text(error: Any) -> str | None:
     return text[:-1].rstrip() if text.endswith(":") else text
 
 
-def read_findings_of(run_dir: Path, skipped: dict[str, int], problems: list[str]) -> tuple[list[Finding], str | None]:
+def read_findings_of(run_dir: Path, skipped: dict[str, int], problems: list[str],
+                     sample: FindingSample | None = None) -> tuple[list[Finding], str | None]:
     """All findings of a run (``findings.jsonl`` plus what only the ranks' spill files hold); (findings, why
     ``findings.jsonl`` was not read, or None).
 
@@ -318,22 +324,63 @@ def read_findings_of(run_dir: Path, skipped: dict[str, int], problems: list[str]
     unknown = _unreadable_file(main_path, FINDINGS_FILE)
     if unknown is not None:
         problems.append(f"{unknown}: the run's findings are not known (any finding it made may be missing from this report).")
-    main = read_findings(main_path, skipped) if unknown is None else []
-    seen = {f.id for f in main}
-    extra: list[Finding] = []
+    sample = sample if sample is not None else FindingSample()
+    if unknown is None:
+        sample.add_all(iter_findings(main_path, skipped, problems, read_bytes=FINDINGS_READ_BYTES))
     ranks = run_dir / "ranks"
     if ranks.is_symlink():
         problems.append("ranks/ is a symbolic link: not followed (a received run directory is data); the other ranks' "
                         "unmerged findings are left out.")
-        return main, unknown
+        return sample.done(problems), unknown
     for spill in sorted(ranks.glob("findings.rank-*.jsonl")):
         name = f"ranks/{spill.name}"
         why = _unreadable_file(spill, name)
         if why is not None:
             problems.append(f"{why}: its rank's unmerged findings are left out.")
             continue
-        extra += [f for f in iter_findings(spill, skipped) if f.id not in seen]
-    return main + extra, unknown
+        sample.add_all(iter_findings(spill, skipped, problems, read_bytes=FINDINGS_READ_BYTES), merged=True)
+    return sample.done(problems), unknown
+
+
+FINDINGS_READ_BYTES = 64 << 20  # a findings file past this is read at its start and end (findings are rate-limited: KBs)
+KEPT_PER_CODE = 200  # findings of one code and severity held whole: the first half and the last half of them
+
+
+class FindingSample:
+    """A run's findings held in bounded memory: every finding of a code up to ``KEPT_PER_CODE``, past that its first
+    and last ``KEPT_PER_CODE // 2`` and the count of those between (``left_out``), so that a findings file of
+    millions of lines costs neither gigabytes nor minutes in the report and ``explain``."""
+
+    def __init__(self) -> None:
+        self._first: dict[tuple[str, Any], list[Finding]] = {}
+        self._last: dict[tuple[str, Any], deque[Finding]] = {}
+        self.left_out: Counter[tuple[str, Any]] = Counter()
+        self._seen: set[str] = set()  # ids of the findings rank 0's file holds (a spill file repeats the merged ones)
+
+    def add_all(self, findings: Iterable[Finding], merged: bool = False) -> None:
+        half = KEPT_PER_CODE // 2
+        for finding in findings:
+            if merged and finding.id in self._seen:
+                continue
+            if not merged and len(self._seen) < 200_000:  # bounded too: past it, a spill file's repeats may count twice
+                self._seen.add(finding.id)
+            key = (finding.code, finding.severity)
+            first = self._first.setdefault(key, [])
+            if len(first) < half:
+                first.append(finding)
+                continue
+            last = self._last.setdefault(key, deque(maxlen=half))
+            if len(last) == half:
+                self.left_out[key] += 1
+            last.append(finding)
+
+    def done(self, problems: list[str]) -> list[Finding]:
+        """The findings held; a note in ``problems`` when some were counted but not held."""
+        if self.left_out:
+            codes = ", ".join(f"{code} {count:,}" for (code, _), count in self.left_out.most_common(5))
+            problems.append(f"the run holds more than {KEPT_PER_CODE} findings of some codes ({codes} more); their first "
+                            f"and last {KEPT_PER_CODE // 2} are shown, the others counted.")
+        return [f for key, first in self._first.items() for f in (*first, *self._last.get(key, ()))]
 
 
 def _unreadable_file(path: Path, name: str) -> str | None:

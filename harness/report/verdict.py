@@ -47,9 +47,10 @@ def verdict_of(run: RunRecord) -> Verdict:
     attempt = f" ({which})" if which else ""
     severe = [f for f in run.findings if f.severity >= Severity.WARNING]
     counts = Counter(f.code for f in severe)
+    counts.update({code: n for (code, severity), n in run.left_out.items() if severity >= Severity.WARNING})  # counted, not held
     codes = ", ".join(f"{code} x{n}" if n > 1 else code for code, n in counts.most_common(4))
     codes += ", ..." if len(counts) > 4 else ""
-    summary = f"{len(severe)} finding(s) at warning or above ({codes})" if severe else "no finding at warning or above"
+    summary = f"{sum(counts.values())} finding(s) at warning or above ({codes})" if severe else "no finding at warning or above"
     if not run.findings_known:  # "no finding" would be a claim about findings nobody read
         summary = (f"{summary} in the files that could be read, but {run.findings_unknown}, so there may be more" if severe
                    else f"findings not known: {run.findings_unknown}")

@@ -3,6 +3,7 @@ through their symlinks, rebuild only real run directories, survive damaged lines
 from __future__ import annotations
 
 import json
+from collections import Counter
 import os
 import shutil
 import subprocess
@@ -475,3 +476,33 @@ def test_a_run_json_of_many_attempts_or_deep_nesting_is_read_once_or_noted(tmp_p
         done = harness_cli(*args, timeout=120)
         assert "Traceback" not in done.stderr and "RecursionError" not in done.stderr, (args, done.stderr[-2000:])
     assert "run.json could not be read (ValueError)" in (run_dir / "report.md").read_text()
+
+
+def test_a_findings_file_of_gigabytes_is_read_at_its_ends_and_held_per_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44 item 11 (a 1.2 GB findings.jsonl: report 56 s and 4.0 GB, explain 3.9 GB, every finding an object):
+    past a size only the file's start and end are read, and past a count per code only the first and last findings
+    are held, the rest counted; the report and explain show the counts and say what they left out. Scaled down here
+    (thresholds patched) so it runs in milliseconds."""
+    from harness.report import record
+    from harness.report.build import group_findings
+    from harness.report.verdict import verdict_of
+
+    monkeypatch.setattr(record, "FINDINGS_READ_BYTES", 400_000)
+    monkeypatch.setattr(record, "KEPT_PER_CODE", 20)
+    spikes = [_finding(code="LOSS_SPIKE", severity="warning", plugin="spike_capture", step=s, id=f"s{s:06d}",
+                       message=f"loss spiked at step {s}", playbook="loss#loss_spike") for s in range(1, 5001)]
+    nan = [_finding(step=s, id=f"n{s:06d}") for s in (3, 2500, 4999)]
+    lines = [*spikes[:2], nan[0], *spikes[2:2500], nan[1], *spikes[2500:4997], nan[2], *spikes[4997:]]
+    run_dir = make_run(tmp_path / "big", findings=lines)
+    size = (run_dir / "findings.jsonl").stat().st_size
+    assert size > 1_000_000
+    run = record.RunRecord.load(run_dir)
+    held = Counter(f.code for f in run.findings)
+    assert held["LOSS_SPIKE"] == 20 and sorted(f.step for f in run.findings if f.code == "NONFINITE_LOSS") == [3, 4999]
+    (spike,) = [g for g in group_findings(run) if g.code == "LOSS_SPIKE"]
+    read_lines = spike.count  # the head and the tail of the file, counted whole although 20 are held
+    assert 20 < read_lines < 5000 and spike.left_out == read_lines - 20 and spike.step_range.startswith("1-")
+    assert f"{read_lines + 2} finding(s) at warning or above" in verdict_of(run).reason
+    notes = " ".join(run.damage_notes())
+    assert "findings.jsonl is 1 MB: its first 0 MB and last 0 MB were read" in notes
+    assert "more than 20 findings of some codes (LOSS_SPIKE" in notes
