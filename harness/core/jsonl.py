@@ -14,7 +14,8 @@ LINE_MAX_BYTES = 32 << 20  # a longer line is skipped as damaged (a finding's me
 
 
 def read_jsonl(path: Path, skipped: dict[str, int] | None = None, require_step: bool = False,
-               problems: list[str] | None = None, read_bytes: int | None = None) -> Iterator[dict[str, Any]]:
+               problems: list[str] | None = None, read_bytes: int | None = None,
+               sample_bytes: int | None = None) -> Iterator[dict[str, Any]]:
     """Records of a JSONL file; torn, foreign or damaged lines (not UTF-8, not JSON, not an object, longer than
     ``LINE_MAX_BYTES``) are skipped.
 
@@ -25,6 +26,9 @@ def read_jsonl(path: Path, skipped: dict[str, int] | None = None, require_step: 
     (when given) is told why. ``read_bytes``: a larger file is read at its
     start (three quarters of it) and its end only, so a reader of a file of
     gigabytes returns in seconds; ``problems`` says what was left out.
+    ``sample_bytes``: a larger file is thinned evenly instead (a curve of a
+    long run keeps its shape): one line in ``size / sample_bytes`` is parsed,
+    and every line of its last eighth of ``sample_bytes`` (the run's end exact).
     """
     path = Path(path)
     try:
@@ -39,10 +43,16 @@ def read_jsonl(path: Path, skipped: dict[str, int] | None = None, require_step: 
         size = os.fstat(handle.fileno()).st_size
         head = size if read_bytes is None or size <= read_bytes else read_bytes * 3 // 4
         if head < size and problems is not None:
-            problems.append(f"{path.name} is {size / 2**20:,.0f} MB: its first {head / 2**20:,.0f} MB and last "
-                            f"{(read_bytes or 0) // 4 / 2**20:,.0f} MB were read, the {(size - head - (read_bytes or 0) // 4) / 2**20:,.0f} "
-                            "MB between were not (a healthy run's file is far smaller).")
-        read = 0
+            tail = (read_bytes or 0) // 4
+            problems.append(f"{path.name} is {_mb(size)}: its first {_mb(head)} and last {_mb(tail)} were read, the "
+                            f"{_mb(size - head - tail)} between were not (a healthy run's file is far smaller).")
+        every, tail_from = 1, size
+        if sample_bytes is not None and size > sample_bytes:
+            every, tail_from = -(-size // sample_bytes), size - sample_bytes // 8
+            if problems is not None:
+                problems.append(f"{path.name} is {_mb(size)}: one record in {every} was read (the last "
+                                f"{_mb(sample_bytes // 8)} whole), so curves are thinned, not cut.")
+        read, lines = 0, 0
         while True:
             if read >= head and head < size:  # on to the end: from the first whole line of its last quarter
                 handle.seek(max(size - (read_bytes or 0) // 4, head))
@@ -52,6 +62,9 @@ def read_jsonl(path: Path, skipped: dict[str, int] | None = None, require_step: 
             read += len(raw)
             if not raw:
                 return
+            lines += 1
+            if every > 1 and (lines - 1) % every and read < tail_from and raw.endswith(b"\n"):
+                continue  # thinned: not parsed (an overlong line's rest is read below, as always)
             if len(raw) > LINE_MAX_BYTES and not raw.endswith(b"\n"):
                 while raw and not raw.endswith(b"\n"):  # the rest of an overlong line, a piece at a time
                     raw = handle.readline(1 << 20)
@@ -67,6 +80,11 @@ def read_jsonl(path: Path, skipped: dict[str, int] | None = None, require_step: 
                 yield record
             elif skipped is not None:
                 skipped[path.name] = skipped.get(path.name, 0) + 1
+
+
+def _mb(size: int) -> str:
+    megabytes = size / 2**20
+    return f"{megabytes:,.1f} MB" if megabytes < 10 else f"{megabytes:,.0f} MB"
 
 
 def _is_int(value: Any) -> bool:

@@ -59,8 +59,9 @@ class RunRecord:
             run_dir=run_dir,
             info=read_run_info(run_dir, problems),
             findings=sorted(findings, key=lambda f: (f.step if f.step is not None else -1, f.time)),
-            steps=list(read_jsonl(run_dir / "steps.jsonl", unreadable, require_step=True, problems=problems)),
-            logs=list(read_jsonl(run_dir / "metrics.jsonl", unreadable, problems=problems)),
+            steps=list(read_jsonl(run_dir / "steps.jsonl", unreadable, require_step=True, problems=problems,
+                                  sample_bytes=CURVE_READ_BYTES)),
+            logs=list(read_jsonl(run_dir / "metrics.jsonl", unreadable, problems=problems, sample_bytes=CURVE_READ_BYTES)),
             config=config,
             unreadable=unreadable,
             problems=problems,
@@ -342,6 +343,7 @@ def read_findings_of(run_dir: Path, skipped: dict[str, int], problems: list[str]
     return sample.done(problems), unknown
 
 
+CURVE_READ_BYTES = 64 << 20  # steps.jsonl and metrics.jsonl past this are thinned (about 250,000 steps of records)
 FINDINGS_READ_BYTES = 64 << 20  # a findings file past this is read at its start and end (findings are rate-limited: KBs)
 KEPT_PER_CODE = 200  # findings of one code and severity held whole: the first half and the last half of them
 

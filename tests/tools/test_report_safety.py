@@ -504,5 +504,27 @@ def test_a_findings_file_of_gigabytes_is_read_at_its_ends_and_held_per_code(tmp_
     assert 20 < read_lines < 5000 and spike.left_out == read_lines - 20 and spike.step_range.startswith("1-")
     assert f"{read_lines + 2} finding(s) at warning or above" in verdict_of(run).reason
     notes = " ".join(run.damage_notes())
-    assert "findings.jsonl is 1 MB: its first 0 MB and last 0 MB were read" in notes
+    assert f"findings.jsonl is {size / 2**20:.1f} MB: its first 0.3 MB and last 0.1 MB were read" in notes
     assert "more than 20 findings of some codes (LOSS_SPIKE" in notes
+
+
+def test_steps_of_a_very_long_run_are_thinned_evenly_and_its_end_kept_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """steps.jsonl of millions of steps would be read whole into the report's memory: past a size one record in k is
+    read (the curves keep their shape) and the file's last part whole (the run's end exact), and the report says so.
+    Scaled down (the threshold patched) to 20,000 steps."""
+    from harness.report import record
+
+    monkeypatch.setattr(record, "CURVE_READ_BYTES", 200_000)
+    run_dir = make_run(tmp_path / "long")
+    rows = [{"step": s, "loss": 5.0 - s / 10_000, "grad_norm": 1.0, "lr": 1e-3, "tokens": 128 * s} for s in range(1, 20_001)]
+    (run_dir / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    every = -(-(run_dir / "steps.jsonl").stat().st_size // 200_000)
+    run = record.RunRecord.load(run_dir)
+    steps = [r["step"] for r in run.steps]
+    assert steps[0] == 1 and steps[-1] == 20_000 and steps == sorted(steps)
+    thinned = [s for s in steps if s < 15_000]
+    assert all(b - a == every for a, b in zip(thinned, thinned[1:]))  # evenly: no hole in the middle of the curve
+    assert steps[-200:] == list(range(19_801, 20_001))  # the end whole (its last 25,000 bytes: about 290 records)
+    assert len(steps) < 20_000 // every + 2_000
+    size = (run_dir / "steps.jsonl").stat().st_size / 2**20
+    assert f"steps.jsonl is {size:.1f} MB: one record in {every} was read (the last 0.0 MB whole)" in run.damage_notes()[0]
