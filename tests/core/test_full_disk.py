@@ -144,3 +144,28 @@ def test_a_run_json_that_cannot_be_replaced_at_the_end_is_no_killed_run(small_tm
     verdict = verdict_of(run)
     assert "killed" not in verdict.reason and "training completed at step 5" in verdict.reason, verdict.reason
     assert any("taken from the run lock" in note for note in run.damage_notes())
+
+
+@pytest.mark.slow  # two processes under torchrun
+def test_two_ranks_train_on_when_the_run_directory_fills_and_neither_waits_for_the_other(small_tmpfs: Path, tmp_path: Path) -> None:
+    """The unmodified example on two processes (DDP on gloo), its output_dir on a 16 MB tmpfs filled after step 4 and
+    freed after step 9; rank 1 alone makes a finding while the disk is full. Both ranks train every step and exit 0
+    (no rank hangs in the step exchange for the other's failed write), rank 1's finding and both ranks' ledger lines
+    of the full stretch are on disk at the end, and each process records the outage it met once."""
+    from conftest import torchrun, wrapped_example, write_yaml
+
+    out = small_tmpfs / "out"
+    config = write_yaml(tmp_path / "h.yaml", {"plugins": ["defaults", "harness.testing:FaultInjector"], "fault_injector": {
+        "fill_disk_at_step": 4, "free_disk_at_step": 9, "report_at_step": 6, "report_on_rank": 1, "report_in": "on_step_end"}})
+    done = wrapped_example(out, config, launcher=torchrun(2), steps=14, save_steps=0)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = out / "harness"
+    assert [r["step"] for r in harness_read_jsonl(run_dir / "steps.jsonl")] == list(range(1, 15))
+    assert [(f["step"], f["rank"]) for f in findings_of(out, "TEST_FAULT")] == [(6, 1)]
+    for rank in (0, 1):
+        ledger = sorted({r["step"] for r in harness_read_jsonl(run_dir / "ledger" / f"rank-{rank}.jsonl") if r.get("step", 0) > 0})
+        assert ledger == list(range(1, 15)), (rank, ledger)
+    failed = findings_of(out, "RUN_DIR_WRITE_FAILED")  # one per process that met it, naming that process's files
+    assert sorted(f["rank"] for f in failed) == [0, 1], [(f["rank"], f["evidence"]) for f in failed]
+    assert all(f["evidence"]["errno"] == 28 and f["evidence"]["dropped_lines"] == 0 for f in failed)
+    assert not findings_of(out, "INTERNAL_PLUGIN_ERROR") and not findings_of(out, "RANK_HANG")
