@@ -1,6 +1,7 @@
 """The mlflow plugin against real MLflow stores: the default SQLite store and a real `mlflow server` on 127.0.0.1."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -227,5 +228,36 @@ def test_a_killed_process_records_reach_mlflow_when_its_run_resumes(tmp_path: Pa
         assert sorted(set(metric_steps(server.uri, run.info.run_id, "loss"))) == list(range(1, 13))
         assert run.data.tags.get("harness.finding.TRACKING_DEGRADED", "").startswith("1 (warning)")
         assert run.info.status == "FINISHED"  # the killed process's journal holds no status to undo it
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_records_of_a_process_killed_during_an_outage_reach_its_run_on_resume(tmp_path: Path) -> None:
+    """Issue 44 item 6, as the audit did it: the tracker goes down at step 3 of a run it already holds, the process is
+    killed at step 9, the tracker comes back, the run resumes from checkpoint-5 into the same MLflow run: the killed
+    process's journal (steps 3-8, its TRACKING_DEGRADED) is delivered there first (before: steps 3-5 never arrived)."""
+    from conftest import EXAMPLE, REPO
+
+    server = MlflowServer(tmp_path)
+    server.start()
+    out = tmp_path / "run"
+    config = write_yaml(tmp_path / "h.yaml", {
+        "plugins": ["mlflow", FAULTS, "stop_server:StopServerAtStep"], "fault_injector": {"kill_at_step": 9},
+        "mlflow": {"tracking_uri": server.uri, "retry_interval_s": 0.5, "final_flush_timeout_s": 1, "http_timeout_s": 2}})
+    assert server.proc is not None
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]), "DS_ACCELERATOR": "cpu",
+           "STOP_SERVER_AT_STEP": "3", "STOP_SERVER_PGID": str(server.proc.pid)}
+    script = [sys.executable, str(EXAMPLE), "--output_dir", str(out), "--max_steps", "12", "--save_steps", "5"]
+    killed = harness_cli("wrap", "--config", str(config), "--", *script, env=env)
+    assert killed.returncode != 0 and (out / "checkpoint-5").is_dir(), killed.stderr[-3000:]
+    server.start()
+    try:
+        resumed = harness_cli("wrap", "--config", str(config), "--", *script, "--resume_from_checkpoint", str(out / "checkpoint-5"),
+                              env={**env, "STOP_SERVER_AT_STEP": "0"})
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        (run,) = all_runs(server.uri)  # one run: the resume continued the run the killed process made
+        assert sorted(set(metric_steps(server.uri, run.info.run_id, "loss"))) == list(range(1, 13))
+        assert run.data.tags.get("harness.finding.TRACKING_DEGRADED", "").startswith("1 (warning)")
     finally:
         server.stop()
