@@ -497,9 +497,9 @@ class GradSync(Plugin):
         """The replica checks of ``grad_sync.jsonl``: how many, how many in sync, the steps that were not."""
         from harness.lib.textsafe import md_escape
         from harness.report.model import ReportSection, md_table
-        from harness.report.record import read_jsonl
+        from harness.report.record import REPORT_SAMPLE_BYTES, read_jsonl
 
-        checks = list(read_jsonl(run.run_dir / "grad_sync.jsonl"))
+        checks = list(read_jsonl(run.run_dir / "grad_sync.jsonl", sample_bytes=REPORT_SAMPLE_BYTES))
         if not checks:
             return None
         bad = [c for c in checks if not c.get("in_sync", True)]

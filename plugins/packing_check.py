@@ -508,9 +508,9 @@ class PackingCheck(Plugin):
     def report_sections(self, run: Any) -> Any:
         """The packing experiments of ``packing_check.jsonl``, one row each."""
         from harness.report.model import ReportSection, md_table
-        from harness.report.record import read_jsonl
+        from harness.report.record import REPORT_SAMPLE_BYTES, read_jsonl
 
-        experiments = list(read_jsonl(run.run_dir / "packing_check.jsonl"))
+        experiments = list(read_jsonl(run.run_dir / "packing_check.jsonl", sample_bytes=REPORT_SAMPLE_BYTES))
         if not experiments:
             return None
         leaks = sum(1 for e in experiments if e.get("verdict") == "leak")

@@ -11,6 +11,7 @@ from harness.core.received import JSONL_MAX_BYTES, open_received
 
 
 LINE_MAX_BYTES = 32 << 20  # a longer line is skipped as damaged (a finding's message of megabytes still fits)
+REPORT_SAMPLE_BYTES = 64 << 20  # a report's reader thins a JSONL file past this (``sample_bytes``): seconds, not gigabytes
 
 
 def read_jsonl(path: Path, skipped: dict[str, int] | None = None, require_step: bool = False,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from harness.core.jsonl import read_jsonl
+from harness.core.jsonl import REPORT_SAMPLE_BYTES, read_jsonl
 from harness.core.strictjson import as_float
 from harness.lib.layer_history import FILE
 
@@ -36,7 +36,7 @@ def read_series(run_dir: Path, columns: Iterable[str]) -> dict[str, Series]:
     wanted = list(columns)
     series: dict[str, Series] = {column: {} for column in wanted}
     last: dict[str, int] = {}
-    for row in read_jsonl(Path(run_dir) / FILE, require_step=True):
+    for row in read_jsonl(Path(run_dir) / FILE, require_step=True, sample_bytes=REPORT_SAMPLE_BYTES):
         block, step = row.get("block"), row["step"]
         if not isinstance(block, str):
             continue

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from harness.core.jsonl import read_jsonl
+from harness.core.jsonl import REPORT_SAMPLE_BYTES, read_jsonl
 from harness.core.strictjson import as_float
 from harness.lib.layer_history import FILE
 
@@ -41,7 +41,7 @@ def layer_table(run_dir: Path) -> str | None:
     """A markdown table: per block and statistic, its sparkline, last and largest value; None without rows."""
     series: dict[str, dict[str, list[float | None]]] = {}
     steps: list[int] = []
-    for row in read_jsonl(Path(run_dir) / FILE, require_step=True):
+    for row in read_jsonl(Path(run_dir) / FILE, require_step=True, sample_bytes=REPORT_SAMPLE_BYTES):
         block = row.get("block")
         if not isinstance(block, str):
             continue

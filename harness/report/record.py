@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import yaml
 
 from harness.core.findings import Finding, findings_path, iter_findings
-from harness.core.jsonl import read_jsonl  # noqa: F401 - re-exported: plugins read their own JSONL files with it
+from harness.core.jsonl import REPORT_SAMPLE_BYTES, read_jsonl  # noqa: F401 - re-exported: plugins read their own JSONL files with it
 from harness.core.strictjson import as_float  # re-exported: a number from a record field ("nan"/"inf" strings included)
 from harness.core.received import RefusedFile, read_received_bytes
 from harness.core.safe_yaml import MAX_YAML_BYTES, UnsafeYaml, load_yaml, short_repr
@@ -343,7 +343,7 @@ def read_findings_of(run_dir: Path, skipped: dict[str, int], problems: list[str]
     return sample.done(problems), unknown
 
 
-CURVE_READ_BYTES = 64 << 20  # steps.jsonl and metrics.jsonl past this are thinned (about 250,000 steps of records)
+CURVE_READ_BYTES = REPORT_SAMPLE_BYTES  # steps.jsonl and metrics.jsonl past this are thinned (about 250,000 steps of records)
 FINDINGS_READ_BYTES = 64 << 20  # a findings file past this is read at its start and end (findings are rate-limited: KBs)
 KEPT_PER_CODE = 200  # findings of one code and severity held whole: the first half and the last half of them
 
