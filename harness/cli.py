@@ -203,10 +203,21 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
                           args.precision, args.from_config)
 
 
+def _installed_version() -> str:
+    """The installed package's version (train-harness), without importing the harness."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{version('train-harness')} (train-harness)"
+    except PackageNotFoundError:
+        return "(train-harness, not installed: run from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harness", description="Monitoring and diagnostics harness around the Hugging Face Trainer."
     )
+    parser.add_argument("--version", action="version", version=f"harness {_installed_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     wrap = sub.add_parser(

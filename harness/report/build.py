@@ -275,10 +275,15 @@ _LEGEND = {"<N>": re.compile(r"N the finding's `step`(?:, |; )?"), "<r>": re.com
 
 def _drop_filled_legend(text: str) -> str:
     """``(N the finding's `step`, r its rank)`` says what the placeholders mean: once they are filled in, it goes."""
+    dropped = False
     for placeholder, legend in _LEGEND.items():
         if placeholder not in text:
-            text = legend.sub("", text)
-    return re.sub(r"\s*\(\s*\)", "", text).replace("( ", "(").replace(", )", ")").replace("; )", ")")
+            text, count = legend.subn("", text)
+            dropped = dropped or bool(count)
+    if not dropped:
+        return text  # the snippets' own calls, `.first()` and `next(iter(...))`, are never touched
+    # the legend's parentheses, now empty or half empty; a call's ``()`` follows a name, never a space
+    return re.sub(r"\s+\(\s*\)", "", text).replace("( ", "(").replace(", )", ")").replace("; )", ")")
 
 
 __all__ = ["build_report", "group_findings", "next_step", "run_card", "Severity"]

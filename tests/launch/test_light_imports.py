@@ -106,3 +106,19 @@ def test_wrapping_a_client_script_validates_in_the_launcher_without_torch(tmp_pa
     assert "harness.plugins.contamination.plugin" in launcher and "harness.plugins.spike_capture.notes" in launcher
     assert not [m for m in launcher if m.startswith(("torch.", "transformers.", "datasets."))], "the launcher loaded a framework"
     assert (out / "harness" / "findings.jsonl").is_file() and findings_of(out) == []  # and the child ran the harness as ever
+
+
+def test_version_is_said_without_loading_torch() -> None:
+    """Issue 46 item 7: `harness --version` exited 2 (no such option). It prints the installed version and exits 0."""
+    done = run_fresh("""
+        import sys
+        from harness.cli import main
+        try:
+            main(["--version"])
+        except SystemExit as exit:
+            print("exit", exit.code, "torch" in sys.modules)
+    """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from importlib.metadata import version
+
+    assert f"harness {version('train-harness')} (train-harness)" in done.stdout and "exit 0 False" in done.stdout, done.stdout

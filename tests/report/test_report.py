@@ -297,3 +297,28 @@ def test_a_next_step_drops_the_legend_of_the_placeholders_it_filled_in() -> None
     assert "(N the finding's" not in next_step(group("FAULT_REPRODUCED", (7,)), Path("/out")).replace("`", "")
     several = next_step(group("LOSS_SPIKE", (7, 9)), Path("/out"))
     assert "step-<N>" in several and "N the finding's `step`" in several  # not filled in: the legend stays
+
+
+def test_a_next_step_keeps_the_calls_of_its_snippets() -> None:
+    """Issue 46 item 4: the report and explain printed `.first.unstack(0).head` for `.first().unstack(0).head()` and
+    `next(iter(trainer.get_train_dataloader))`: the legend's clean-up removed every `()`. Every playbook's first step
+    keeps each call it has, filled in or not."""
+    import re
+
+    from harness.core.findings import Finding, Severity
+    from harness.lib.playbook import load_library
+    from harness.report.build import next_step
+    from harness.report.model import FindingGroup
+
+    checked = 0
+    for playbook in load_library().values():
+        for section in playbook.sections:
+            calls = re.findall(r"\w\(\)", section.next_step or "")
+            if not calls or not section.anchor:
+                continue
+            for steps in ((7,), (7, 9)):
+                found = [Finding(section.key, Severity.WARNING, "p", "m", step=s, rank=1) for s in steps]
+                text = next_step(FindingGroup(section.key, Severity.WARNING, found, section), Path("/out"))
+                assert all(call in text for call in calls), (section.key, calls, text)
+            checked += 1
+    assert checked >= 4
