@@ -15,6 +15,7 @@ from pathlib import Path
 from harness.core.received import RefusedFile, read_received_json
 from harness.core.strictjson import dumps
 from harness.lib.journal import Journal
+from harness.lib.safe_paths import UnsafePathError, safe_open_write
 
 OUTBOX_GLOB = "outbox-*.jsonl"
 
@@ -24,14 +25,13 @@ def target_file(journal: Path) -> Path:
 
 
 def write_target(journal: Path, tracking_uri: str, run_id: str | None) -> None:
-    """Record where a journal's records go (atomically); a failed write leaves the target unknown, nothing else."""
-    path = target_file(journal)
-    tmp = path.with_name(path.name + ".tmp")
+    """Record where a journal's records go (atomically, never through a link: the run directory's safe writer); a
+    failed write leaves the target unknown, nothing else."""
     try:
-        tmp.write_text(dumps({"tracking_uri": tracking_uri, "run_id": run_id}), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a full disk: a later job treats this journal as another run's and names it
+        with safe_open_write(journal.parent.parent, target_file(journal), make_parent=False) as handle:
+            handle.write(dumps({"tracking_uri": tracking_uri, "run_id": run_id}).encode("utf-8"))
+    except (OSError, UnsafePathError):
+        pass  # a full disk or a link in the way: a later job treats this journal as another run's and names it
 
 
 @dataclass(frozen=True)

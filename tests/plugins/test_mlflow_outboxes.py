@@ -56,3 +56,19 @@ def test_a_fresh_run_names_another_runs_undelivered_journal_and_leaves_it(make_t
     assert other.name in found["message"] and "run 0123456789abcdef" in found["message"]
     assert found["evidence"]["journals"] == [str(other)] and found["severity"] == "warning"
     assert not (folder / f"{other.name}.cursor").exists()  # not delivered into this job's run
+
+
+def test_a_target_is_never_written_through_a_link(tmp_path: Path) -> None:
+    """A received run directory with a link where the target file goes: the file the link names is left alone."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("untouched")
+    folder = tmp_path / "run" / "harness" / "mlflow"
+    journal = _outbox(folder, "20261207-120000-3", 1, uri=None)
+    target = target_file(journal)
+    target.with_name(target.name + ".tmp").symlink_to(outside)  # where a plain temporary file would have gone
+    write_target(journal, URI, "r1")
+    assert outside.read_text() == "untouched"
+    target.unlink()
+    target.symlink_to(outside)
+    write_target(journal, URI, "r1")
+    assert outside.read_text() == "untouched"
